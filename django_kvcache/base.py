@@ -1,0 +1,143 @@
+"""The layer every kvcache backend shares on top of Django's ``BaseCache``.
+
+It owns what must behave the same in both backends: OPTIONS checking, the value codec,
+Django's timeout rules, key building, corrupt-entry handling and the async methods.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Mapping
+
+from asgiref.sync import sync_to_async
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
+from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.codec import Codec, CorruptValue
+
+logger = logging.getLogger("django_kvcache")
+
+#: A value no cache entry can hold, for "not found" where ``None`` is a valid value.
+MISSING: Any = object()
+
+
+def delegate_to_sync(name: str) -> Callable[..., Any]:
+    """An async method that runs the sync method ``name`` in Django's sync thread.
+
+    Django's own composite async methods (``aget_many``, ``ahas_key``, ``aincr``...) loop
+    over single-key async calls before 6.1; delegating every one of them to the sync
+    method keeps one batched round trip and the same behaviour on every Django version.
+    """
+
+    async def method(self: BaseCache, *args: Any, **kwargs: Any) -> Any:
+        return await sync_to_async(getattr(self, name), thread_sensitive=True)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = f"a{name}"
+    method.__doc__ = f"Async version of :meth:`{name}`."
+    return method
+
+
+class KVCache(BaseCache):
+    """Base class of the kvcache backends.
+
+    Subclasses list their extra OPTIONS in ``backend_options``; any other key raises
+    ``ImproperlyConfigured`` when the cache is created.
+    """
+
+    shared_options: frozenset[str] = frozenset(
+        {
+            "MAX_ENTRIES",
+            "CULL_FREQUENCY",
+            "SERIALIZER",
+            "COMPRESSOR",
+            "COMPRESS_MIN_LENGTH",
+            "COMPRESS_LEVEL",
+        }
+    )
+    backend_options: frozenset[str] = frozenset()
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        options = params.get("OPTIONS") or {}
+        self.check_options(options)
+        self.check_timeout(params.get("timeout", params.get("TIMEOUT", 300)))
+        super().__init__(params)
+        self.options: dict[str, Any] = dict(options)
+        self.codec = Codec.from_options(options)
+
+    # --- configuration ---------------------------------------------------------------
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        if not isinstance(options, Mapping):
+            raise ImproperlyConfigured(f"{self.backend_name} OPTIONS must be a dict")
+        known = self.shared_options | self.backend_options
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ImproperlyConfigured(
+                f"Unknown OPTIONS for {self.backend_name}: {', '.join(unknown)}. "
+                f"Known options: {', '.join(sorted(known))}"
+            )
+        for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
+            value = options.get(name, 0)
+            if type(value) is not int or value < 0:
+                raise ImproperlyConfigured(
+                    f"OPTIONS[{name!r}] must be a non-negative integer, got {value!r}"
+                )
+
+    @staticmethod
+    def check_timeout(timeout: Any) -> None:
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        ):
+            raise ImproperlyConfigured(f"TIMEOUT must be a number or None, got {timeout!r}")
+
+    @property
+    def backend_name(self) -> str:
+        return f"{type(self).__module__}.{type(self).__qualname__}"
+
+    # --- timeouts --------------------------------------------------------------------
+
+    def timeout_seconds(self, timeout: Any = DEFAULT_TIMEOUT) -> float | None:
+        """Seconds until the entry expires: ``None`` means never, ``<= 0`` already expired.
+
+        Django's rules: ``DEFAULT_TIMEOUT`` takes the cache's TIMEOUT (which may itself
+        be ``None``); ``0`` and negative numbers expire at once; floats are allowed.
+        """
+        if timeout is DEFAULT_TIMEOUT:
+            timeout = self.default_timeout
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number or None, got {timeout!r}")
+        return timeout
+
+    # --- keys and values -------------------------------------------------------------
+
+    def make_keys(self, keys: Iterable[Any], version: int | None = None) -> dict[str, Any]:
+        """Map each backend key to the caller's key, validating every one."""
+        return {self.make_and_validate_key(key, version=version): key for key in keys}
+
+    def decode(self, data: bytes, flags: int, key: str) -> Any:
+        """The stored value, or ``MISSING`` (with a warning) when the entry is corrupt."""
+        try:
+            return self.codec.decode(data, flags)
+        except CorruptValue as exc:
+            logger.warning("Ignoring corrupt cache entry %r in %s: %s", key, self.backend_name, exc)
+            return MISSING
+
+    # --- async: every method delegates to its sync counterpart -----------------------
+
+    aadd = delegate_to_sync("add")
+    aget = delegate_to_sync("get")
+    aset = delegate_to_sync("set")
+    atouch = delegate_to_sync("touch")
+    adelete = delegate_to_sync("delete")
+    aget_many = delegate_to_sync("get_many")
+    aset_many = delegate_to_sync("set_many")
+    adelete_many = delegate_to_sync("delete_many")
+    ahas_key = delegate_to_sync("has_key")
+    aget_or_set = delegate_to_sync("get_or_set")
+    aincr = delegate_to_sync("incr")
+    adecr = delegate_to_sync("decr")
+    aincr_version = delegate_to_sync("incr_version")
+    adecr_version = delegate_to_sync("decr_version")
+    aclear = delegate_to_sync("clear")
+    aclose = delegate_to_sync("close")

@@ -1,0 +1,199 @@
+"""Cache values to and from ``(bytes, flags)``, shared by every kvcache backend.
+
+The flag bits are the ones pymemcache's serde, pylibmc and python-memcached use, so a
+value written by one of those clients is readable here and the other way round::
+
+    0   raw bytes           (read only: we never write it)
+    1   pickle              (``PickleSerializer``)
+    2   int, decimal text   (written for ``int`` in the signed 64-bit range)
+    4   long, decimal text  (read only)
+    8   zlib-compressed, OR-ed with the type bit
+    16  UTF-8 text          (read only)
+
+A serializer or compressor of our own that others cannot read takes a bit above these
+(``JSONSerializer`` uses 256) so no client ever misreads it as pickle.
+
+Integers are stored as plain decimal text so servers can ``incr`` them in place.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import zlib
+from typing import Any, Mapping, Protocol
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+FLAG_BYTES = 0
+FLAG_PICKLE = 1 << 0
+FLAG_INTEGER = 1 << 1
+FLAG_LONG = 1 << 2
+FLAG_ZLIB = 1 << 3
+FLAG_TEXT = 1 << 4
+FLAG_JSON = 1 << 8
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+DEFAULT_SERIALIZER = "django_kvcache.codec.PickleSerializer"
+DEFAULT_COMPRESSOR = "django_kvcache.codec.ZlibCompressor"
+DEFAULT_COMPRESS_MIN_LENGTH = 400  # below this, zlib rarely saves enough to pay for itself
+DEFAULT_COMPRESS_LEVEL = 1  # fastest; most of the saving on typical HTML/JSON payloads
+
+
+class CorruptValue(ValueError):
+    """Stored bytes or flags that this codec cannot turn back into a value."""
+
+
+class Serializer(Protocol):
+    flag: int
+
+    def dumps(self, value: Any) -> bytes: ...
+
+    def loads(self, data: bytes) -> Any: ...
+
+
+class Compressor(Protocol):
+    flag: int
+
+    def compress(self, data: bytes) -> bytes: ...
+
+    def decompress(self, data: bytes) -> bytes: ...
+
+
+class PickleSerializer:
+    """Any picklable value. Only safe when nobody untrusted can write to the cache."""
+
+    flag = FLAG_PICKLE
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.protocol = pickle.HIGHEST_PROTOCOL
+
+    def dumps(self, value: Any) -> bytes:
+        return pickle.dumps(value, self.protocol)
+
+    def loads(self, data: bytes) -> Any:
+        return pickle.loads(data)
+
+
+class JSONSerializer:
+    """JSON values only (dict, list, str, int, float, bool, None); never executes code.
+
+    Tuples come back as lists and dict keys as strings, as with any JSON store.
+    """
+
+    flag = FLAG_JSON
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+    def dumps(self, value: Any) -> bytes:
+        return self.encoder.encode(value).encode()
+
+    def loads(self, data: bytes) -> Any:
+        return json.loads(data)
+
+
+class ZlibCompressor:
+    flag = FLAG_ZLIB
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        level = (options or {}).get("COMPRESS_LEVEL", DEFAULT_COMPRESS_LEVEL)
+        if type(level) is not int or not -1 <= level <= 9:
+            raise ImproperlyConfigured(
+                f"OPTIONS['COMPRESS_LEVEL'] must be an integer from -1 to 9 for zlib, got {level!r}"
+            )
+        self.level = level
+
+    def compress(self, data: bytes) -> bytes:
+        return zlib.compress(data, self.level)
+
+    def decompress(self, data: bytes) -> bytes:
+        return zlib.decompress(data)
+
+
+def _load_class(options: Mapping[str, Any], option: str, default: str) -> Any:
+    path = options.get(option, default)
+    if path is None:
+        return None
+    if not isinstance(path, str):
+        raise ImproperlyConfigured(f"OPTIONS[{option!r}] must be a dotted path, got {path!r}")
+    try:
+        cls = import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"OPTIONS[{option!r}]: cannot import {path!r}: {exc}") from exc
+    return cls(options)
+
+
+class Codec:
+    """Turns values into ``(bytes, flags)`` and back.
+
+    ``encode`` never fails on a picklable value; ``decode`` raises ``CorruptValue`` for
+    anything it cannot read, which the backends report as a logged miss.
+    """
+
+    def __init__(
+        self,
+        serializer: Serializer,
+        compressor: Compressor | None = None,
+        compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH,
+    ) -> None:
+        self.serializer = serializer
+        self.compressor = compressor
+        self.compress_min_length = compress_min_length
+        # With compression off, entries written while it was on must still read back.
+        self.decompressor = compressor if compressor is not None else ZlibCompressor()
+        self.compress_flag = self.decompressor.flag
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Codec:
+        """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
+        COMPRESS_MIN_LENGTH and COMPRESS_LEVEL."""
+        min_length = options.get("COMPRESS_MIN_LENGTH", DEFAULT_COMPRESS_MIN_LENGTH)
+        if type(min_length) is not int or min_length < 0:
+            raise ImproperlyConfigured(
+                "OPTIONS['COMPRESS_MIN_LENGTH'] must be a non-negative integer, "
+                f"got {min_length!r}"
+            )
+        return cls(
+            serializer=_load_class(options, "SERIALIZER", DEFAULT_SERIALIZER),
+            compressor=_load_class(options, "COMPRESSOR", DEFAULT_COMPRESSOR),
+            compress_min_length=min_length,
+        )
+
+    def encode(self, value: Any) -> tuple[bytes, int]:
+        # `type(...) is int` keeps bools (an int subclass) and int subclasses pickled.
+        if type(value) is int and INT64_MIN <= value <= INT64_MAX:
+            return b"%d" % value, FLAG_INTEGER
+        data = self.serializer.dumps(value)
+        flags = self.serializer.flag
+        if self.compressor is not None and len(data) >= self.compress_min_length:
+            compressed = self.compressor.compress(data)
+            if len(compressed) < len(data):
+                return compressed, flags | self.compress_flag
+        return data, flags
+
+    def decode(self, data: bytes, flags: int) -> Any:
+        try:
+            if flags == FLAG_INTEGER or flags == FLAG_LONG:
+                return int(data)
+            if flags & self.compress_flag:
+                data = self.decompressor.decompress(data)
+                flags &= ~self.compress_flag
+            if flags == self.serializer.flag:
+                return self.serializer.loads(data)
+            if flags == FLAG_BYTES:
+                return bytes(data)
+            if flags == FLAG_TEXT:
+                return bytes(data).decode()
+        except Exception as exc:
+            raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {exc!r}")
+        raise CorruptValue(f"unknown flags {flags} for serializer {type(self.serializer).__name__}")
+
+    # pymemcache's serde protocol, so a pymemcache Client can use this codec directly.
+    def serialize(self, key: Any, value: Any) -> tuple[bytes, int]:
+        return self.encode(value)
+
+    def deserialize(self, key: Any, data: bytes, flags: int) -> Any:
+        return self.decode(data, flags)

@@ -1,0 +1,85 @@
+"""Extra memcached processes that a test starts, kills and restarts (for fault tests).
+
+The shared nodes from `scripts/services.py up` must never be killed by a test; a test
+that needs to break a node starts its own with :func:`memcached_node`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+_SERVICES_PATH = Path(__file__).resolve().parent.parent / "scripts" / "services.py"
+_spec = importlib.util.spec_from_file_location("kvcache_services", _SERVICES_PATH)
+services = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(services)  # type: ignore[union-attr]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((services.HOST, 0))
+        return sock.getsockname()[1]
+
+
+class MemcachedNode:
+    """One memcached process on a loopback port that stays the same across restarts."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{services.HOST}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 10.0) -> None:
+        if self.running:
+            return
+        self.process = subprocess.Popen(
+            services.memcached_argv(self.port),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while not services.memcached_answers(self.port):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.kill()
+                raise RuntimeError(f"memcached on {self.address} did not start")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes mid-conversation, as in a crash."""
+        self._end(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM: a clean shutdown."""
+        self._end(signal.SIGTERM)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def _end(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+@contextlib.contextmanager
+def memcached_node(port: int | None = None) -> Iterator[MemcachedNode]:
+    node = MemcachedNode(port)
+    node.start()
+    try:
+        yield node
+    finally:
+        node.kill()

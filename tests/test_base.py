@@ -1,0 +1,146 @@
+"""The shared KVCache layer: OPTIONS checking, timeouts, corrupt entries, async delegation.
+
+The layer is exercised through a dict-backed subclass that records which sync method
+each call reached; the real backends run the same checks in their own test modules.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from django.core.cache.backends.base import DEFAULT_TIMEOUT
+from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.base import MISSING, KVCache
+
+
+class RecordingCache(KVCache):
+    backend_options = frozenset({"EXTRA"})
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.data: dict = {}
+        self.calls: list[str] = []
+
+    def get(self, key, default=None, version=None):
+        self.calls.append("get")
+        return self.data.get(self.make_and_validate_key(key, version=version), default)
+
+    def set(self, key, value, timeout=DEFAULT_TIMEOUT, version=None):
+        self.calls.append("set")
+        self.data[self.make_and_validate_key(key, version=version)] = value
+
+    def add(self, key, value, timeout=DEFAULT_TIMEOUT, version=None):
+        self.calls.append("add")
+        return self.data.setdefault(self.make_and_validate_key(key, version=version), value) is value
+
+    def get_many(self, keys, version=None):
+        self.calls.append("get_many")
+        found = {}
+        for made, key in self.make_keys(keys, version).items():
+            if made in self.data:
+                found[key] = self.data[made]
+        return found
+
+    def set_many(self, data, timeout=DEFAULT_TIMEOUT, version=None):
+        self.calls.append("set_many")
+        for key, value in data.items():
+            self.data[self.make_and_validate_key(key, version=version)] = value
+        return []
+
+    def delete_many(self, keys, version=None):
+        self.calls.append("delete_many")
+
+    def has_key(self, key, version=None):
+        self.calls.append("has_key")
+        return self.make_and_validate_key(key, version=version) in self.data
+
+    def incr(self, key, delta=1, version=None):
+        self.calls.append("incr")
+        return 99
+
+    def close(self, **kwargs):
+        self.calls.append("close")
+
+
+def make(options=None, **params):
+    return RecordingCache({"OPTIONS": options or {}, **params})
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"NOPE": 1}, "Unknown OPTIONS .*NOPE"),
+        ({"MAX_ENTRIES": -1}, "MAX_ENTRIES"),
+        ({"MAX_ENTRIES": "10"}, "MAX_ENTRIES"),
+        ({"CULL_FREQUENCY": 1.5}, "CULL_FREQUENCY"),
+        ({"COMPRESS_LEVEL": 12}, "COMPRESS_LEVEL"),
+        ({"SERIALIZER": "nowhere.Serializer"}, "SERIALIZER"),
+    ],
+)
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        make(options)
+
+
+def test_backend_options_and_shared_options_are_accepted():
+    cache = make({"EXTRA": 1, "MAX_ENTRIES": 10, "COMPRESS_LEVEL": 6})
+    assert cache.options["EXTRA"] == 1
+    assert cache._max_entries == 10
+    assert cache.codec.compressor.level == 6
+
+
+@pytest.mark.parametrize("timeout", ["300", True, [1]])
+def test_bad_timeout_setting(timeout):
+    with pytest.raises(ImproperlyConfigured, match="TIMEOUT"):
+        make(TIMEOUT=timeout)
+
+
+def test_timeout_rules():
+    cache = make(TIMEOUT=60)
+    assert cache.timeout_seconds() == 60
+    assert cache.timeout_seconds(DEFAULT_TIMEOUT) == 60
+    assert cache.timeout_seconds(None) is None
+    assert cache.timeout_seconds(0) == 0
+    assert cache.timeout_seconds(-5) == -5
+    assert cache.timeout_seconds(0.25) == 0.25
+    assert make(TIMEOUT=None).timeout_seconds() is None
+    with pytest.raises(TypeError):
+        cache.timeout_seconds("10")
+
+
+def test_corrupt_entry_is_a_logged_miss(caplog):
+    cache = make()
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert cache.decode(b"garbage", 1, "key:1:x") is MISSING
+    assert "corrupt cache entry 'key:1:x'" in caplog.text
+
+
+def test_make_keys_maps_backend_keys_to_caller_keys():
+    cache = make(KEY_PREFIX="p", VERSION=3)
+    assert cache.make_keys(["a", "b"]) == {"p:3:a": "a", "p:3:b": "b"}
+    assert cache.make_keys(iter(["a"]), version=5) == {"p:5:a": "a"}
+
+
+def test_async_composites_call_the_batched_sync_methods():
+    cache = make()
+
+    async def scenario():
+        await cache.aset_many({"a": 1, "b": 2})
+        found = await cache.aget_many(["a", "b", "c"])
+        assert await cache.ahas_key("a") is True
+        assert await cache.aincr("a") == 99
+        await cache.adelete_many(["a", "b"])
+        await cache.aclose()
+        return found
+
+    found = asyncio.run(scenario())
+    assert found == {"a": 1, "b": 2}
+    assert cache.calls == ["set_many", "get_many", "has_key", "incr", "delete_many", "close"]
+
+
+def test_async_get_or_set_goes_through_sync_get_or_set():
+    cache = make()
+    assert asyncio.run(cache.aget_or_set("k", 5)) == 5
+    assert cache.calls == ["get", "add", "get"]

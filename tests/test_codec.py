@@ -1,0 +1,242 @@
+"""The shared value codec: round trips, flag layout, compression, pluggable parts."""
+from __future__ import annotations
+
+import datetime
+import decimal
+import pickle
+import random
+import zlib
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from pymemcache import serde as pymemcache_serde
+
+from django_kvcache.codec import (
+    FLAG_INTEGER,
+    FLAG_JSON,
+    FLAG_PICKLE,
+    FLAG_ZLIB,
+    INT64_MAX,
+    INT64_MIN,
+    Codec,
+    CorruptValue,
+    JSONSerializer,
+    PickleSerializer,
+)
+from tests.models import Poll
+
+COMPRESSIBLE = "django-kvcache " * 1000
+
+VALUES = [
+    "plain text",
+    "text with 4-byte UTF-8: \U0001f600 \U00010348 and é",
+    b"\x00\xffbinary\r\n",
+    b"",
+    "",
+    0,
+    1,
+    -1,
+    INT64_MAX,
+    INT64_MIN,
+    INT64_MAX + 1,
+    INT64_MIN - 1,
+    10**40,
+    True,
+    False,
+    None,
+    1.5,
+    float("inf"),
+    decimal.Decimal("3.14"),
+    datetime.datetime(2026, 11, 21, 10, 15),
+    {"a": [1, 2, {"b": (3, 4)}], 5: None},
+    [1, "two", 3.0],
+    (1, 2),
+    {1, 2, 3},
+    COMPRESSIBLE,
+    COMPRESSIBLE.encode(),
+    Poll(id=7, question="Why?", answers=3),
+]
+
+
+@pytest.fixture
+def codec() -> Codec:
+    return Codec.from_options({})
+
+
+def same(a, b) -> bool:
+    if isinstance(a, Poll):
+        return isinstance(b, Poll) and (a.pk, a.question, a.answers) == (b.pk, b.question, b.answers)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_round_trip(codec, value):
+    data, flags = codec.encode(value)
+    assert isinstance(data, bytes)
+    assert same(codec.decode(data, flags), value)
+
+
+@pytest.mark.parametrize("value", [0, 42, -42, INT64_MAX, INT64_MIN])
+def test_int64_is_decimal_text_for_server_side_incr(codec, value):
+    assert codec.encode(value) == (str(value).encode(), FLAG_INTEGER)
+
+
+@pytest.mark.parametrize("value", [True, False, INT64_MAX + 1, INT64_MIN - 1])
+def test_bools_and_big_ints_are_pickled(codec, value):
+    data, flags = codec.encode(value)
+    assert flags == FLAG_PICKLE
+    assert pickle.loads(data) is value or pickle.loads(data) == value
+
+
+class Count(int):
+    pass
+
+
+def test_int_subclass_keeps_its_type(codec):
+    data, flags = codec.encode(Count(3))
+    assert flags == FLAG_PICKLE
+    assert type(codec.decode(data, flags)) is Count
+
+
+def test_compressible_payload_is_zlib_compressed(codec):
+    data, flags = codec.encode(COMPRESSIBLE)
+    assert flags == FLAG_PICKLE | FLAG_ZLIB
+    assert len(data) < len(COMPRESSIBLE) / 10
+    assert pickle.loads(zlib.decompress(data)) == COMPRESSIBLE
+
+
+def test_incompressible_payload_is_kept_raw(codec):
+    noise = random.Random(1).randbytes(2000)  # random bytes: zlib cannot shrink them
+    data, flags = codec.encode(noise)
+    assert flags == FLAG_PICKLE
+    assert pickle.loads(data) == noise
+
+
+def test_short_payload_is_not_compressed():
+    codec = Codec.from_options({"COMPRESS_MIN_LENGTH": 1000})
+    value = "a" * 500
+    assert codec.encode(value)[1] == FLAG_PICKLE
+    assert codec.encode("a" * 2000)[1] == FLAG_PICKLE | FLAG_ZLIB
+
+
+def test_compression_level_is_used():
+    fast = Codec.from_options({"COMPRESS_LEVEL": 1}).encode(COMPRESSIBLE + str(list(range(3000))))
+    best = Codec.from_options({"COMPRESS_LEVEL": 9}).encode(COMPRESSIBLE + str(list(range(3000))))
+    assert len(best[0]) < len(fast[0])
+
+
+def test_compression_off_still_reads_compressed_entries(codec):
+    data, flags = codec.encode(COMPRESSIBLE)
+    plain = Codec.from_options({"COMPRESSOR": None})
+    assert plain.encode(COMPRESSIBLE)[1] == FLAG_PICKLE
+    assert plain.decode(data, flags) == COMPRESSIBLE
+
+
+# --- compatibility with pymemcache's serde (the flag layout pylibmc and python-memcached share)
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_pymemcache_reads_our_values(codec, value):
+    data, flags = codec.encode(value)
+    compressed = pymemcache_serde.CompressedSerde(min_compress_len=10**9)  # read-side only
+    assert same(compressed.deserialize(b"key", data, flags), value)
+    if not flags & FLAG_ZLIB:
+        assert same(pymemcache_serde.python_memcache_deserializer(b"key", data, flags), value)
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_we_read_pymemcache_values(codec, value):
+    for serde in (pymemcache_serde.pickle_serde, pymemcache_serde.CompressedSerde()):
+        data, flags = serde.serialize(b"key", value)
+        if isinstance(data, str):  # pymemcache encodes int text on the way to the wire
+            data = data.encode()
+        assert same(codec.decode(data, flags), value)
+
+
+# --- serializers
+
+
+def test_json_serializer_round_trip_and_flag():
+    codec = Codec.from_options({"SERIALIZER": "django_kvcache.codec.JSONSerializer"})
+    value = {"name": "é\U0001f600", "items": [1, 2.5, None, True]}
+    data, flags = codec.encode(value)
+    assert flags == FLAG_JSON
+    assert codec.decode(data, flags) == value
+    assert codec.encode(12) == (b"12", FLAG_INTEGER)
+
+
+def test_json_codec_refuses_pickle_entries():
+    """An entry pickled by someone else is never unpickled by a JSON-configured cache."""
+    pickled = Codec.from_options({}).encode({"x": 1})
+    codec = Codec.from_options({"SERIALIZER": "django_kvcache.codec.JSONSerializer"})
+    with pytest.raises(CorruptValue):
+        codec.decode(*pickled)
+
+
+def test_json_serializer_rejects_unserializable_values():
+    codec = Codec(JSONSerializer())
+    with pytest.raises(TypeError):
+        codec.encode(object())
+
+
+def test_custom_serializer_by_dotted_path():
+    codec = Codec.from_options({"SERIALIZER": "tests.test_codec.ReversedSerializer"})
+    data, flags = codec.encode("abc")
+    assert (data, flags) == (b"cba", ReversedSerializer.flag)
+    assert codec.decode(data, flags) == "abc"
+
+
+class ReversedSerializer:
+    flag = 1 << 9
+
+    def __init__(self, options):
+        pass
+
+    def dumps(self, value):
+        return value.encode()[::-1]
+
+    def loads(self, data):
+        return data[::-1].decode()
+
+
+# --- corrupt entries
+
+
+@pytest.mark.parametrize(
+    "data, flags",
+    [
+        (b"not a pickle", FLAG_PICKLE),
+        (b"not zlib", FLAG_PICKLE | FLAG_ZLIB),
+        (b"12a", FLAG_INTEGER),
+        (b"x", 1 << 12),
+        (zlib.compress(b"not a pickle"), FLAG_PICKLE | FLAG_ZLIB),
+    ],
+)
+def test_corrupt_entries_raise_corrupt_value(codec, data, flags):
+    with pytest.raises(CorruptValue):
+        codec.decode(data, flags)
+
+
+# --- configuration errors name the option
+
+
+@pytest.mark.parametrize(
+    "options, option",
+    [
+        ({"SERIALIZER": "no.such.Serializer"}, "SERIALIZER"),
+        ({"SERIALIZER": 3}, "SERIALIZER"),
+        ({"COMPRESSOR": "django_kvcache.codec.Nope"}, "COMPRESSOR"),
+        ({"COMPRESS_LEVEL": 10}, "COMPRESS_LEVEL"),
+        ({"COMPRESS_LEVEL": "1"}, "COMPRESS_LEVEL"),
+        ({"COMPRESS_MIN_LENGTH": -1}, "COMPRESS_MIN_LENGTH"),
+        ({"COMPRESS_MIN_LENGTH": 1.5}, "COMPRESS_MIN_LENGTH"),
+    ],
+)
+def test_bad_options_raise_improperly_configured(options, option):
+    with pytest.raises(ImproperlyConfigured, match=option):
+        Codec.from_options(options)
+
+
+def test_codec_is_a_pymemcache_serde(codec):
+    assert codec.deserialize(b"k", *codec.serialize(b"k", [1, 2])) == [1, 2]
+    assert isinstance(codec.serializer, PickleSerializer)

@@ -1,0 +1,71 @@
+"""The servers the suite runs against are real, reachable and the ones the env names."""
+from __future__ import annotations
+
+import socket
+
+import MySQLdb
+import pytest
+from django.conf import settings
+from pymemcache.client.base import Client
+from pymemcache.exceptions import MemcacheError
+
+
+
+def memcached_client(address: str) -> Client:
+    host, port = address.rsplit(":", 1)
+    return Client((host, int(port)), connect_timeout=2, timeout=2)
+
+
+def test_mariadb_is_a_real_server():
+    conn = MySQLdb.connect(
+        host=settings.MYSQL["HOST"],
+        port=int(settings.MYSQL["PORT"]),
+        user=settings.MYSQL["USER"],
+        passwd=settings.MYSQL["PASSWORD"],
+    )
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT VERSION(), @@port")
+        version, port = cursor.fetchone()
+    finally:
+        conn.close()
+    assert "MariaDB" in version or version[0].isdigit()
+    assert port == int(settings.MYSQL["PORT"])
+
+
+@pytest.mark.parametrize("address", settings.MEMCACHED_NODES)
+def test_each_memcached_node_answers(address):
+    client = memcached_client(address)
+    try:
+        client.set(b"kvcache-probe", b"here")
+        assert client.get(b"kvcache-probe") == b"here"
+        assert client.stats("settings")[b"tcpport"] == int(address.rsplit(":", 1)[1])
+    finally:
+        client.close()
+
+
+def test_shared_nodes_are_distinct_processes():
+    pids = set()
+    for address in settings.MEMCACHED_NODES:
+        client = memcached_client(address)
+        pids.add(client.stats()[b"pid"])
+        client.close()
+    assert len(pids) == len(settings.MEMCACHED_NODES) >= 2
+
+
+def test_extra_node_can_be_killed_and_restarted(memcached_node_factory):
+    node = memcached_node_factory()
+    client = memcached_client(node.address)
+    client.set(b"k", b"v")
+    assert client.get(b"k") == b"v"
+    node.kill()
+    with pytest.raises((MemcacheError, OSError, socket.timeout)):
+        client.get(b"k")
+    node.start()
+    client.close()
+    client = memcached_client(node.address)
+    assert client.get(b"k") is None  # a restarted memcached is empty
+    client.set(b"k", b"again")
+    assert client.get(b"k") == b"again"
+    client.close()
+
