@@ -1,0 +1,49 @@
+# The two commands of the README. Everything else they need, they set up themselves.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+# Interpreters found by scripts/toxenvs.py are linked here so tox can find them.
+export PATH := $(CURDIR)/.runtime/pythons:$(PATH)
+
+.PHONY: test test-all bench services-up services-down docs clean
+
+test: $(STAMP)
+	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py default)"
+
+test-all: $(STAMP)
+	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py all)"
+
+# Servers up, tox, servers down again whatever tox's result.
+tox:
+	@test -n "$(ENVS)"
+	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
+	rc=0; $(VENV)/bin/tox run -e "$(ENVS),docs" -- $(PYTEST_ARGS) || rc=$$?; \
+	$(VENV)/bin/python scripts/services.py down; exit $$rc
+
+bench: $(STAMP)
+	mkdir -p results
+	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
+	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark $(BENCH_ARGS) || rc=$$?; \
+	$(VENV)/bin/python scripts/services.py down; exit $$rc
+
+$(STAMP): setup.cfg pyproject.toml scripts/services.py
+	$(PYTHON) scripts/services.py deps
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[mysql,memcached,bench,dev,docs]'
+	touch $@
+
+services-up: $(STAMP)
+	$(VENV)/bin/python scripts/services.py up
+
+services-down:
+	$(PYTHON) scripts/services.py down
+
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W -q -b html docs docs/_build/html
+
+clean:
+	-$(PYTHON) scripts/services.py down
+	rm -rf $(VENV) .tox .runtime docs/_build results

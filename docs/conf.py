@@ -1,0 +1,6 @@
+project = "django-kvcache"
+author = "django-kvcache developers"
+release = "0.1.0"
+extensions: list[str] = []
+exclude_patterns = ["_build"]
+html_theme = "alabaster"

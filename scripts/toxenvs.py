@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Print the tox environments whose Python interpreter this machine has.
+
+    python3 scripts/toxenvs.py default   # py311-dj42,py311-dj52,py312-dj61 (those available)
+    python3 scripts/toxenvs.py all       # Python 3.10-3.13 x Django 4.2/5.2/6.0/6.1
+
+Interpreters are looked up as ``pythonX.Y`` on PATH and, failing that, in pyenv's
+versions folder (pyenv's shims answer only for the active version). Each one found is
+linked into ``.runtime/pythons/`` so tox finds it once that folder is on PATH. Missing
+interpreters are reported on stderr; the exit status is 1 if no environment can run.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LINK_DIR = Path(__file__).resolve().parent.parent / ".runtime" / "pythons"
+
+DEFAULT = [("3.11", "dj42"), ("3.11", "dj52"), ("3.12", "dj61")]
+# Django's supported Pythons: 4.2 -> 3.8-3.12, 5.2 -> 3.10-3.14, 6.0 and 6.1 -> 3.12+.
+ALL = [
+    ("3.10", "dj42"), ("3.10", "dj52"),
+    ("3.11", "dj42"), ("3.11", "dj52"),
+    ("3.12", "dj42"), ("3.12", "dj52"), ("3.12", "dj60"), ("3.12", "dj61"),
+    ("3.13", "dj52"), ("3.13", "dj60"), ("3.13", "dj61"),
+]
+
+
+def runs(path: str) -> bool:
+    try:
+        return subprocess.run([path, "-c", "pass"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def find_interpreter(version: str) -> str | None:
+    candidates = [shutil.which(f"python{version}")]
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"))
+    return next((path for path in candidates if path and runs(path)), None)
+
+
+def main() -> int:
+    matrix = ALL if sys.argv[1:] == ["all"] else DEFAULT
+    LINK_DIR.mkdir(parents=True, exist_ok=True)
+    envs = []
+    for version in sorted({version for version, _ in matrix}):
+        interpreter = find_interpreter(version)
+        names = [f"py{version.replace('.', '')}-{django}" for v, django in matrix if v == version]
+        if interpreter is None:
+            print(f"toxenvs: no python{version} here; skipping {', '.join(names)}", file=sys.stderr)
+            continue
+        link = LINK_DIR / f"python{version}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(interpreter)
+        envs += names
+    if not envs:
+        print("toxenvs: none of the required Python versions is installed", file=sys.stderr)
+        return 1
+    print(",".join(envs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
