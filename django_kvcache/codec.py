@@ -163,16 +163,21 @@ class Codec:
         )
 
     def encode(self, value: Any) -> tuple[bytes, int]:
+        data, flags, _ = self.encode_measured(value)
+        return data, flags
+
+    def encode_measured(self, value: Any) -> tuple[bytes, int, int]:
+        """``encode`` plus the number of bytes compression saved (0 when uncompressed)."""
         # `type(...) is int` keeps bools (an int subclass) and int subclasses pickled.
         if type(value) is int and INT64_MIN <= value <= INT64_MAX:
-            return b"%d" % value, FLAG_INTEGER
+            return b"%d" % value, FLAG_INTEGER, 0
         data = self.serializer.dumps(value)
         flags = self.serializer.flag
         if self.compressor is not None and len(data) >= self.compress_min_length:
             compressed = self.compressor.compress(data)
             if len(compressed) < len(data):
-                return compressed, flags | self.compress_flag
-        return data, flags
+                return compressed, flags | self.compress_flag, len(data) - len(compressed)
+        return data, flags, 0
 
     def decode(self, data: bytes, flags: int) -> Any:
         try:

@@ -1,0 +1,32 @@
+"""Building blocks of :class:`django_kvcache.backends.memcached.MemcachedCache`.
+
+``routing`` places keys on nodes, ``pool`` keeps connections, ``health`` tracks which
+nodes answer, ``node`` ties the three together per server, ``protocol`` speaks the text
+protocol for the batch paths and ``fanout`` runs them on every node at once.
+"""
+from __future__ import annotations
+
+
+class MemcachedError(Exception):
+    """Base class of the errors the memcached backend raises; ``node`` names the server."""
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"memcached node {node}: {reason}")
+        self.node = node
+        self.reason = reason
+
+
+class NodeError(MemcachedError):
+    """A node did not answer: connection refused or reset, timeout, garbled reply."""
+
+
+class NodeDown(NodeError):
+    """The node failed too often and is skipped until its retry time has passed."""
+
+
+class PoolExhausted(MemcachedError):
+    """Every pooled connection of a node stayed busy for POOL_TIMEOUT seconds."""
+
+
+class ValueTooLarge(MemcachedError):
+    """The server refused to store a value (over its item size even after compression)."""

@@ -1,0 +1,129 @@
+"""Multi-key operations on many nodes: every request is sent before any reply is read.
+
+Each node gets one pipelined request (``get k1 k2 …``, or a run of ``set``/``delete``
+commands) on a pooled connection. Only when all of them are on the wire do we read the
+replies, so the nodes work in parallel and a call costs one round trip per node, all
+at the same time, whatever the number of keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from pymemcache.client.base import Client
+
+from django_kvcache.memcached import MemcachedError
+from django_kvcache.memcached import protocol
+from django_kvcache.memcached.node import NODE_FAILURES, STALE_CONNECTION, Node, connected
+from django_kvcache.memcached.protocol import ReplyReader
+
+
+@dataclass
+class Batch:
+    """One node's share of a multi-key call."""
+
+    node: Node
+    keys: list[str]
+    request: bytes
+    read: Callable[[ReplyReader], Any]
+    result: Any = None
+    error: MemcachedError | None = None
+    _client: Client | None = field(default=None, repr=False)
+    _reused: bool = field(default=False, repr=False)
+
+
+def run(batches: Sequence[Batch], retry: bool = True) -> None:
+    """Send every batch's request, then read every reply; fills ``result``/``error``."""
+    sent = [batch for batch in batches if _send(batch)]
+    stale = []
+    try:
+        for batch in sent:
+            if not _receive(batch, retry) and batch.error is None:
+                stale.append(batch)
+    finally:
+        for batch in sent:  # interrupted: replies left unread make a connection useless
+            if batch._client is not None:
+                batch.node.pool.discard(batch._client)
+                batch._client = None
+    if stale:
+        run(stale, retry=False)
+
+
+def _send(batch: Batch) -> bool:
+    node = batch.node
+    node.ops += len(batch.keys)
+    try:
+        client = node.pool.checkout()
+    except MemcachedError as exc:
+        batch.error = exc
+        return False
+    batch._client, batch._reused = client, client.sock is not None
+    try:
+        connected(client).sendall(batch.request)
+    except NODE_FAILURES as exc:
+        batch._client = None
+        node.pool.discard(client)
+        batch.error = node.failure(exc)
+        return False
+    node.bytes_sent += len(batch.request)
+    return True
+
+
+def _receive(batch: Batch, retry: bool) -> bool:
+    """Read one reply. False with no error: a stale pooled connection, worth a retry."""
+    node, client = batch.node, batch._client
+    assert client is not None
+    reader = ReplyReader(client.sock)  # type: ignore[arg-type]
+    try:
+        batch.result = batch.read(reader)
+    except NODE_FAILURES as exc:
+        batch._client = None
+        node.pool.discard(client)
+        if retry and batch._reused and isinstance(exc, STALE_CONNECTION):
+            node.pool.close_idle()
+            return False
+        batch.error = node.failure(exc)
+        return False
+    finally:
+        node.bytes_received += reader.received
+    batch._client = None
+    node.pool.checkin(client)
+    if node.health.failures:
+        node.health.succeeded()
+    return True
+
+
+# --- the batches ----------------------------------------------------------------------
+
+
+def get_batch(node: Node, keys: list[str]) -> Batch:
+    """``result``: ``{key bytes: (data, flags)}`` for the keys found."""
+    ends = protocol.get_lines(len(keys))
+    return Batch(
+        node,
+        keys,
+        protocol.get_request([key.encode() for key in keys]),
+        lambda reader: protocol.read_values(reader, ends),
+    )
+
+
+def set_batch(node: Node, keys: list[str], encoded: list[tuple[bytes, int]], expire: int) -> Batch:
+    """``result``: one reply line per key (``STORED`` or the server's error)."""
+    command = protocol.store_command
+    request = b"".join(
+        command(b"set", key.encode(), data, flags, expire)
+        for key, (data, flags) in zip(keys, encoded)
+    )
+    count = len(keys)
+    return Batch(node, keys, request, lambda reader: protocol.read_lines(reader, count))
+
+
+def delete_batch(node: Node, keys: list[str]) -> Batch:
+    """``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
+    request = b"".join(b"delete %b\r\n" % key.encode() for key in keys)
+    count = len(keys)
+    return Batch(node, keys, request, lambda reader: protocol.read_lines(reader, count))
+
+
+def flush_batch(node: Node) -> Batch:
+    return Batch(node, [], b"flush_all\r\n", lambda reader: protocol.read_lines(reader, 1))

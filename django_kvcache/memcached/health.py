@@ -1,0 +1,94 @@
+"""Process-wide node health: which nodes answer, shared by every thread and backend.
+
+After ``threshold`` consecutive connection or timeout errors a node is *down* for
+``retry_timeout`` seconds and nobody talks to it. When that time is up, the first
+caller re-arms the timer and becomes the single probe: its own request decides
+whether the node is up again (``node_up``) or down for another period.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from django_kvcache.signals import node_down, node_up
+
+logger = logging.getLogger("django_kvcache.memcached")
+
+
+class NodeHealth:
+    def __init__(self, name: str, threshold: int, retry_timeout: float) -> None:
+        self.name = name
+        self.threshold = threshold
+        self.retry_timeout = retry_timeout
+        self.failures = 0  # consecutive
+        self.down_until = 0.0  # monotonic time; 0 while the node is up
+        self.lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return self.down_until != 0.0
+
+    def may_try(self) -> bool:
+        """Whether a request may go to the node now. Cheap while the node is up."""
+        if not self.down_until:
+            return True
+        now = time.monotonic()
+        if now < self.down_until:
+            return False
+        with self.lock:
+            if now < self.down_until:
+                return False
+            self.down_until = now + self.retry_timeout  # everyone else waits for our probe
+            return True
+
+    def succeeded(self) -> None:
+        if not self.failures and not self.down_until:
+            return
+        with self.lock:
+            was_down = self.down_until != 0.0
+            self.failures = 0
+            self.down_until = 0.0
+        if was_down:
+            logger.warning("memcached node %s is back up", self.name)
+            node_up.send(sender=NodeHealth, node=self.name)
+
+    def failed(self, reason: str) -> None:
+        with self.lock:
+            self.failures += 1
+            if self.down_until:  # the probe failed: down for another period
+                self.down_until = time.monotonic() + self.retry_timeout
+                return
+            if self.failures < self.threshold:
+                return
+            self.down_until = time.monotonic() + self.retry_timeout
+        logger.error(
+            "memcached node %s is down after %d consecutive failures (%s); retrying in %s s",
+            self.name, self.failures, reason, self.retry_timeout,
+        )
+        node_down.send(sender=NodeHealth, node=self.name, reason=reason)
+
+
+_registry: dict[tuple[str, int, float], NodeHealth] = {}
+_registry_lock = threading.Lock()
+
+
+def health_for(name: str, threshold: int, retry_timeout: float) -> NodeHealth:
+    """The process-wide health record of a node (per failure policy)."""
+    key = (name, threshold, retry_timeout)
+    try:
+        return _registry[key]
+    except KeyError:
+        with _registry_lock:
+            return _registry.setdefault(key, NodeHealth(name, threshold, retry_timeout))
+
+
+def _new_locks_after_fork() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    for health in _registry.values():
+        health.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)

@@ -1,0 +1,130 @@
+"""The bits of memcached's text protocol we speak ourselves on pooled sockets.
+
+pymemcache sends one command and reads its reply; the batch paths need to write many
+commands (to many nodes) before reading any reply, so they build requests here and
+read replies with :class:`ReplyReader`.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Iterable
+
+from pymemcache.exceptions import MemcacheUnexpectedCloseError
+
+#: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
+GET_KEYS_PER_LINE = 100
+RECV_SIZE = 256 * 1024
+
+
+class ProtocolError(Exception):
+    """A reply we cannot make sense of; the connection is closed after it."""
+
+
+class ReplyReader:
+    """Reads replies from one socket, buffering what arrives beyond the current line."""
+
+    __slots__ = ("sock", "buf", "pos", "received")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.pos = 0
+        self.received = 0
+
+    def line(self) -> bytes:
+        """The next line, without its ``\\r\\n``."""
+        end = self.buf.find(b"\r\n", self.pos)
+        while end < 0:
+            self._fill()
+            end = self.buf.find(b"\r\n", self.pos)
+        start, self.pos = self.pos, end + 2
+        return self.buf[start:end]
+
+    def block(self, length: int) -> bytes:
+        """The next ``length`` bytes, then the ``\\r\\n`` that ends a data block."""
+        while len(self.buf) - self.pos < length + 2:
+            self._fill()
+        start = self.pos
+        self.pos = start + length + 2
+        return self.buf[start : start + length]
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(RECV_SIZE)
+        if not chunk:
+            raise MemcacheUnexpectedCloseError()
+        self.received += len(chunk)
+        self.buf = self.buf[self.pos :] + chunk
+        self.pos = 0
+
+
+def get_request(keys: Iterable[bytes]) -> bytes:
+    keys = list(keys)
+    lines = [
+        b"get " + b" ".join(keys[i : i + GET_KEYS_PER_LINE]) + b"\r\n"
+        for i in range(0, len(keys), GET_KEYS_PER_LINE)
+    ]
+    return b"".join(lines)
+
+
+def get_lines(count: int) -> int:
+    """How many ``END`` lines the reply to ``get_request`` of ``count`` keys has."""
+    return -(-count // GET_KEYS_PER_LINE)
+
+
+def read_values(reader: ReplyReader, ends: int) -> dict[bytes, tuple[bytes, int]]:
+    """Read a ``get`` reply: ``VALUE <key> <flags> <bytes>`` blocks up to ``END`` lines."""
+    found: dict[bytes, tuple[bytes, int]] = {}
+    while ends:
+        line = reader.line()
+        if line == b"END":
+            ends -= 1
+        elif line[:6] == b"VALUE ":
+            _, key, flags, length = line.split(b" ", 3)
+            found[key] = (reader.block(int(length)), int(flags))
+        else:
+            raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
+    return found
+
+
+def store_command(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> bytes:
+    return b"%b %b %d %d %d\r\n%b\r\n" % (name, key, flags, expire, len(data), data)
+
+
+def read_lines(reader: ReplyReader, count: int) -> list[bytes]:
+    """One status line per pipelined command (``STORED``, ``DELETED``, ``NOT_FOUND``...)."""
+    lines = [reader.line() for _ in range(count)]
+    for line in lines:
+        if line == b"ERROR":
+            raise ProtocolError("memcached did not understand a command")
+    return lines
+
+
+# --- meta commands: read-modify-write that keeps the item's remaining TTL -------------
+
+
+def meta_get(sock: socket.socket, key: bytes) -> tuple[bytes, int, int, int] | None:
+    """``(data, flags, remaining ttl or -1, cas)``, or None when the key is missing."""
+    sock.sendall(b"mg %b v f t c\r\n" % key)
+    reader = ReplyReader(sock)
+    line = reader.line()
+    if line == b"EN":
+        return None
+    if line[:3] != b"VA ":
+        raise ProtocolError(f"unexpected reply to mg: {line[:80]!r}")
+    length, *tokens = line[3:].split(b" ")
+    fields = {token[:1]: int(token[1:]) for token in tokens}
+    return reader.block(int(length)), fields[b"f"], fields[b"t"], fields[b"c"]
+
+
+def meta_cas(
+    sock: socket.socket, key: bytes, data: bytes, flags: int, ttl: int, cas: int
+) -> bool:
+    """Store only if the item is unchanged since ``meta_get``; keeps its TTL."""
+    ttl = 0 if ttl == -1 else max(ttl, 1)  # mg says -1 for "never expires"; ms wants 0
+    sock.sendall(b"ms %b %d T%d F%d C%d\r\n%b\r\n" % (key, len(data), ttl, flags, cas, data))
+    line = ReplyReader(sock).line()
+    if line == b"HD":
+        return True
+    if line in (b"EX", b"NF", b"NS"):
+        return False
+    raise ProtocolError(f"unexpected reply to ms: {line[:80]!r}")

@@ -1,0 +1,37 @@
+"""Django's cache contract on MemcachedCache, spread over three nodes of its own.
+
+The contract's fixture flushes the cache around every test; dedicated memcached
+processes keep that away from the shared nodes other test modules use.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.contract import CacheContract
+from tests.servers import MemcachedNode
+
+BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
+
+
+@pytest.fixture(scope="module")
+def contract_nodes():
+    nodes = [MemcachedNode() for _ in range(3)]
+    for node in nodes:
+        node.start()
+    yield [node.address for node in nodes]
+    for node in nodes:
+        node.kill()
+
+
+class TestMemcachedCacheMeetsTheContract(CacheContract):
+    @pytest.fixture(autouse=True)
+    def _nodes(self, contract_nodes):
+        self.locations = contract_nodes
+
+    def backend_params(self):
+        return {"BACKEND": BACKEND, "LOCATION": self.locations}
+
+
+class TestPymemcachePlacementMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    def backend_params(self):
+        return {**super().backend_params(), "OPTIONS": {"HASHING": "pymemcache"}}
