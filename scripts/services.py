@@ -181,29 +181,27 @@ def stop(name: str) -> None:
 # --- MariaDB ------------------------------------------------------------------------------
 
 
-def mysql_socket_path() -> Path:
-    path = RUNTIME / "mariadb.sock"
+def socket_path(name: str) -> Path:
+    path = RUNTIME / f"{name}.sock"
     if len(str(path)) < 100:  # unix socket paths are limited to ~107 bytes
         return path
-    return Path(tempfile.gettempdir()) / f"kvcache-mariadb-{MYSQL_PORT}.sock"
+    return Path(tempfile.gettempdir()) / f"kvcache-{name}.sock"
 
 
-def mysql_answers() -> bool:
+def mysql_answers(port: int = MYSQL_PORT) -> bool:
     """True once the server accepts TCP and has sent its handshake packet."""
     try:
-        with socket.create_connection((HOST, MYSQL_PORT), timeout=1) as sock:
+        with socket.create_connection((HOST, port), timeout=1) as sock:
             return len(sock.recv(4)) == 4
     except OSError:
         return False
 
 
-def mariadb_up() -> None:
-    if running_pid("mariadb") and mysql_answers():
-        log(f"MariaDB already running on {HOST}:{MYSQL_PORT}")
-        return
-    stop("mariadb")
-    ensure_port_free(MYSQL_PORT, "MariaDB", "KVCACHE_MYSQL_PORT")
-    datadir = RUNTIME / "mariadb-data"
+def mariadb_argv(datadir: Path, port: int, name: str) -> list[str]:
+    """Command line of one loopback MariaDB, initialising `datadir` on first use.
+
+    Also used by the tests for a second server they may restart.
+    """
     user_args = ["--user=root"] if os.geteuid() == 0 else []
     if not (datadir / "mysql").is_dir():
         log(f"initialising a MariaDB data directory in {datadir}")
@@ -217,7 +215,7 @@ def mariadb_up() -> None:
             check=True, stdout=subprocess.DEVNULL,
         )
     # Runs at every start, so it is idempotent: a password-less user for tests on loopback.
-    init_sql = RUNTIME / "mariadb-init.sql"
+    init_sql = datadir.parent / f"{name}-init.sql"
     init_sql.write_text(
         f"CREATE USER IF NOT EXISTS '{MYSQL_USER}'@'%';\n"
         f"CREATE USER IF NOT EXISTS '{MYSQL_USER}'@'localhost';\n"
@@ -228,16 +226,25 @@ def mariadb_up() -> None:
     mariadbd = which("mariadbd") or which("mysqld")
     if mariadbd is None:
         sys.exit("services: mariadbd not found; install mariadb-server")
-    pid = spawn("mariadb", [
-        mariadbd, "--no-defaults", f"--datadir={datadir}", f"--port={MYSQL_PORT}",
-        f"--bind-address={HOST}", f"--socket={mysql_socket_path()}",
+    return [
+        mariadbd, "--no-defaults", f"--datadir={datadir}", f"--port={port}",
+        f"--bind-address={HOST}", f"--socket={socket_path(name)}",
         f"--init-file={init_sql}", "--skip-name-resolve", "--skip-log-bin",
         "--character-set-server=utf8mb4", "--collation-server=utf8mb4_general_ci",
         "--max-connections=500", "--innodb-buffer-pool-size=256M",
         # A throwaway server: durability is not worth an fsync per commit.
         "--innodb-flush-log-at-trx-commit=2", "--sync-binlog=0",
         *user_args,
-    ])
+    ]
+
+
+def mariadb_up() -> None:
+    if running_pid("mariadb") and mysql_answers():
+        log(f"MariaDB already running on {HOST}:{MYSQL_PORT}")
+        return
+    stop("mariadb")
+    ensure_port_free(MYSQL_PORT, "MariaDB", "KVCACHE_MYSQL_PORT")
+    pid = spawn("mariadb", mariadb_argv(RUNTIME / "mariadb-data", MYSQL_PORT, "mariadb"))
     wait_until(mysql_answers, f"MariaDB on {HOST}:{MYSQL_PORT}", pid, "mariadb")
     log(f"MariaDB started on {HOST}:{MYSQL_PORT} (pid {pid})")
 

@@ -4,7 +4,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.servers import MemcachedNode
+from tests.servers import MariaDBServer, MemcachedNode
 
 
 @pytest.fixture
@@ -21,3 +21,12 @@ def memcached_node_factory() -> Iterator[Callable[[], MemcachedNode]]:
     yield start
     for node in nodes:
         node.kill()
+
+
+@pytest.fixture
+def mariadb_server() -> Iterator[MariaDBServer]:
+    """A MariaDB of the test's own, which it may stop and restart; removed afterwards."""
+    server = MariaDBServer()
+    server.start()
+    yield server
+    server.remove()

@@ -1,15 +1,17 @@
-"""Extra memcached processes that a test starts, kills and restarts (for fault tests).
+"""Extra servers that a test starts, kills and restarts (for fault tests).
 
-The shared nodes from `scripts/services.py up` must never be killed by a test; a test
-that needs to break a node starts its own with :func:`memcached_node`.
+The shared servers from `scripts/services.py up` must never be killed by a test; a test
+that needs to break a memcached node or restart MariaDB starts its own here.
 """
 from __future__ import annotations
 
 import contextlib
+import shutil
 import importlib.util
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -83,3 +85,56 @@ def memcached_node(port: int | None = None) -> Iterator[MemcachedNode]:
         yield node
     finally:
         node.kill()
+
+
+class MariaDBServer:
+    """A MariaDB of a test's own, in a temporary data directory, on a fixed free port.
+
+    ``restart()`` keeps the data and the port, as a real server restart does.
+    """
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvcache-mariadb-"))
+        self.name = f"mariadb-test-{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def connection_settings(self) -> dict:
+        """Connection parameters in Django's DATABASES form."""
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "HOST": services.HOST,
+            "PORT": str(self.port),
+            "USER": services.MYSQL_USER,
+            "PASSWORD": "",
+            "NAME": services.MYSQL_DATABASE,
+            "OPTIONS": {"charset": "utf8mb4"},
+        }
+
+    def start(self, timeout: float = 60.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        argv = services.mariadb_argv(self.workdir / "data", self.port, self.name)
+        with open(self.workdir / "server.log", "ab") as log_file:
+            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not services.mysql_answers(self.port):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.stop()
+                log = (self.workdir / "server.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"MariaDB on port {self.port} did not start:\n{log}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -69,3 +69,24 @@ def test_extra_node_can_be_killed_and_restarted(memcached_node_factory):
     assert client.get(b"k") == b"again"
     client.close()
 
+
+
+def test_own_mariadb_keeps_data_across_restart(mariadb_server):
+    def connect():
+        params = mariadb_server.connection_settings()
+        return MySQLdb.connect(host=params["HOST"], port=int(params["PORT"]),
+                               user=params["USER"], passwd="", db=params["NAME"])
+
+    conn = connect()
+    cursor = conn.cursor()
+    cursor.execute("CREATE TABLE t (id INT PRIMARY KEY)")
+    cursor.execute("INSERT INTO t VALUES (1)")
+    conn.commit()
+    mariadb_server.restart()
+    with pytest.raises(MySQLdb.OperationalError):
+        cursor.execute("SELECT id FROM t")  # the old connection died with the server
+    conn = connect()
+    cursor = conn.cursor()
+    cursor.execute("SELECT id FROM t")
+    assert cursor.fetchall() == ((1,),)
+    conn.close()
