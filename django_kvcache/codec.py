@@ -11,12 +11,15 @@ value written by one of those clients is readable here and the other way round::
     16  UTF-8 text          (read only)
 
 A serializer or compressor of our own that others cannot read takes a bit above these
-(``JSONSerializer`` uses 256) so no client ever misreads it as pickle.
+(``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512) so no client ever misreads
+it as plain pickle.
 
 Integers are stored as plain decimal text so servers can ``incr`` them in place.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import pickle
 import zlib
@@ -32,6 +35,7 @@ FLAG_LONG = 1 << 2
 FLAG_ZLIB = 1 << 3
 FLAG_TEXT = 1 << 4
 FLAG_JSON = 1 << 8
+FLAG_SIGNED_PICKLE = 1 << 9
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -93,6 +97,53 @@ class JSONSerializer:
 
     def loads(self, data: bytes) -> Any:
         return json.loads(data)
+
+
+class SignedPickleSerializer(PickleSerializer):
+    """Pickle with an HMAC-SHA256 signature checked before anything is unpickled.
+
+    Whoever can write to a shared cache can run code in every process that unpickles
+    from it; with a signature, only holders of the key can. The key is
+    ``OPTIONS["SIGNING_KEY"]``, else ``SECRET_KEY`` (and ``SECRET_KEY_FALLBACKS`` are
+    accepted when reading, so a key rotation does not empty the cache). An unsigned or
+    tampered entry raises, which the backends report as a logged miss.
+    """
+
+    flag = FLAG_SIGNED_PICKLE
+    salt = b"django_kvcache.codec.SignedPickleSerializer"
+    digest_size = hashlib.sha256().digest_size
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options)
+        secrets = self._secrets(options or {})
+        # Derive per-purpose keys once, so a leaked cache key is not the SECRET_KEY.
+        self.keys = [hashlib.sha256(self.salt + secret).digest() for secret in secrets]
+
+    @staticmethod
+    def _secrets(options: Mapping[str, Any]) -> list[bytes]:
+        if "SIGNING_KEY" in options:
+            secrets = [options["SIGNING_KEY"]]
+        else:
+            from django.conf import settings
+
+            secrets = [settings.SECRET_KEY, *getattr(settings, "SECRET_KEY_FALLBACKS", [])]
+        if not secrets[0] or not all(isinstance(s, (str, bytes)) for s in secrets):
+            raise ImproperlyConfigured(
+                "SignedPickleSerializer needs OPTIONS['SIGNING_KEY'] or SECRET_KEY "
+                "(a non-empty str or bytes)"
+            )
+        return [s.encode() if isinstance(s, str) else s for s in secrets]
+
+    def dumps(self, value: Any) -> bytes:
+        data = super().dumps(value)
+        return hmac.digest(self.keys[0], data, "sha256") + data
+
+    def loads(self, data: bytes) -> Any:
+        signature, payload = data[: self.digest_size], data[self.digest_size :]
+        for key in self.keys:
+            if hmac.compare_digest(signature, hmac.digest(key, payload, "sha256")):
+                return super().loads(payload)
+        raise ValueError("bad signature: entry not written with this cache's key")
 
 
 class ZlibCompressor:

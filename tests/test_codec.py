@@ -15,6 +15,7 @@ from django_kvcache.codec import (
     FLAG_INTEGER,
     FLAG_JSON,
     FLAG_PICKLE,
+    FLAG_SIGNED_PICKLE,
     FLAG_ZLIB,
     INT64_MAX,
     INT64_MIN,
@@ -187,7 +188,7 @@ def test_custom_serializer_by_dotted_path():
 
 
 class ReversedSerializer:
-    flag = 1 << 9
+    flag = 1 << 12
 
     def __init__(self, options):
         pass
@@ -208,7 +209,7 @@ class ReversedSerializer:
         (b"not a pickle", FLAG_PICKLE),
         (b"not zlib", FLAG_PICKLE | FLAG_ZLIB),
         (b"12a", FLAG_INTEGER),
-        (b"x", 1 << 12),
+        (b"x", 1 << 13),
         (zlib.compress(b"not a pickle"), FLAG_PICKLE | FLAG_ZLIB),
     ],
 )
@@ -240,3 +241,62 @@ def test_bad_options_raise_improperly_configured(options, option):
 def test_codec_is_a_pymemcache_serde(codec):
     assert codec.deserialize(b"k", *codec.serialize(b"k", [1, 2])) == [1, 2]
     assert isinstance(codec.serializer, PickleSerializer)
+
+
+# --- signed pickle
+
+
+SIGNED = "django_kvcache.codec.SignedPickleSerializer"
+
+
+def test_signed_pickle_round_trip_and_flag():
+    codec = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k1"})
+    for value in [{"a": 1}, COMPRESSIBLE, Poll(id=1, question="q", answers=0)]:
+        data, flags = codec.encode(value)
+        assert flags & ~FLAG_ZLIB == FLAG_SIGNED_PICKLE
+        assert same(codec.decode(data, flags), value)
+
+
+def test_signed_pickle_rejects_unsigned_and_tampered_entries():
+    codec = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k1", "COMPRESSOR": None})
+    unsigned = Codec.from_options({}).encode({"x": 1})
+    with pytest.raises(CorruptValue):
+        codec.decode(*unsigned)
+    data, flags = codec.encode({"x": 1})
+    tampered = data[:-2] + bytes([data[-2] ^ 1]) + data[-1:]
+    with pytest.raises(CorruptValue, match="bad signature"):
+        codec.decode(tampered, flags)
+    forged = data[:32] + pickle.dumps({"x": 2})
+    with pytest.raises(CorruptValue, match="bad signature"):
+        codec.decode(forged, flags)
+    with pytest.raises(CorruptValue):
+        codec.decode(b"short", flags)
+
+
+def test_signed_pickle_needs_the_same_key():
+    writer = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k1"})
+    reader = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k2"})
+    with pytest.raises(CorruptValue):
+        reader.decode(*writer.encode("secret"))
+
+
+def test_signed_pickle_uses_secret_key_and_accepts_fallbacks(settings):
+    settings.SECRET_KEY = "old"
+    written = Codec.from_options({"SERIALIZER": SIGNED}).encode("value")
+    settings.SECRET_KEY = "new"
+    settings.SECRET_KEY_FALLBACKS = ["old"]
+    rotated = Codec.from_options({"SERIALIZER": SIGNED})
+    assert rotated.decode(*written) == "value"
+    settings.SECRET_KEY_FALLBACKS = []
+    with pytest.raises(CorruptValue):
+        Codec.from_options({"SERIALIZER": SIGNED}).decode(*written)
+
+
+def test_signed_pickle_without_a_key_is_misconfigured():
+    with pytest.raises(ImproperlyConfigured, match="SIGNING_KEY"):
+        Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": ""})
+
+
+def test_other_clients_never_unpickle_signed_entries():
+    data, flags = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k"}).encode([1])
+    assert not flags & FLAG_PICKLE
