@@ -1,0 +1,440 @@
+"""A MySQL/MariaDB cache backend: one indexed table, one statement per operation.
+
+    CACHES = {
+        "default": {
+            "BACKEND": "django_kvcache.backends.mysql.MySQLCache",
+            "LOCATION": "kvcache",  # the table; create it with `manage.py kvcache_createtable`
+            "OPTIONS": {"DATABASE": "cache"},
+        }
+    }
+
+See ``docs/mysql.rst`` for the schema, every option and the SQL of each operation.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from functools import partial
+from operator import attrgetter, methodcaller
+from typing import Any, Iterable, Iterator, Mapping
+
+from django.core.cache.backends.base import DEFAULT_TIMEOUT
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, connections, router
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_kvcache.base import MISSING, KVCache, delegate_to_sync
+from django_kvcache.codec import INT64_MAX
+from django_kvcache.mysql import culling
+from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
+from django_kvcache.mysql.server import run, server_info
+from django_kvcache.mysql.sql import (
+    FOREVER,
+    Statements,
+    check_engine,
+    create_table_sql,
+    drop_table_sql,
+)
+
+logger = logging.getLogger("django_kvcache")
+
+DEFAULT_CULL_PROBABILITY = 0.01
+#: Escaped size of the largest stored key (250 four-byte characters, every byte escaped).
+KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
+#: Below this a value always fits one statement on any server; above it the server's
+#: ``max_allowed_packet`` is consulted (read once per alias).
+ALWAYS_FITS = 512 * 1024
+#: MySQL error codes for a value that is not decimal text in an integer-flagged row.
+BAD_NUMBER = frozenset({1292, 1366})
+
+fetchone = methodcaller("fetchone")
+fetchall = methodcaller("fetchall")
+rowcount = attrgetter("rowcount")
+lastrowid = attrgetter("lastrowid")
+
+
+def rowcount_and_lastrowid(cursor: Any) -> tuple[int, int]:
+    return cursor.rowcount, cursor.lastrowid
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Options:
+    """Enough of a model's ``_meta`` for database routers (as Django's DatabaseCache)."""
+
+    app_label = "django_kvcache"
+    model_name = "cacheentry"
+    object_name = "CacheEntry"
+    verbose_name = "cache entry"
+    verbose_name_plural = "cache entries"
+    abstract = False
+    managed = True
+    proxy = False
+    swapped = False
+
+    def __init__(self, table: str) -> None:
+        self.db_table = table
+
+
+class MySQLCache(KVCache):
+    """Django cache backend storing entries in a MySQL/MariaDB table (LOCATION)."""
+
+    backend_options = frozenset({"DATABASE", "ENGINE", "CULL_PROBABILITY"})
+
+    def __init__(self, location: str, params: Mapping[str, Any]) -> None:
+        super().__init__(params)
+        self.table = self.check_table(location)
+        self.database: str | None = self.check_database(self.options.get("DATABASE"))
+        self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
+        self.cull_probability = self.check_probability(
+            self.options.get("CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY)
+        )
+        self.cache_model_class = type("CacheEntry", (), {"_meta": _Options(self.table)})
+        self._statements: dict[str, Statements] = {}
+
+    # --- configuration ---------------------------------------------------------------
+
+    @staticmethod
+    def check_table(location: Any) -> str:
+        # quote_name does not escape backticks, so they are refused here.
+        if not isinstance(location, str) or not 0 < len(location) <= 64 or "`" in location:
+            raise ImproperlyConfigured(
+                "MySQLCache LOCATION must be a table name of 1 to 64 characters without "
+                f"backticks, got {location!r}"
+            )
+        return location
+
+    @staticmethod
+    def check_database(alias: Any) -> str | None:
+        if alias is None:
+            return None
+        if not isinstance(alias, str) or alias not in connections.settings:
+            raise ImproperlyConfigured(
+                f"OPTIONS['DATABASE'] must name an entry of DATABASES, got {alias!r}"
+            )
+        return alias
+
+    @staticmethod
+    def check_probability(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ImproperlyConfigured(
+                f"OPTIONS['CULL_PROBABILITY'] must be a number from 0 to 1, got {value!r}"
+            )
+        return float(value)
+
+    # --- connections -----------------------------------------------------------------
+
+    def db_alias(self, write: bool) -> str:
+        """OPTIONS['DATABASE'], else what the routers say (as for DatabaseCache)."""
+        if self.database is not None:
+            return self.database
+        route = router.db_for_write if write else router.db_for_read
+        return route(self.cache_model_class)
+
+    def _db(self, alias: str) -> tuple[BaseDatabaseWrapper, Statements]:
+        connection = connections[alias]
+        sql = self._statements.get(alias)
+        if sql is None:
+            row_alias = server_info(connection).row_alias
+            sql = self._statements[alias] = Statements(
+                self.table, connection.ops.quote_name, row_alias
+            )
+        return connection, sql
+
+    def _reader(self) -> tuple[BaseDatabaseWrapper, Statements]:
+        return self._db(self.database or router.db_for_read(self.cache_model_class))
+
+    def _writer(self) -> tuple[BaseDatabaseWrapper, Statements]:
+        return self._db(self.database or router.db_for_write(self.cache_model_class))
+
+    # --- keys and timeouts -----------------------------------------------------------
+
+    def _key(self, key: Any, version: int | None) -> str:
+        key = self.make_and_validate_key(key, version=version)
+        return key if len(key) < MAX_KEY_LENGTH else stored_key(key)
+
+    def _key_map(self, keys: Iterable[Any], version: int | None) -> dict[str, Any]:
+        """``{stored key: caller's key}``."""
+        return {self._key(key, version): key for key in keys}
+
+    def _expires(self, timeout: Any) -> int | None:
+        """Expiry in epoch ms; ``None`` when the entry is expired at once (timeout <= 0)."""
+        seconds = self.timeout_seconds(timeout)
+        if seconds is None:
+            return FOREVER
+        if seconds <= 0:
+            return None
+        return min(now_ms() + int(seconds * 1000), FOREVER)
+
+    # --- reading ---------------------------------------------------------------------
+
+    def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
+        key = self._key(key, version)
+        connection, sql = self._reader()
+        row = run(connection, sql.get, (key, now_ms()), fetchone)
+        if row is None:
+            return default
+        value = self.decode(row[0], row[1], key)
+        return default if value is MISSING else value
+
+    def has_key(self, key: Any, version: int | None = None) -> bool:
+        key = self._key(key, version)
+        connection, sql = self._reader()
+        return run(connection, sql.has_key, (key, now_ms()), fetchone) is not None
+
+    def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
+        key_map = self._key_map(keys, version)
+        if not key_map:
+            return {}
+        connection, sql = self._reader()
+        now = now_ms()
+        found = {}
+        for chunk in self._key_chunks(connection, list(key_map)):
+            rows = run(connection, sql.get_many(len(chunk)), [now, *chunk], fetchall)
+            for stored, data, flags in rows:
+                value = self.decode(data, flags, stored)
+                if value is not MISSING:
+                    found[key_map[stored]] = value
+        return found
+
+    # --- writing ---------------------------------------------------------------------
+
+    def set(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> None:
+        key = self._key(key, version)
+        expires = self._expires(timeout)
+        connection, sql = self._writer()
+        if expires is None:
+            run(connection, sql.delete, (key,), rowcount)
+            return
+        data, flags = self.codec.encode(value)
+        if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
+            run(connection, sql.delete, (key,), rowcount)  # never leave an older value
+            return
+        self._maybe_cull(connection, sql)
+        run(connection, sql.set, (key, data, flags, expires), rowcount)
+
+    def add(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> bool:
+        key = self._key(key, version)
+        expires = self._expires(timeout)
+        connection, sql = self._writer()
+        now = now_ms()
+        if expires is None:  # nothing is stored; "added" when no live entry was there
+            return run(connection, sql.has_key, (key, now), fetchone) is None
+        data, flags = self.codec.encode(value)
+        if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
+            return False
+        self._maybe_cull(connection, sql)
+        params = (key, data, flags, expires, now, now, now)
+        return run(connection, sql.add, params, lastrowid) == 0
+
+    def set_many(
+        self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> list[Any]:
+        if not data:
+            return []
+        expires = self._expires(timeout)
+        if expires is None:
+            self.delete_many(data, version=version)
+            return []
+        connection, sql = self._writer()
+        self._maybe_cull(connection, sql)
+        budget = server_info(connection).statement_budget
+        failed: list[Any] = []
+        rows: list[Any] = []
+        size = 0
+        for caller_key, value in data.items():
+            blob, flags = self.codec.encode(value)
+            row_size = KEY_BYTES + 2 * len(blob)
+            if row_size > budget:
+                self._too_large(caller_key, blob)
+                failed.append(caller_key)
+                continue
+            if size + row_size > budget:
+                run(connection, sql.set_many(len(rows) // 4), rows, rowcount)
+                rows, size = [], 0
+            rows += (self._key(caller_key, version), blob, flags, expires)
+            size += row_size
+        if rows:
+            run(connection, sql.set_many(len(rows) // 4), rows, rowcount)
+        if failed:  # an older value must not outlive a failed write
+            self.delete_many(failed, version=version)
+        return failed
+
+    def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
+        key = self._key(key, version)
+        expires = self._expires(timeout)
+        connection, sql = self._writer()
+        if expires is None:
+            return run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+        return run(connection, sql.touch, (expires, key, now_ms()), rowcount) > 0
+
+    def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        """Add ``delta`` atomically in one UPDATE; the entry keeps its expiry.
+
+        Raises ``ValueError`` for a missing key, ``TypeError`` for a value that is not an
+        integer, and ``OverflowError`` (value unchanged) past the signed 64-bit range.
+        """
+        if isinstance(delta, bool) or not isinstance(delta, int):
+            raise TypeError(f"delta must be an integer, got {delta!r}")
+        key = self._key(key, version)
+        connection, sql = self._writer()
+        now = now_ms()
+        if -(2**64) < delta < 2**64:  # any other delta overflows every stored value
+            try:
+                matched, value = run(
+                    connection, sql.incr, (delta, key, now, delta), rowcount_and_lastrowid
+                )
+            except DatabaseError as exc:
+                if not exc.args or exc.args[0] not in BAD_NUMBER:
+                    raise
+                logger.warning("Ignoring corrupt integer cache entry %r: %s", key, exc)
+                raise ValueError(f"Key '{key}' not found") from exc
+            if matched:
+                # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
+                return value - 2**64 if value > INT64_MAX else value
+        raise self._incr_error(connection, sql, key, delta, now)
+
+    def _incr_error(
+        self, connection: BaseDatabaseWrapper, sql: Statements, key: str, delta: int, now: int
+    ) -> Exception:
+        """Why the UPDATE matched no row (only ever run after a failed incr)."""
+        row = run(connection, sql.incr_failure, (key, now), fetchone)
+        if row is None:
+            return ValueError(f"Key '{key}' not found")
+        if not row[0]:
+            return TypeError(f"The value of key '{key}' is not an integer")
+        return OverflowError(
+            f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
+        )
+
+    # --- deleting --------------------------------------------------------------------
+
+    def delete(self, key: Any, version: int | None = None) -> bool:
+        key = self._key(key, version)
+        connection, sql = self._writer()
+        return run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+
+    def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
+        stored = list(self._key_map(keys, version))
+        if not stored:
+            return
+        connection, sql = self._writer()
+        for chunk in self._key_chunks(connection, stored):
+            run(connection, sql.delete_keys(len(chunk)), chunk, rowcount)
+
+    def clear(self) -> None:
+        # DELETE, not TRUNCATE: TRUNCATE commits the caller's open transaction.
+        connection, sql = self._writer()
+        run(connection, sql.clear, (), rowcount)
+
+    # --- prefix operations (primary key order) ---------------------------------------
+
+    def keys_with_prefix(self, prefix: str, version: int | None = None) -> list[str]:
+        """The caller's keys that start with ``prefix``, in key order.
+
+        Keys over 250 characters are listed in their stored digest form.
+        """
+        head = self.make_key("", version=version)
+        rows = self._prefix_query("keys_with_prefix", prefix, version, fetchall)
+        return [self._caller_key(stored, head) for (stored,) in rows]
+
+    def get_with_prefix(self, prefix: str, version: int | None = None) -> dict[str, Any]:
+        """``{key: value}`` of every live entry whose key starts with ``prefix``."""
+        head = self.make_key("", version=version)
+        found = {}
+        for stored, data, flags in self._prefix_query("get_with_prefix", prefix, version, fetchall):
+            value = self.decode(data, flags, stored)
+            if value is not MISSING:
+                found[self._caller_key(stored, head)] = value
+        return found
+
+    def delete_with_prefix(self, prefix: str, version: int | None = None) -> int:
+        """Delete every live entry whose key starts with ``prefix``; returns how many."""
+        return self._prefix_query("delete_with_prefix", prefix, version, rowcount)
+
+    def _prefix_query(self, statement: str, prefix: str, version: int | None, read: Any) -> Any:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, got {prefix!r}")
+        connection, sql = self._writer() if statement.startswith("delete") else self._reader()
+        pattern = like_prefix(self.make_key(prefix, version=version))
+        return run(connection, getattr(sql, statement), (pattern, now_ms()), read)
+
+    @staticmethod
+    def _caller_key(stored: str, head: str) -> str:
+        return stored[len(head) :] if stored.startswith(head) else stored
+
+    # --- culling ---------------------------------------------------------------------
+
+    def cull(self, max_batches: int | None = None) -> int:
+        """Delete expired entries, then evict the ones closest to expiry while the table
+        holds more than MAX_ENTRIES. Returns the number of rows deleted."""
+        connection, sql = self._writer()
+        return culling.Cull(
+            partial(run, connection), sql, self._max_entries, self._cull_frequency, max_batches
+        ).run(now_ms())
+
+    def _maybe_cull(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
+        if self.cull_probability and random.random() < self.cull_probability:
+            culling.Cull(
+                partial(run, connection),
+                sql,
+                self._max_entries,
+                self._cull_frequency,
+                culling.WRITE_PATH_BATCHES,
+            ).run(now_ms())
+
+    # --- table management ------------------------------------------------------------
+
+    def create_table_sql(self) -> str:
+        connection = connections[self.db_alias(write=True)]
+        mariadb = server_info(connection).mariadb
+        return create_table_sql(self.table, connection.ops.quote_name, mariadb, self.engine)
+
+    def drop_table_sql(self) -> str:
+        return drop_table_sql(self.table, connections[self.db_alias(write=True)].ops.quote_name)
+
+    def create_table(self) -> str:
+        """Create the table if it is missing; returns the statement it ran."""
+        statement = self.create_table_sql()
+        with connections[self.db_alias(write=True)].cursor() as cursor:
+            cursor.execute(statement)
+        return statement
+
+    def table_exists(self) -> bool:
+        connection = connections[self.db_alias(write=True)]
+        with connection.cursor() as cursor:
+            return self.table in connection.introspection.table_names(cursor)
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _key_chunks(self, connection: BaseDatabaseWrapper, keys: list[str]) -> Iterator[list[str]]:
+        """``keys`` in as few statements as ``max_allowed_packet`` allows (usually one)."""
+        per_statement = server_info(connection).statement_budget // KEY_BYTES
+        for start in range(0, len(keys), per_statement):
+            yield keys[start : start + per_statement]
+
+    def _fits(self, connection: BaseDatabaseWrapper, data: bytes, key: str) -> bool:
+        if KEY_BYTES + 2 * len(data) <= server_info(connection).statement_budget:
+            return True
+        self._too_large(key, data)
+        return False
+
+    def _too_large(self, key: Any, data: bytes) -> None:
+        logger.warning(
+            "Not caching %r in %s: %d bytes do not fit the server's max_allowed_packet",
+            key,
+            self.backend_name,
+            len(data),
+        )
+
+    akeys_with_prefix = delegate_to_sync("keys_with_prefix")
+    aget_with_prefix = delegate_to_sync("get_with_prefix")
+    adelete_with_prefix = delegate_to_sync("delete_with_prefix")
+    acull = delegate_to_sync("cull")

@@ -1,0 +1,76 @@
+"""Keeping a MySQLCache table under ``MAX_ENTRIES`` without ever counting it.
+
+1. Expired rows go first, oldest first, through the expiry index in batches.
+2. If a row still exists at offset ``MAX_ENTRIES`` the table is over its limit: the
+   entries closest to expiry are evicted until ``MAX_ENTRIES - MAX_ENTRIES // CULL_FREQUENCY``
+   remain (``CULL_FREQUENCY`` 0 or 1, and ``MAX_ENTRIES`` 0, empty the table).
+
+Each statement touches at most ``MAX_ENTRIES`` index entries or one batch of rows, so the
+cost does not grow with the table. Every DELETE is bounded by ``LIMIT`` so no single
+statement holds locks on a large part of the table.
+"""
+from __future__ import annotations
+
+from operator import attrgetter, methodcaller
+from typing import Any, Callable, Sequence
+
+from django_kvcache.mysql.sql import Statements
+
+BATCH_SIZE = 1000
+#: A cull drawn on the write path stops after this many batches; the rest waits for the
+#: next one (or for ``kvcache_cull``), so one unlucky request never pays for a backlog.
+WRITE_PATH_BATCHES = 10
+
+Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
+rowcount = attrgetter("rowcount")
+fetchone = methodcaller("fetchone")
+
+
+class Cull:
+    def __init__(
+        self,
+        execute: Execute,
+        sql: Statements,
+        max_entries: int,
+        cull_frequency: int,
+        max_batches: int | None = None,
+    ) -> None:
+        self.execute = execute
+        self.sql = sql
+        self.max_entries = max_entries
+        self.cull_frequency = cull_frequency
+        self.batches_left = max_batches if max_batches is not None else float("inf")
+
+    def run(self, now_ms: int) -> int:
+        """Delete expired rows, then evict if over the limit; returns the rows deleted."""
+        deleted = self.delete_in_batches(self.sql.delete_expired, [now_ms])
+        if self.execute(self.sql.row_at, [self.max_entries], fetchone) is None:
+            return deleted
+        return deleted + self.evict()
+
+    def entries_to_keep(self) -> int:
+        if self.cull_frequency == 0:  # Django's meaning: clear the whole cache
+            return 0
+        return self.max_entries - self.max_entries // self.cull_frequency
+
+    def evict(self) -> int:
+        keep = self.entries_to_keep()
+        if keep == 0:
+            return self.delete_in_batches(self.sql.evict_all, [])
+        # The newest entry to go, in (expires, cache_key) order: the key breaks ties so
+        # that entries sharing one expiry (e.g. every "forever" entry) are split exactly.
+        row = self.execute(self.sql.nth_latest, [keep], fetchone)
+        if row is None:  # someone else deleted rows in the meantime
+            return 0
+        expires, key = row
+        return self.delete_in_batches(self.sql.evict_through, [expires, expires, key])
+
+    def delete_in_batches(self, statement: str, params: list[Any]) -> int:
+        deleted = 0
+        while self.batches_left > 0:
+            self.batches_left -= 1
+            count = self.execute(statement, [*params, BATCH_SIZE], rowcount)
+            deleted += count
+            if count < BATCH_SIZE:
+                break
+        return deleted

@@ -1,0 +1,100 @@
+"""What MySQLCache needs to know about the server behind a Django connection alias.
+
+Detected once per alias and process (one ``SELECT``), never on the hot path.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import OperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+T = TypeVar("T")
+
+#: Client/server error codes meaning "the connection is gone", not "the statement failed":
+#: 2006 server has gone away, 2013 lost connection during query (what a KILLed or timed
+#: out connection reports), 2055 lost connection (extended), 1927 MariaDB connection
+#: killed, 4031 MySQL client interaction timeout.
+DISCONNECTED = frozenset({2006, 2013, 2055, 1927, 4031})
+
+#: Room left in a packet for the statement text around the parameters.
+PACKET_HEADROOM = 4096
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    mariadb: bool
+    version: tuple[int, ...]
+    max_allowed_packet: int
+
+    @property
+    def row_alias(self) -> bool:
+        """``INSERT … AS new`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
+        return not self.mariadb and self.version >= (8, 0, 19)
+
+    @property
+    def statement_budget(self) -> int:
+        """Bytes of escaped parameters one statement may carry."""
+        return max(self.max_allowed_packet - PACKET_HEADROOM, PACKET_HEADROOM)
+
+
+_servers: dict[str, ServerInfo] = {}
+
+
+def require_mysql(connection: BaseDatabaseWrapper) -> None:
+    if connection.vendor != "mysql":
+        raise ImproperlyConfigured(
+            f"MySQLCache needs a MySQL or MariaDB database; DATABASES[{connection.alias!r}] "
+            f"uses the {connection.vendor!r} backend"
+        )
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return tuple(int(part) for part in match.groups()) if match else (0, 0, 0)
+
+
+def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
+    """The server behind ``connection``, queried the first time an alias is used."""
+    info = _servers.get(connection.alias)
+    if info is None:
+        require_mysql(connection)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT VERSION(), @@max_allowed_packet")
+            version, max_packet = cursor.fetchone()
+        info = ServerInfo("mariadb" in version.lower(), parse_version(version), int(max_packet))
+        _servers[connection.alias] = info
+    return info
+
+
+def forget_server(alias: str) -> None:
+    """Detect again on next use (after the server behind ``alias`` was reconfigured)."""
+    _servers.pop(alias, None)
+
+
+def is_disconnect(exc: OperationalError) -> bool:
+    return bool(exc.args) and exc.args[0] in DISCONNECTED
+
+
+def run(connection: BaseDatabaseWrapper, sql: str, params: Any, read: Callable[[Any], T]) -> T:
+    """Execute one statement and ``read`` its result from the cursor.
+
+    A dropped connection (server restart, ``wait_timeout``, ``KILL``) is closed and the
+    statement retried once on a fresh one, unless a transaction is open: its earlier
+    work is lost with the connection, so only the caller may decide what to do.
+    """
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return read(cursor)
+    except OperationalError as exc:
+        in_transaction = connection.in_atomic_block or not connection.autocommit
+        if in_transaction or not is_disconnect(exc):
+            raise
+    connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return read(cursor)

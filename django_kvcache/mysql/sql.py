@@ -1,0 +1,147 @@
+"""The SQL text of every MySQLCache operation, built once per table and server flavour.
+
+Only ``%s`` parameters carry keys, values and times; the table name is quoted by the
+connection. Times are epoch milliseconds computed in Python (see ``docs/mysql.rst``).
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Callable
+
+from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.mysql.keys import LIKE_ESCAPE, MAX_KEY_LENGTH
+
+#: ``expires`` of an entry that never expires. The largest BIGINT sorts such rows last in
+#: the expiry index, so eviction reaches them only after every entry that does expire.
+FOREVER = 2**63 - 1
+
+INT64_RANGE = "-9223372036854775808 AND 9223372036854775807"
+INTEGER_FLAGS = "2, 4"  # codec.FLAG_INTEGER and codec.FLAG_LONG: decimal text
+ENGINE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
+
+# Binary, NO PAD collations: "a" and "a " stay two keys (the *_bin collations pad).
+MARIADB_COLLATION = "utf8mb4_nopad_bin"
+MYSQL_COLLATION = "utf8mb4_0900_bin"
+
+
+def check_engine(engine: object) -> str:
+    if not isinstance(engine, str) or not ENGINE_NAME.match(engine):
+        raise ImproperlyConfigured(
+            f"OPTIONS['ENGINE'] must be a storage engine name such as 'InnoDB', got {engine!r}"
+        )
+    return engine
+
+
+def create_table_sql(
+    table: str, quote_name: Callable[[str], str], mariadb: bool, engine: str = "InnoDB"
+) -> str:
+    collation = MARIADB_COLLATION if mariadb else MYSQL_COLLATION
+    return (
+        f"CREATE TABLE IF NOT EXISTS {quote_name(table)} (\n"
+        f"    `cache_key` VARCHAR({MAX_KEY_LENGTH}) CHARACTER SET utf8mb4"
+        f" COLLATE {collation} NOT NULL,\n"
+        "    `value` LONGBLOB NOT NULL,\n"
+        "    `flags` INT UNSIGNED NOT NULL,\n"
+        "    `expires` BIGINT NOT NULL,\n"
+        "    PRIMARY KEY (`cache_key`),\n"
+        "    KEY `kvcache_expires` (`expires`)\n"
+        f") ENGINE={check_engine(engine)} DEFAULT CHARSET=utf8mb4 COLLATE={collation}"
+    )
+
+
+def drop_table_sql(table: str, quote_name: Callable[[str], str]) -> str:
+    return f"DROP TABLE IF EXISTS {quote_name(table)}"
+
+
+@lru_cache(maxsize=32)
+def placeholders(count: int, width: int = 1) -> str:
+    """``%s, %s`` (width 1) or ``(%s, %s), (%s, %s)`` (width 2) for ``count`` items."""
+    item = "%s" if width == 1 else "(" + ", ".join(["%s"] * width) + ")"
+    return ", ".join([item] * count)
+
+
+class Statements:
+    """Statement text for one table on one server flavour.
+
+    ``row_alias`` selects MySQL's ``INSERT … AS new`` form (8.0.19+); MariaDB only knows
+    ``VALUES(col)``, which MySQL 8.0.20+ deprecates.
+    """
+
+    def __init__(self, table: str, quote_name: Callable[[str], str], row_alias: bool) -> None:
+        t = quote_name(table)
+        self.row_alias = row_alias
+        live = "`expires` > %s"
+        insert = f"INSERT INTO {t} (`cache_key`, `value`, `flags`, `expires`) VALUES "
+        self.insert = insert
+        self.new_row = " AS new ON DUPLICATE KEY UPDATE " if row_alias else " ON DUPLICATE KEY UPDATE "
+
+        self.get = f"SELECT `value`, `flags` FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.has_key = f"SELECT 1 FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.set = insert + "(%s, %s, %s, %s)" + self.new_row + self.overwrite_all()
+        # The IFs read the old `expires`, so it is assigned last. A live row is left as it
+        # is and reports its expiry through LAST_INSERT_ID (never 0), which tells "not
+        # added" apart from an insert: CLIENT.FOUND_ROWS makes rowcount 1 for both.
+        self.add = (
+            insert
+            + "(%s, %s, %s, %s)"
+            + self.new_row
+            + f"`value` = IF({live}, `value`, {self.new('value')}), "
+            + f"`flags` = IF({live}, `flags`, {self.new('flags')}), "
+            + f"`expires` = IF({live}, LAST_INSERT_ID(`expires`), {self.new('expires')})"
+        )
+        self.touch = f"UPDATE {t} SET `expires` = %s WHERE `cache_key` = %s AND {live}"
+        self.delete = f"DELETE FROM {t} WHERE `cache_key` = %s"
+        self.delete_live = f"DELETE FROM {t} WHERE `cache_key` = %s AND {live}"
+        # Arithmetic in DECIMAL cannot overflow; the WHERE keeps results inside BIGINT, so
+        # an overflow matches no row and leaves the value unchanged. LAST_INSERT_ID hands
+        # the new value back without a second statement (as unsigned: the caller wraps it).
+        as_decimal = "CAST(`value` AS DECIMAL(65, 0))"
+        self.incr = (
+            f"UPDATE {t} SET `value` = "
+            f"CAST(LAST_INSERT_ID(CAST({as_decimal} + %s AS SIGNED)) AS SIGNED) "
+            f"WHERE `cache_key` = %s AND {live} "
+            f"AND IF(`flags` IN ({INTEGER_FLAGS}), {as_decimal} + %s, NULL) "
+            f"BETWEEN {INT64_RANGE}"
+        )
+        self.incr_failure = f"SELECT `flags` IN ({INTEGER_FLAGS}) FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.clear = f"DELETE FROM {t}"
+        self.select_many = f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
+        self.delete_many = f"DELETE FROM {t} WHERE `cache_key` IN "
+
+        like = f"`cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' AND {live}"
+        self.keys_with_prefix = f"SELECT `cache_key` FROM {t} WHERE {like} ORDER BY `cache_key`"
+        self.get_with_prefix = (
+            f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {like} ORDER BY `cache_key`"
+        )
+        self.delete_with_prefix = f"DELETE FROM {t} WHERE {like}"
+
+        # Culling walks the expiry index (whose entries end with the primary key).
+        self.delete_expired = f"DELETE FROM {t} WHERE `expires` <= %s ORDER BY `expires` LIMIT %s"
+        self.row_at = f"SELECT 1 FROM {t} LIMIT 1 OFFSET %s"
+        self.nth_latest = (
+            f"SELECT `expires`, `cache_key` FROM {t} "
+            "ORDER BY `expires` DESC, `cache_key` DESC LIMIT 1 OFFSET %s"
+        )
+        self.evict_through = (
+            f"DELETE FROM {t} WHERE `expires` < %s OR (`expires` = %s AND `cache_key` <= %s) "
+            "ORDER BY `expires`, `cache_key` LIMIT %s"
+        )
+        self.evict_all = f"DELETE FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s"
+
+    def new(self, column: str) -> str:
+        """The inserted row's ``column`` inside ``ON DUPLICATE KEY UPDATE``."""
+        return f"new.`{column}`" if self.row_alias else f"VALUES(`{column}`)"
+
+    def overwrite_all(self) -> str:
+        return ", ".join(f"`{c}` = {self.new(c)}" for c in ("value", "flags", "expires"))
+
+    def set_many(self, rows: int) -> str:
+        return self.insert + placeholders(rows, 4) + self.new_row + self.overwrite_all()
+
+    def get_many(self, keys: int) -> str:
+        return f"{self.select_many}({placeholders(keys)})"
+
+    def delete_keys(self, keys: int) -> str:
+        return f"{self.delete_many}({placeholders(keys)})"
