@@ -12,6 +12,9 @@ MYSQL = {
     "PASSWORD": os.environ.get("KVCACHE_MYSQL_PASSWORD", ""),
 }
 MYSQL_DATABASE = os.environ.get("KVCACHE_MYSQL_DATABASE", "kvcache")
+# One test database per pytest session, so two sessions on one server never drop each
+# other's; set in the environment so worker processes the tests start use the same one.
+TEST_DATABASE = os.environ.setdefault("KVCACHE_MYSQL_TEST_DATABASE", f"test_kvcache_{os.getpid()}")
 MEMCACHED_NODES = [
     node
     for node in os.environ.get(
@@ -34,7 +37,21 @@ DATABASES = {
         "NAME": MYSQL_DATABASE,
         **MYSQL,
         "OPTIONS": {"charset": "utf8mb4"},
-        "TEST": {"NAME": "test_kvcache", "CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"},
+        "TEST": {
+            # Settable so that two test runs on one server do not drop each other's database.
+            "NAME": os.environ.get("KVCACHE_TEST_DATABASE", "test_kvcache"),
+            "CHARSET": "utf8mb4",
+            "COLLATION": "utf8mb4_unicode_ci",
+        },
+    },
+    # A second connection to the same test database, for MySQLCache's OPTIONS["DATABASE"]:
+    # its writes commit on their own, outside the transactions of "default".
+    "cache": {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": MYSQL_DATABASE,
+        **MYSQL,
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {"MIRROR": "default"},
     },
 }
 CACHES = {
