@@ -14,7 +14,7 @@ MYSQL = {
 MYSQL_DATABASE = os.environ.get("KVCACHE_MYSQL_DATABASE", "kvcache")
 # One test database per pytest session, so two sessions on one server never drop each
 # other's; set in the environment so worker processes the tests start use the same one.
-TEST_DATABASE = os.environ.setdefault("KVCACHE_MYSQL_TEST_DATABASE", f"test_kvcache_{os.getpid()}")
+TEST_DATABASE = os.environ.setdefault("KVCACHE_TEST_DATABASE", f"test_kvcache_{os.getpid()}")
 MEMCACHED_NODES = [
     node
     for node in os.environ.get(
@@ -38,8 +38,7 @@ DATABASES = {
         **MYSQL,
         "OPTIONS": {"charset": "utf8mb4"},
         "TEST": {
-            # Settable so that two test runs on one server do not drop each other's database.
-            "NAME": os.environ.get("KVCACHE_TEST_DATABASE", "test_kvcache"),
+            "NAME": TEST_DATABASE,
             "CHARSET": "utf8mb4",
             "COLLATION": "utf8mb4_unicode_ci",
         },
