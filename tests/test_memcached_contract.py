@@ -5,22 +5,20 @@ processes keep that away from the shared nodes other test modules use.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 
 from tests.contract import CacheContract
-from tests.servers import MemcachedNode
+from tests.servers import memcached_node
 
 BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
 
 
 @pytest.fixture(scope="module")
 def contract_nodes():
-    nodes = [MemcachedNode() for _ in range(3)]
-    for node in nodes:
-        node.start()
-    yield [node.address for node in nodes]
-    for node in nodes:
-        node.kill()
+    with ExitStack() as stack:
+        yield [stack.enter_context(memcached_node()).address for _ in range(3)]
 
 
 class TestMemcachedCacheMeetsTheContract(CacheContract):

@@ -194,7 +194,7 @@ class MemcachedCache(KVCache):
         key = self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
-            found = node.call(Client.get, key)
+            found = node.call(_get_one, key)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -412,6 +412,10 @@ class MemcachedCache(KVCache):
         return stats
 
     adisconnect_all = delegate_to_sync("disconnect_all")
+
+
+def _get_one(client: Client, key: str) -> tuple[bytes, int] | None:
+    return protocol.get_one(connected(client), key.encode())
 
 
 # --- OPTIONS checks -------------------------------------------------------------------

@@ -25,11 +25,11 @@ class ReplyReader:
 
     __slots__ = ("sock", "buf", "pos", "received")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, buf: bytes = b"") -> None:
         self.sock = sock
-        self.buf = b""
+        self.buf = buf
         self.pos = 0
-        self.received = 0
+        self.received = len(buf)
 
     def line(self) -> bytes:
         """The next line, without its ``\\r\\n``."""
@@ -84,6 +84,27 @@ def read_values(reader: ReplyReader, ends: int) -> dict[bytes, tuple[bytes, int]
         else:
             raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
     return found
+
+
+def get_one(sock: socket.socket, key: bytes) -> tuple[bytes, int] | None:
+    """``get`` of one key: ``(data, flags)`` or None. The single-key hot path.
+
+    A small value's whole reply usually arrives in one ``recv``; it is parsed in place
+    without the reader's bookkeeping.
+    """
+    sock.sendall(b"get %b\r\n" % key)
+    buf = sock.recv(RECV_SIZE)
+    if buf == b"END\r\n":
+        return None
+    header_end = buf.find(b"\r\n")
+    if buf[:6] == b"VALUE " and header_end > 0 and buf[-7:] == b"\r\nEND\r\n":
+        flags, length = buf[6:header_end].split(b" ")[1:]
+        start = header_end + 2
+        if len(buf) == start + int(length) + 7:
+            return buf[start : len(buf) - 7], int(flags)
+    if not buf:
+        raise MemcacheUnexpectedCloseError()
+    return read_values(ReplyReader(sock, buf), 1).get(key)
 
 
 def store_command(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> bytes:

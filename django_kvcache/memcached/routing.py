@@ -146,9 +146,11 @@ class Router:
         if self.single:
             return {0: list(keys)}
         groups: dict[int, list[str]] = {}
-        node_for = self.node_for
+        remembered = self._memo.get
         for key in keys:
-            index = node_for(key)
+            index = remembered(key)
+            if index is None:
+                index = self.node_for(key)
             try:
                 groups[index].append(key)
             except KeyError:
