@@ -1,0 +1,1 @@
+"""The Django project that runs ``kvcache_benchmark``."""

@@ -1,0 +1,1 @@
+"""``manage.py kvcache_benchmark``: django-kvcache's backends against the alternatives."""

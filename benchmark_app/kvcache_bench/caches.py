@@ -1,0 +1,175 @@
+"""Which caches the benchmark compares, how to build them, and why one is skipped.
+
+Every benchmarked cache gets its own table and key prefix carrying the run's token, so
+two runs (or a run and the test suite) sharing the servers never see each other's
+entries; tables are dropped and memcached keys deleted when the run ends.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from django.core.cache.backends.base import BaseCache
+from django.db import connections
+from django.utils.module_loading import import_string
+
+from kvcache_bench.routers import SQLITE_TABLE_PREFIX
+
+#: The cache every other one is compared with, and the fallback when it is skipped.
+REFERENCE_CACHES = ("db-mariadb", "db-sqlite")
+#: High enough that no benchmarked write triggers a cull; the rows scenario culls on purpose.
+MAX_ENTRIES = 10_000_000
+TIMEOUT = 900  # leftovers of a crashed run expire on their own
+TABLE_FAMILIES = ("db", "kv-mysql", "django-mysql")
+MEMCACHED_FAMILIES = ("kv-memcached", "pymemcache")
+NODE_COUNTS = (1, 4, 8)
+
+KV_MYSQL = "django_kvcache.backends.mysql.MySQLCache"
+KV_MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
+DJANGO_DB = "django.core.cache.backends.db.DatabaseCache"
+DJANGO_PYMEMCACHE = "django.core.cache.backends.memcached.PyMemcacheCache"
+DJANGO_MYSQL = "django_mysql.cache.MySQLCache"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything needed to build one benchmarked cache, in any thread or process."""
+
+    name: str
+    description: str
+    family: str
+    backend: str
+    location: Any
+    key_prefix: str
+    options: dict[str, Any] = field(default_factory=dict)
+    database: str | None = None  # alias holding the table of a table-backed cache
+    nodes: int | None = None  # memcached node count
+
+    @property
+    def table(self) -> str | None:
+        return self.location if self.family in TABLE_FAMILIES else None
+
+    def build(self) -> BaseCache:
+        params = {"TIMEOUT": TIMEOUT, "KEY_PREFIX": self.key_prefix, "OPTIONS": dict(self.options)}
+        return import_string(self.backend)(self.location, params)
+
+
+@dataclass
+class Selection:
+    caches: list[CacheSpec]
+    skipped: dict[str, str]  # cache name -> why it did not run
+
+
+
+def reference_of(specs: Iterable[CacheSpec]) -> str | None:
+    """The cache the others are compared with: DatabaseCache on MariaDB, else on SQLite."""
+    names = {spec.name for spec in specs}
+    return next((name for name in REFERENCE_CACHES if name in names), None)
+
+
+def importable(module: str) -> str | None:
+    """None when ``module`` imports, else a note saying why not."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"{module} is not importable ({exc})"
+    return None
+
+
+def database_problem(alias: str) -> str | None:
+    try:
+        connections[alias].ensure_connection()
+    except Exception as exc:  # any driver error means "no server to benchmark"
+        return f"database {alias!r} is not reachable: {exc}"
+    return None
+
+
+def candidates(token: str, nodes: list[str]) -> list[tuple[CacheSpec, list[str | None]]]:
+    """Every cache the benchmark knows, each with the checks that must pass (None = ok)."""
+    mariadb = database_problem("default")
+    found: list[tuple[CacheSpec, list[str | None]]] = []
+
+    def add(name: str, description: str, family: str, backend: str, location: Any,
+            problems: list[str | None], **extra: Any) -> None:
+        options = extra.pop("options", {})
+        if family in TABLE_FAMILIES:
+            options = {"MAX_ENTRIES": MAX_ENTRIES, **options}
+        spec = CacheSpec(name, description, family, backend, location,
+                         key_prefix=f"kvb-{token}-{name}", options=options, **extra)
+        found.append((spec, problems))
+
+    add("db-mariadb", "Django DatabaseCache on MariaDB", "db", DJANGO_DB,
+        f"kvbench_{token}_db", [mariadb], database="default")
+    add("db-sqlite", "Django DatabaseCache on SQLite", "db", DJANGO_DB,
+        f"{SQLITE_TABLE_PREFIX}{token}", [database_problem("sqlite")], database="sqlite")
+    for engine in ("InnoDB", "MyISAM"):
+        add(f"kv-mysql-{engine.lower()}", f"kvcache MySQLCache, {engine} table", "kv-mysql",
+            KV_MYSQL, f"kvbench_{token}_{engine.lower()}",
+            [importable("django_kvcache.backends.mysql"), mariadb],
+            options={"ENGINE": engine, "DATABASE": "default"}, database="default")
+    add("django-mysql", "django-mysql MySQLCache", "django-mysql", DJANGO_MYSQL,
+        f"kvbench_{token}_djmysql", [importable("django_mysql.cache"), mariadb],
+        database="default")
+    for family in MEMCACHED_FAMILIES:
+        module = "django_kvcache.backends.memcached" if family == "kv-memcached" else "pymemcache"
+        for count in NODE_COUNTS:
+            short = None if len(nodes) >= count else (
+                f"needs {count} memcached nodes, {len(nodes)} available")
+            found.append((memcached_spec(family, token, nodes, count), [importable(module), short]))
+    return found
+
+
+def memcached_spec(family: str, token: str, nodes: list[str], count: int) -> CacheSpec:
+    """Our MemcachedCache ("kv-memcached") or Django's PyMemcacheCache on the first nodes."""
+    name = f"{family}-{count}"
+    if family == "kv-memcached":
+        description, backend = f"kvcache MemcachedCache, {count} node(s)", KV_MEMCACHED
+    else:
+        description, backend = f"Django PyMemcacheCache, {count} node(s)", DJANGO_PYMEMCACHE
+    return CacheSpec(name, description, family, backend, nodes[:count],
+                     key_prefix=f"kvb-{token}-{name}", nodes=count)
+
+
+def extra_spec(token: str, definition: str) -> CacheSpec:
+    """A cache from ``--extra-cache NAME=dotted.Backend[@LOCATION]`` (ops scenario only)."""
+    name, sep, rest = definition.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"--extra-cache wants NAME=dotted.path.Backend[@LOCATION], got {definition!r}")
+    backend, _, location = rest.partition("@")
+    return CacheSpec(name, f"extra cache {backend}", "extra", backend, location or name,
+                     key_prefix=f"kvb-{token}-{name}")
+
+
+def select(token: str, nodes: list[str], patterns: Iterable[str] | None,
+           extras: Iterable[str] = ()) -> Selection:
+    """The caches matching ``patterns`` (fnmatch, all when empty) that can run here."""
+    patterns = list(patterns or ["*"])
+    selection = Selection(caches=[], skipped={})
+    for spec, problems in candidates(token, nodes):
+        if not any(fnmatch.fnmatch(spec.name, pattern) for pattern in patterns):
+            continue
+        notes = [problem for problem in problems if problem]
+        if notes:
+            selection.skipped[spec.name] = "; ".join(notes)
+        else:
+            selection.caches.append(spec)
+    for definition in extras:
+        spec = extra_spec(token, definition)
+        problem = importable(spec.backend.rpartition(".")[0])
+        if problem:
+            selection.skipped[spec.name] = problem
+        else:
+            selection.caches.append(spec)
+    return selection
+
+
+def node_count_needed(patterns: Iterable[str] | None) -> int:
+    """How many memcached nodes the selected caches need (the nodes scenario asks separately)."""
+    patterns = list(patterns or ["*"])
+    wanted = [
+        count for count in NODE_COUNTS for family in MEMCACHED_FAMILIES
+        if any(fnmatch.fnmatch(f"{family}-{count}", pattern) for pattern in patterns)
+    ]
+    return max(wanted, default=0)

@@ -1,0 +1,63 @@
+"""What every scenario gets: parameters, the caches, the progress bar, the bookkeeping."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.core.cache.backends.base import BaseCache
+from tqdm import tqdm
+
+from kvcache_bench.caches import CacheSpec
+from kvcache_bench.storage import WrittenKeys
+
+
+@dataclass(frozen=True)
+class Parameters:
+    rounds: int = 10  # timed rounds per operation, interleaved across caches
+    calls: int = 50  # calls per cache and operation in each round
+    warmup_rounds: int = 1
+    batch: int = 20  # keys per *_many call
+    value_min: int = 1
+    value_max: int = 3072
+    value_count: int = 256
+    large_size: int = 32 * 1024
+    seed: int = 1234
+    rows: tuple[int, ...] = (1_000, 10_000, 100_000)
+    row_calls: int = 200  # set and get calls per cache at each table size
+    nodes: tuple[int, ...] = (1, 2, 4, 8)
+    node_keys: int = 100
+    node_calls: int = 300
+    workers: tuple[int, ...] = (1, 2, 4, 8)
+    iterations: int = 150  # mixed-workload iterations per concurrent worker
+
+    @classmethod
+    def quick(cls) -> Parameters:
+        """Small enough for the whole default set of caches in under two minutes."""
+        return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
+                   node_calls=60, workers=(1, 4), iterations=30)
+
+
+@dataclass
+class Context:
+    token: str
+    parameters: Parameters
+    caches: list[CacheSpec]
+    reference: str | None
+    memcached_nodes: list[str]
+    show_progress: bool = True
+    written: WrittenKeys = field(default_factory=WrittenKeys)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    instances: dict[str, BaseCache] = field(default_factory=dict)
+
+    def cache(self, spec: CacheSpec) -> BaseCache:
+        """One instance per cache for the main thread, built on first use."""
+        if spec.name not in self.instances:
+            self.instances[spec.name] = spec.build()
+        return self.instances[spec.name]
+
+    def progress(self, scenario: str, total: int) -> Any:
+        return tqdm(total=total, desc=scenario, unit="step", file=sys.stderr,
+                    disable=not self.show_progress, leave=False, dynamic_ncols=True,
+                    mininterval=0.5)

@@ -1,0 +1,90 @@
+"""``manage.py kvcache_benchmark``: django-kvcache's backends against DatabaseCache and the rest.
+
+The work happens in ``kvcache_bench.run``; this only reads options and writes outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from kvcache_bench import report
+from kvcache_bench.context import Parameters
+from kvcache_bench.run import SCENARIOS, benchmark
+
+PROJECT_ROOT = Path(__file__).resolve().parents[4]
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _numbers(value: str) -> tuple[int, ...]:
+    return tuple(int(number) for number in _names(value))
+
+
+class Command(BaseCommand):
+    help = "Benchmark django-kvcache's backends against DatabaseCache and the alternatives."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--scenario", type=_names, action="extend",
+                            help=f"comma-separated, from {', '.join(SCENARIOS)} (default all)")
+        parser.add_argument("--caches", type=_names, action="extend",
+                            help="comma-separated cache names or patterns, e.g. 'db-*,kv-*'")
+        parser.add_argument("--extra-cache", action="append", default=[], metavar="NAME=BACKEND[@LOCATION]",
+                            help="also benchmark this backend class in the ops scenario")
+        parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes")
+        parser.add_argument("--rounds", type=int, help="timed rounds per operation")
+        parser.add_argument("--calls", type=int, help="calls per cache, operation and round")
+        parser.add_argument("--batch-size", type=int, dest="batch", help="keys per *_many call (20)")
+        parser.add_argument("--rows", type=_numbers, help="table sizes, e.g. 1000,10000,100000")
+        parser.add_argument("--nodes", type=_numbers, help="memcached node counts, e.g. 1,2,4,8")
+        parser.add_argument("--workers", type=_numbers, help="concurrent workers, e.g. 1,2,4,8")
+        parser.add_argument("--iterations", type=int, help="mixed-workload iterations per worker")
+        parser.add_argument("--seed", type=int)
+        parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results",
+                            help="folder for benchmark.json, benchmark.csv and the plots")
+        parser.add_argument("--json", type=Path, help="JSON path (default RESULTS/benchmark.json)")
+        parser.add_argument("--csv", type=Path, help="CSV path (default RESULTS/benchmark.csv)")
+        parser.add_argument("--plot", type=Path, help="folder for the PNG plots (default RESULTS)")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        scenarios = options["scenario"] or list(SCENARIOS)
+        unknown = sorted(set(scenarios) - set(SCENARIOS))
+        if unknown:
+            raise CommandError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+        parameters = self.parameters(options)
+        try:
+            results = benchmark(parameters, [s for s in SCENARIOS if s in scenarios],
+                                options["caches"], options["extra_cache"],
+                                show_progress=not options["no_progress"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        results["command"] = " ".join(sys.argv)
+        self.write_outputs(results, options)
+        if results["failures"]:
+            raise CommandError("wrong results:\n" + "\n".join(results["failures"]))
+
+    @staticmethod
+    def parameters(options: dict[str, Any]) -> Parameters:
+        parameters = Parameters.quick() if options["quick"] else Parameters()
+        overrides = {field.name: options[field.name] for field in dataclasses.fields(Parameters)
+                     if options.get(field.name) is not None}
+        return dataclasses.replace(parameters, **overrides)
+
+    def write_outputs(self, results: dict[str, Any], options: dict[str, Any]) -> None:
+        folder = options["results"]
+        json_path = options["json"] or folder / "benchmark.json"
+        csv_path = options["csv"] or folder / "benchmark.csv"
+        plot_dir = options["plot"] or folder
+        report.write_json(json_path, results)
+        report.write_csv(csv_path, results)
+        from kvcache_bench import plots  # matplotlib is slow to import; only needed here
+
+        written = plots.write_all(results, plot_dir)
+        self.stdout.write(report.text(results))
+        self.stdout.write(f"wrote {json_path}, {csv_path} and {len(written)} plot(s) in {plot_dir}\n")

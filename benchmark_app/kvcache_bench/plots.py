@@ -1,0 +1,173 @@
+"""PNG charts of a run's results (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from matplotlib import ticker  # noqa: E402
+
+#: One hue per family, darker for more nodes; our backends solid, the others dashed.
+CACHE_COLORS = {
+    "db-mariadb": "#222222", "db-sqlite": "#8c8c8c", "django-mysql": "#e08a00",
+    "kv-mysql-innodb": "#1b7f3b", "kv-mysql-myisam": "#63c27a",
+    "kv-memcached-1": "#9ecae1", "kv-memcached-2": "#6baed6", "kv-memcached": "#3182bd",
+    "kv-memcached-4": "#3182bd", "kv-memcached-8": "#08306b",
+    "pymemcache-1": "#fcae91", "pymemcache-2": "#fb6a4a", "pymemcache": "#de2d26",
+    "pymemcache-4": "#de2d26", "pymemcache-8": "#67000d",
+}
+OTHER_COLOR = "#7b3294"  # extra caches, the bare client
+
+
+def color_of(name: str) -> str:
+    return CACHE_COLORS.get(name, OTHER_COLOR)
+
+
+def line_style(name: str) -> str:
+    return "-" if name.startswith("kv-") else "--"
+
+
+def _human(value: float, _position: Any = None) -> str:
+    if value >= 1_000_000:
+        return f"{value / 1_000_000:g}M"
+    if value >= 1000:
+        return f"{value / 1000:g}k"
+    return f"{value:g}"
+
+
+def _log_axis(axes: Any, which: str) -> None:
+    """Log scale labelled 1, 2, 5, 10, 20, 50... in plain numbers (k for thousands)."""
+    getattr(axes, f"set_{which}scale")("log")
+    axis = getattr(axes, f"{which}axis")
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(_human))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
+               "concurrency": concurrency_lines}
+    written = []
+    for name, scenario in results["scenarios"].items():
+        if scenario["results"]:
+            path = folder / f"benchmark-{name}.png"
+            figure = writers[name](scenario, results)
+            figure.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(figure)
+            written.append(path)
+    return written
+
+
+def _title(figure: Any, text: str, results: dict[str, Any]) -> None:
+    machine = results["machine"]
+    figure.suptitle(f"{text}\n{machine['cpu']}, {machine['cores']} cores, {machine['date_utc']}",
+                    fontsize=10)
+
+
+def ops_bars(ops: dict[str, Any], results: dict[str, Any]) -> Any:
+    """One horizontal bar chart per operation: median per call, p95 as the whisker."""
+    operations = ops["operations"]
+    caches = list(dict.fromkeys(e["cache"] for e in ops["results"]))
+    by_key = {(e["cache"], e["operation"]): e for e in ops["results"]}
+    columns = 3
+    rows = math.ceil(len(operations) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(15, 2.2 + 0.28 * len(caches) * rows),
+                                squeeze=False, layout="constrained")
+    colors = [color_of(cache) for cache in caches]
+    for axis, operation in zip(axes.flat, operations):
+        entries = [by_key[cache, operation] for cache in caches]
+        medians = [e["median_us"] for e in entries]
+        whiskers = [max(e["p95_us"] - e["median_us"], 0) for e in entries]
+        axis.barh(caches, medians, xerr=[[0] * len(entries), whiskers], color=colors,
+                  error_kw={"elinewidth": 0.8, "capsize": 2})
+        _log_axis(axis, "x")
+        axis.invert_yaxis()
+        axis.set_title(operation, fontsize=9)
+        axis.tick_params(labelsize=7)
+        axis.set_xlabel("µs per call (median, whisker p95)", fontsize=7)
+    for axis in list(axes.flat)[len(operations):]:
+        axis.axis("off")
+    _title(figure, "ops: time per call (lower is better, log scale)", results)
+    return figure
+
+
+def _line_chart(axis: Any, xs: list[int], series: dict[str, list[float | None]], xlabel: str,
+                ylabel: str, title: str) -> None:
+    for label, ys in series.items():
+        points = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=label, color=color_of(label),
+                      linestyle=line_style(label))
+    axis.set_xscale("log", base=2 if max(xs) <= 64 else 10)
+    _log_axis(axis, "y")
+    axis.set_xticks(xs, [_human(x) for x in xs])
+    axis.xaxis.set_minor_formatter(ticker.NullFormatter())
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    axis.grid(True, which="both", alpha=0.3)
+
+
+def _series(entries: list[dict[str, Any]], subject: str, setting: str, xs: list[int],
+            metric: str, **match: Any) -> dict[str, list[float | None]]:
+    """For each subject (cache or client), its ``metric`` at each ``setting`` value in ``xs``,
+    among the entries whose fields equal ``match``; None where nothing was measured."""
+    chosen = [e for e in entries if all(e.get(field) == value for field, value in match.items())]
+    values = {(e[subject], e[setting]): e.get(metric) for e in chosen}
+    names = dict.fromkeys(e[subject] for e in entries)
+    return {name: [values.get((name, x)) for x in xs] for name in names}
+
+
+def _legend_outside(axis: Any) -> None:
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+
+
+def rows_scaling(rows: dict[str, Any], results: dict[str, Any]) -> Any:
+    sizes = rows["sizes"]
+    figure, axes = plt.subplots(1, 3, figsize=(17, 5), layout="constrained")
+    for axis, operation in zip(axes, ("set", "get")):
+        series = _series(rows["results"], "cache", "rows", sizes, "median_us", operation=operation)
+        _line_chart(axis, sizes, series, "rows in the table", "µs per call (median)", operation)
+    culls = _series(rows["results"], "cache", "rows", [sizes[-1]], "duration_ms", operation="cull")
+    caches = list(culls)
+    culls = [culls[cache][0] for cache in caches]
+    axes[0].legend(fontsize=8)
+    axes[2].barh(caches, [c or 0 for c in culls], color=[color_of(cache) for cache in caches])
+    axes[2].invert_yaxis()
+    axes[2].set_xlabel("ms")
+    axes[2].set_title(f"one cull() of a {sizes[-1]:,}-row table", fontsize=10)
+    _title(figure, "rows: cost per call as the table grows", results)
+    return figure
+
+
+def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any]) -> Any:
+    counts = nodes["counts"]
+    figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
+    for axis, operation in zip(axes, ("get", "get_many")):
+        series = _series(nodes["results"], "client", "nodes", counts, "median_us", operation=operation)
+        floors = {client: series.pop(client)[0] for client in list(series) if client.startswith("bare")}
+        _line_chart(axis, counts, series, "memcached nodes", "µs per call (median)",
+                    operation if operation == "get" else f"get_many of {nodes['keys']} keys")
+        for client, floor in floors.items():
+            if floor is not None:
+                axis.axhline(floor, linestyle=":", color="grey", label=f"{client} (1 node)")
+        axis.legend(fontsize=8)
+    _title(figure, "nodes: memcached clients as the node count grows", results)
+    return figure
+
+
+def concurrency_lines(concurrency: dict[str, Any], results: dict[str, Any]) -> Any:
+    entries = concurrency["results"]
+    workers = sorted({e["workers"] for e in entries})
+    figure, axes = plt.subplots(1, 2, figsize=(15, 5.5), layout="constrained")
+    for axis, mode in zip(axes, ("threads", "processes")):
+        series = _series(entries, "cache", "workers", workers, "ops_per_s", mode=mode)
+        _line_chart(axis, workers, series, f"{mode}", "operations per second", mode)
+    _legend_outside(axes[1])
+    _title(figure, "concurrency: mixed workload throughput (higher is better)", results)
+    return figure

@@ -1,0 +1,1 @@
+"""The benchmark's scenarios; each module has a ``run(context) -> dict`` function."""

@@ -1,0 +1,93 @@
+"""``nodes``: single ``get`` and ``get_many`` of 100 keys over 1, 2, 4, 8 memcached nodes.
+
+Our MemcachedCache against Django's PyMemcacheCache (whose HashClient asks the nodes one
+after another), with a bare pymemcache ``Client`` on one node as the floor: no Django,
+no key building, no serializer.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvcache_bench.caches import MEMCACHED_FAMILIES, memcached_spec
+from kvcache_bench.context import Context
+from kvcache_bench.data import make_values
+from kvcache_bench.scenarios.ops import Call, mismatches
+from kvcache_bench.timing import rotated, summarize, time_calls
+
+FLOOR = "bare pymemcache Client"
+
+
+@dataclass
+class Subject:
+    """One client on one node count: how to write the keys, read them, and forget them."""
+
+    client: str
+    nodes: int
+    set_many: Callable[[dict[str, Any]], Any]
+    get: Callable[[str], Any]
+    get_many: Callable[[list[str]], Any]
+    delete_many: Callable[[list[str]], Any]
+    close: Callable[[], Any]
+
+
+def run(context: Context) -> dict[str, Any]:
+    p = context.parameters
+    available = len(context.memcached_nodes)
+    counts = [n for n in sorted(p.nodes) if n <= available]
+    for n in sorted(set(p.nodes) - set(counts)):
+        context.notes.append(f"nodes: {n} nodes skipped, only {available} memcached nodes available")
+    families = [f for f in MEMCACHED_FAMILIES if any(s.family == f for s in context.caches)]
+    if not counts or not families:
+        context.notes.append("nodes: skipped, no memcached cache selected or no node available")
+        return {"counts": counts, "keys": p.node_keys, "results": []}
+    subjects = [_cache_subject(context, family, n) for family in families for n in counts]
+    subjects.append(_floor_subject(context.memcached_nodes[0]))
+    values = make_values(p.seed, p.node_keys, 50, 200, 0).small
+    items = {f"node.{context.token}.{index}": value for index, value in enumerate(values)}
+    keys = list(items)
+    rounds = max(1, min(p.rounds, p.node_calls))
+    calls = max(1, p.node_calls // rounds)
+    durations: dict[tuple[str, int, str], list[int]] = defaultdict(list)
+    try:
+        for subject in subjects:
+            subject.set_many(items)
+        with context.progress("nodes", rounds * len(subjects)) as bar:
+            for round_index in range(rounds):
+                gets = [Call(keys[(round_index * calls + i) % len(keys)], None) for i in range(calls)]
+                gets = [Call(call.argument, items[call.argument]) for call in gets]
+                many = [Call(keys, items)] * calls
+                for subject in rotated(subjects, round_index):
+                    for operation, batch, method in (("get", gets, subject.get),
+                                                     ("get_many", many, subject.get_many)):
+                        taken, results = time_calls(method, [call.argument for call in batch])
+                        durations[subject.client, subject.nodes, operation].extend(taken)
+                        wrong = mismatches(results, batch)
+                        if wrong:
+                            context.failures.append(f"nodes: {subject.client} on {subject.nodes} "
+                                                    f"node(s) {operation}: {wrong[0]}")
+                    bar.update()
+    finally:
+        for subject in subjects:
+            subject.delete_many(keys)
+            subject.close()
+    results = [{"client": client, "nodes": n, "operation": operation, **summarize(taken)}
+               for (client, n, operation), taken in durations.items()]
+    return {"counts": counts, "keys": p.node_keys, "results": results}
+
+
+def _cache_subject(context: Context, family: str, nodes: int) -> Subject:
+    spec = memcached_spec(family, context.token, context.memcached_nodes, nodes)
+    cache = spec.build()
+    return Subject(family, nodes, cache.set_many, cache.get, cache.get_many,
+                   cache.delete_many, cache.close)
+
+
+def _floor_subject(address: str) -> Subject:
+    from pymemcache.client.base import Client
+
+    host, port = address.rsplit(":", 1)
+    client = Client((host, int(port)), default_noreply=False)
+    return Subject(FLOOR, 1, client.set_many, client.get, client.get_many,
+                   client.delete_many, client.close)

@@ -1,0 +1,279 @@
+"""``ops``: the cost of each cache operation, hit and miss, per call.
+
+Each operation runs in rounds; within a round every cache does the same calls on fresh
+keys, in an order that rotates from round to round. Entries an operation needs (the
+hits) are written before its timed calls, without the clock running. Every result is
+checked after the round's timed calls, and so is what the cache holds afterwards.
+"""
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from django.core.cache.backends.base import BaseCache
+
+from kvcache_bench.caches import CacheSpec
+from kvcache_bench.context import Context
+from kvcache_bench.data import Values, make_values
+from kvcache_bench.storage import bulk_load
+from kvcache_bench.timing import rotated, summarize, time_calls
+
+ABSENT: Any = object()  # "this key must not be in the cache afterwards"
+MAX_REPORTED_MISMATCHES = 3
+#: Results a third-party backend is known to return instead of Django's: reported as a
+#: note rather than failing the run, as long as the result is exactly this one.
+KNOWN_DEVIATIONS: dict[tuple[str, str], tuple[Any, str]] = {
+    ("django-mysql", "delete hit"): (None, "django-mysql's delete() returns None, not True"),
+    ("django-mysql", "delete miss"): (None, "django-mysql's delete() returns None, not False"),
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    argument: Any
+    expected: Any  # the result the call must return; an exception class for an error
+
+
+@dataclass(frozen=True)
+class Prepared:
+    preload: dict[str, Any]  # written before the timed calls
+    calls: list[Call]
+    stored: dict[str, Any]  # what the cache must hold afterwards (ABSENT = nothing)
+
+
+@dataclass(frozen=True)
+class Round:
+    """Fresh keys and pre-generated values for one operation in one round."""
+
+    label: str
+    calls: int
+    batch: int
+    values: Values
+
+    def keys(self, count: int | None = None) -> list[str]:
+        return [f"{self.label}.{index}" for index in range(count or self.calls)]
+
+    def items(self, count: int | None = None) -> dict[str, Any]:
+        start = zlib.crc32(self.label.encode()) % len(self.values.small)  # stable across runs
+        small = itertools.cycle(self.values.small[start:] + self.values.small[:start])
+        return dict(zip(self.keys(count), small))
+
+    def batches(self) -> list[dict[str, Any]]:
+        items = list(self.items(self.calls * self.batch).items())
+        return [dict(items[start:start + self.batch]) for start in range(0, len(items), self.batch)]
+
+
+@dataclass(frozen=True)
+class Operation:
+    name: str
+    prepare: Callable[[Round], Prepared]
+    run: Callable[[BaseCache, Any], Any]
+
+
+def _merged(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {key: value for batch in batches for key, value in batch.items()}
+
+
+def _set(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared({}, [Call(item, None) for item in items.items()], items)
+
+
+def _set_large(r: Round) -> Prepared:
+    items = dict.fromkeys(r.keys(), r.values.large)
+    return Prepared({}, [Call(item, None) for item in items.items()], items)
+
+
+def _set_many(r: Round) -> Prepared:
+    batches = r.batches()
+    return Prepared({}, [Call(batch, []) for batch in batches], _merged(batches))
+
+
+def _get_hit(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared(items, [Call(key, value) for key, value in items.items()], {})
+
+
+def _get_large(r: Round) -> Prepared:
+    items = dict.fromkeys(r.keys(), r.values.large)
+    return Prepared(items, [Call(key, value) for key, value in items.items()], {})
+
+
+def _get_miss(r: Round) -> Prepared:
+    return Prepared({}, [Call(key, None) for key in r.keys()], {})
+
+
+def _get_many_hit(r: Round) -> Prepared:
+    batches = r.batches()
+    return Prepared(_merged(batches), [Call(list(batch), batch) for batch in batches], {})
+
+
+def _get_many_miss(r: Round) -> Prepared:
+    batches = r.batches()
+    return Prepared({}, [Call(list(batch), {}) for batch in batches], {})
+
+
+def _delete_hit(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared(items, [Call(key, True) for key in items], dict.fromkeys(items, ABSENT))
+
+
+def _delete_miss(r: Round) -> Prepared:
+    return Prepared({}, [Call(key, False) for key in r.keys()], {})
+
+
+def _delete_many(r: Round) -> Prepared:
+    batches = r.batches()
+    items = _merged(batches)
+    return Prepared(items, [Call(list(batch), None) for batch in batches], dict.fromkeys(items, ABSENT))
+
+
+def _incr(r: Round) -> Prepared:
+    counters = {key: index for index, key in enumerate(r.keys())}
+    after = {key: start + 1 for key, start in counters.items()}
+    return Prepared(counters, [Call(key, value) for key, value in after.items()], after)
+
+
+def _incr_miss(r: Round) -> Prepared:
+    return Prepared({}, [Call(key, ValueError) for key in r.keys()], {})
+
+
+def _add_new(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared({}, [Call(item, True) for item in items.items()], items)
+
+
+def _add_existing(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared(items, [Call((key, b"loser"), False) for key in items], items)
+
+
+def _touch_hit(r: Round) -> Prepared:
+    items = r.items()
+    return Prepared(items, [Call(key, True) for key in items], items)
+
+
+def _touch_miss(r: Round) -> Prepared:
+    return Prepared({}, [Call(key, False) for key in r.keys()], {})
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("set", _set, lambda cache, item: cache.set(*item)),
+    Operation("set large", _set_large, lambda cache, item: cache.set(*item)),
+    Operation("set_many", _set_many, lambda cache, batch: cache.set_many(batch)),
+    Operation("get hit", _get_hit, lambda cache, key: cache.get(key)),
+    Operation("get miss", _get_miss, lambda cache, key: cache.get(key)),
+    Operation("get large", _get_large, lambda cache, key: cache.get(key)),
+    Operation("get_many hit", _get_many_hit, lambda cache, keys: cache.get_many(keys)),
+    Operation("get_many miss", _get_many_miss, lambda cache, keys: cache.get_many(keys)),
+    Operation("delete hit", _delete_hit, lambda cache, key: cache.delete(key)),
+    Operation("delete miss", _delete_miss, lambda cache, key: cache.delete(key)),
+    Operation("delete_many", _delete_many, lambda cache, keys: cache.delete_many(keys)),
+    Operation("incr", _incr, lambda cache, key: cache.incr(key)),
+    Operation("incr miss", _incr_miss, lambda cache, key: cache.incr(key)),
+    Operation("add new", _add_new, lambda cache, item: cache.add(*item)),
+    Operation("add existing", _add_existing, lambda cache, item: cache.add(*item)),
+    Operation("touch hit", _touch_hit, lambda cache, key: cache.touch(key)),
+    Operation("touch miss", _touch_miss, lambda cache, key: cache.touch(key)),
+)
+
+
+def matches(result: Any, expected: Any) -> bool:
+    if isinstance(expected, type) and issubclass(expected, BaseException):
+        return isinstance(result, expected)
+    if expected is None or isinstance(expected, bool):
+        return result is expected
+    return type(result) is type(expected) and result == expected
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def mismatches(results: Sequence[Any], calls: Sequence[Call], known: tuple[Any, str] | None = None) -> list[str]:
+    """One line per wrong result; a known deviation (see KNOWN_DEVIATIONS) is not wrong."""
+    return [
+        f"call {index} returned {_short(result)}, expected {_short(call.expected)}"
+        for index, (result, call) in enumerate(zip(results, calls))
+        if not matches(result, call.expected) and not (known and matches(result, known[0]))
+    ]
+
+
+def stored_mismatches(cache: BaseCache, stored: dict[str, Any]) -> list[str]:
+    """What the cache holds after the calls, compared with what it must hold."""
+    found = cache.get_many(list(stored)) if stored else {}
+    problems = []
+    for key, expected in stored.items():
+        if expected is ABSENT and key in found:
+            problems.append(f"{key} still holds {_short(found[key])} after the calls")
+        elif expected is not ABSENT and found.get(key, ABSENT) != expected:
+            problems.append(f"{key} holds {_short(found.get(key, 'nothing'))} afterwards, "
+                            f"expected {_short(expected)}")
+    return problems
+
+
+def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round) -> tuple[list[int], list[str]]:
+    cache = context.cache(spec)
+    prepared = operation.prepare(r)
+    context.written.add(spec, [*prepared.preload, *prepared.stored, *r.keys(r.calls * r.batch)])
+    if prepared.preload:
+        bulk_load(spec, cache, prepared.preload)
+    durations, results = time_calls(lambda argument: operation.run(cache, argument),
+                                    [call.argument for call in prepared.calls])
+    known = KNOWN_DEVIATIONS.get((spec.family, operation.name))
+    problems = mismatches(results, prepared.calls, known) + stored_mismatches(cache, prepared.stored)
+    if spec.table is None:  # keep shared memcached nodes small: drop the round's keys now
+        cache.delete_many(r.keys(r.calls * r.batch))
+    return durations, problems
+
+
+def run(context: Context) -> dict[str, Any]:
+    p = context.parameters
+    values = make_values(p.seed, p.value_count, p.value_min, p.value_max, p.large_size)
+    durations: dict[tuple[str, str], list[int]] = defaultdict(list)
+    problems: dict[tuple[str, str], list[str]] = defaultdict(list)
+    rounds = range(-p.warmup_rounds, p.rounds)  # negative rounds: warm-up, checked, not kept
+    total = len(rounds) * len(OPERATIONS) * len(context.caches)
+    with context.progress("ops", total) as bar:
+        for round_index in rounds:
+            for op_index, operation in enumerate(OPERATIONS):
+                r = Round(f"{operation.name.replace(' ', '_')}.{round_index}", p.calls, p.batch, values)
+                for spec in rotated(context.caches, round_index + op_index):
+                    taken, wrong = one_round(context, spec, operation, r)
+                    if round_index >= 0:
+                        durations[spec.name, operation.name].extend(taken)
+                    problems[spec.name, operation.name].extend(wrong)
+                    bar.update()
+    results = _results(context, durations, problems)
+    add_ratios(results, context.reference)
+    return {"operations": [op.name for op in OPERATIONS], "results": results}
+
+
+def add_ratios(results: list[dict[str, Any]], reference: str | None) -> None:
+    """Each median divided by the reference cache's median for the same operation."""
+    medians = {e["operation"]: e["median_us"] for e in results if e["cache"] == reference}
+    for entry in results:
+        base = medians.get(entry["operation"])
+        entry["ratio"] = round(entry["median_us"] / base, 3) if base else None
+
+
+def _results(context: Context, durations: dict, problems: dict) -> list[dict[str, Any]]:
+    results = []
+    for spec in context.caches:
+        for operation in OPERATIONS:
+            known = KNOWN_DEVIATIONS.get((spec.family, operation.name))
+            if known:
+                context.notes.append(f"ops: {spec.name} {operation.name}: {known[1]} (accepted)")
+            wrong = problems[spec.name, operation.name]
+            if wrong:
+                shown = "; ".join(wrong[:MAX_REPORTED_MISMATCHES])
+                context.failures.append(
+                    f"ops: {spec.name} {operation.name}: {len(wrong)} wrong result(s): {shown}")
+            results.append({"cache": spec.name, "operation": operation.name,
+                            "correct": not wrong, "wrong_results": len(wrong),
+                            **summarize(durations[spec.name, operation.name])})
+    return results

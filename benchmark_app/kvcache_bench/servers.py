@@ -1,0 +1,89 @@
+"""Memcached nodes for the benchmark: the shared ones plus extra processes it starts itself.
+
+``scripts/services.py up`` runs 4 nodes by default; the 8-node caches need 4 more, which
+the benchmark starts on free loopback ports with the same command line as the shared
+ones, and stops when it ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import runpy
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from django.conf import settings
+
+SERVICES_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "services.py"
+
+
+def services() -> dict[str, Any]:
+    """The helpers of scripts/services.py (run as a module, not as ``__main__``)."""
+    return runpy.run_path(str(SERVICES_SCRIPT), run_name="kvcache_services")
+
+
+def memcached_answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1) as sock:
+            sock.sendall(b"version\r\n")
+            return sock.recv(64).startswith(b"VERSION")
+    except OSError:
+        return False
+
+
+def shared_nodes() -> list[str]:
+    """The configured nodes that answer right now."""
+    return [node for node in settings.MEMCACHED_NODES if memcached_answers(node)]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def memcached_cluster(size: int) -> Iterator[tuple[list[str], str | None]]:
+    """Up to ``size`` node addresses: the shared nodes first, then extra started ones.
+
+    Yields ``(addresses, note)``; ``note`` says why fewer nodes than asked are available.
+    The extra processes are stopped on exit, whatever happens inside.
+    """
+    nodes = shared_nodes()[:size]
+    processes: list[subprocess.Popen] = []
+    note = None
+    try:
+        if len(nodes) < size:
+            try:
+                helpers = services()
+                for _ in range(size - len(nodes)):
+                    address, process = _start_node(helpers)
+                    processes.append(process)
+                    nodes.append(address)
+            except (OSError, RuntimeError, SystemExit) as exc:
+                note = f"could not start extra memcached nodes: {exc}"
+        yield nodes, note
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+
+
+def _start_node(helpers: dict[str, Any]) -> tuple[str, subprocess.Popen]:
+    host = helpers["HOST"]
+    port = _free_port(host)
+    process = subprocess.Popen(
+        helpers["memcached_argv"](port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    address = f"{host}:{port}"
+    deadline = time.monotonic() + 10
+    while not memcached_answers(address):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"memcached on {address} did not start")
+        time.sleep(0.02)
+    return address, process
