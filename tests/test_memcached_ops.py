@@ -50,7 +50,7 @@ def cache(make_cache):
 def raw_client(cache, key):
     """A plain pymemcache client on the node that owns ``key`` (a backend key)."""
     node = cache._node(key)
-    return Client(node.address.server, allow_unicode_keys=True)
+    return Client(node.address.server, allow_unicode_keys=True, default_noreply=False)
 
 
 # --- keys ---------------------------------------------------------------------------------
@@ -243,13 +243,16 @@ def test_corrupt_entry_is_a_logged_miss(cache, caplog):
 def test_values_are_readable_by_pymemcache_compressed_serde_and_back(cache):
     value = {"text": "compressible " * 500}
     cache.set("shared", value)
-    theirs = Client(cache._node(":1:shared").address.server, serde=compressed_serde,
-                    allow_unicode_keys=True)
+    theirs = Client(
+        cache._node(":1:shared").address.server, serde=compressed_serde, default_noreply=False
+    )
     assert theirs.get(":1:shared") == value
     theirs.set(":1:shared", ["from pymemcache"] * 300)
     assert cache.get("shared") == ["from pymemcache"] * 300
     theirs.close()
-    text_writer = Client(cache._node(":1:text").address.server, serde=compressed_serde)
+    text_writer = Client(
+        cache._node(":1:text").address.server, serde=compressed_serde, default_noreply=False
+    )
     text_writer.set(":1:text", "plain text")  # flag 16
     assert cache.get("text") == "plain text"
     text_writer.close()
