@@ -6,3 +6,6 @@ class KVCacheConfig(AppConfig):
 
     name = "django_kvcache"
     verbose_name = "django-kvcache"
+
+    def ready(self) -> None:
+        from django_kvcache import checks  # noqa: F401  (registers the system checks)

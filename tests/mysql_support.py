@@ -1,20 +1,27 @@
-"""Shared helpers of the MySQLCache test modules: building caches on the test database."""
+"""Shared helpers and fixtures of the MySQLCache test modules.
+
+Tables are created once per session outside any test transaction (DDL commits whatever
+transaction is open), so most tests can run inside pytest-django's rolled-back
+transaction; the ones that need real commits use ``transaction=True``.
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
+import pytest
 from django.db import connections
 
 from django_kvcache.backends.mysql import MySQLCache
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
 TABLE = "kvcache_test"
+MYISAM_TABLE = "kvcache_test_myisam"
 
 
 def make_cache(table: str = TABLE, **params: Any) -> MySQLCache:
-    """A MySQLCache on ``table`` (created if missing); OPTIONS default to no write-path culling."""
-    params.setdefault("OPTIONS", {"CULL_PROBABILITY": 0})
-    cache = MySQLCache(table, params)
+    """A MySQLCache on ``table`` (created if missing); no culling on writes unless asked."""
+    options = {"CULL_PROBABILITY": 0, **params.pop("OPTIONS", {})}
+    cache = MySQLCache(table, {**params, "OPTIONS": options})
     ensure_table(cache)
     return cache
 
@@ -30,11 +37,37 @@ def drop_table(table: str, alias: str = "default") -> None:
         cursor.execute(f"DROP TABLE IF EXISTS {connections[alias].ops.quote_name(table)}")
 
 
-def rows(table: str = TABLE, alias: str = "default") -> list[tuple]:
-    """Every row of ``table``, in key order, straight from SQL."""
+def sql(statement: str, params: Any = (), alias: str = "default") -> list[tuple]:
+    """Run ``statement`` on the test database and return its rows."""
     with connections[alias].cursor() as cursor:
-        cursor.execute(
-            "SELECT `cache_key`, `value`, `flags`, `expires` FROM "
-            f"{connections[alias].ops.quote_name(table)} ORDER BY `cache_key`"
-        )
-        return list(cursor.fetchall())
+        cursor.execute(statement, params)
+        return list(cursor.fetchall()) if cursor.description else []
+
+
+def rows(table: str = TABLE) -> list[tuple]:
+    """Every row of ``table`` as (cache_key, value, flags, expires), in key order."""
+    return sql(f"SELECT `cache_key`, `value`, `flags`, `expires` FROM `{table}` ORDER BY `cache_key`")
+
+
+def insert_row(key: str, value: bytes, flags: int, expires: int, table: str = TABLE) -> None:
+    """A row written behind the backend's back (expired, corrupt...)."""
+    sql(f"INSERT INTO `{table}` VALUES (%s, %s, %s, %s)", (key, value, flags, expires))
+
+
+@pytest.fixture(scope="session")
+def mysql_tables(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    with django_db_blocker.unblock():
+        make_cache(TABLE)
+        make_cache(MYISAM_TABLE, OPTIONS={"ENGINE": "MyISAM"})
+        yield
+        drop_table(TABLE)
+        drop_table(MYISAM_TABLE)
+
+
+@pytest.fixture
+def cache(mysql_tables: None, db: None) -> Iterator[MySQLCache]:
+    """A MySQLCache on an empty InnoDB table, inside the test's rolled-back transaction."""
+    cache = make_cache()
+    cache.clear()
+    yield cache
+    cache.clear()

@@ -45,6 +45,15 @@ KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
 #: Below this a value always fits one statement on any server; above it the server's
 #: ``max_allowed_packet`` is consulted (read once per alias).
 ALWAYS_FITS = 512 * 1024
+#: The bytes the client library escapes with a backslash inside a string literal.
+ESCAPED_BYTES = tuple(bytes([byte]) for byte in b"\0\n\r\\'\"\x1a")
+
+
+def row_size(data: bytes) -> int:
+    """Statement bytes one row takes: exact escaping for large values, a bound for small."""
+    if len(data) <= ALWAYS_FITS:
+        return KEY_BYTES + 2 * len(data)
+    return KEY_BYTES + len(data) + sum(data.count(byte) for byte in ESCAPED_BYTES)
 #: MySQL error codes for a value that is not decimal text in an integer-flagged row.
 BAD_NUMBER = frozenset({1292, 1366})
 
@@ -243,26 +252,28 @@ class MySQLCache(KVCache):
         if expires is None:
             self.delete_many(data, version=version)
             return []
+        # Every key and value is checked and encoded before anything is written, so a bad
+        # key or an unpicklable value leaves the whole batch unwritten.
+        encoded = [(key, self._key(key, version), *self.codec.encode(value)) for key, value in data.items()]
         connection, sql = self._writer()
         self._maybe_cull(connection, sql)
         budget = server_info(connection).statement_budget
         failed: list[Any] = []
-        rows: list[Any] = []
+        params: list[Any] = []
         size = 0
-        for caller_key, value in data.items():
-            blob, flags = self.codec.encode(value)
-            row_size = KEY_BYTES + 2 * len(blob)
-            if row_size > budget:
+        for caller_key, key, blob, flags in encoded:
+            size_of_row = row_size(blob)
+            if size_of_row > budget:
                 self._too_large(caller_key, blob)
                 failed.append(caller_key)
                 continue
-            if size + row_size > budget:
-                run(connection, sql.set_many(len(rows) // 4), rows, rowcount)
-                rows, size = [], 0
-            rows += (self._key(caller_key, version), blob, flags, expires)
-            size += row_size
-        if rows:
-            run(connection, sql.set_many(len(rows) // 4), rows, rowcount)
+            if size + size_of_row > budget:
+                run(connection, sql.set_many(len(params) // 4), params, rowcount)
+                params, size = [], 0
+            params += (key, blob, flags, expires)
+            size += size_of_row
+        if params:
+            run(connection, sql.set_many(len(params) // 4), params, rowcount)
         if failed:  # an older value must not outlive a failed write
             self.delete_many(failed, version=version)
         return failed
@@ -421,7 +432,7 @@ class MySQLCache(KVCache):
             yield keys[start : start + per_statement]
 
     def _fits(self, connection: BaseDatabaseWrapper, data: bytes, key: str) -> bool:
-        if KEY_BYTES + 2 * len(data) <= server_info(connection).statement_budget:
+        if row_size(data) <= server_info(connection).statement_budget:
             return True
         self._too_large(key, data)
         return False

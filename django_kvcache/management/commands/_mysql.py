@@ -1,0 +1,25 @@
+"""What the kvcache MySQL commands share: the cache aliases argument."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.mysql.maintenance import UnknownCache, mysql_caches
+
+
+class MySQLCacheCommand(BaseCommand):
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "aliases", nargs="*", metavar="alias",
+            help="Cache aliases (default: every MySQLCache in CACHES).",
+        )
+
+    def selected_caches(self, aliases: list[str]) -> dict[str, MySQLCache]:
+        try:
+            return mysql_caches(aliases)
+        except UnknownCache as exc:
+            raise CommandError(str(exc)) from exc

@@ -1,0 +1,19 @@
+"""``manage.py kvcache_cull [alias ...]``: cull MySQLCache tables, e.g. from cron."""
+from __future__ import annotations
+
+from typing import Any
+
+from django_kvcache.management.commands._mysql import MySQLCacheCommand
+from django_kvcache.mysql.maintenance import cull_all
+
+
+class Command(MySQLCacheCommand):
+    help = (
+        "Delete expired entries of MySQLCache caches and evict down to MAX_ENTRIES; "
+        "prints the rows deleted per cache."
+    )
+
+    def handle(self, *args: Any, aliases: list[str], **options: Any) -> None:
+        aliases = list(self.selected_caches(aliases))
+        for alias, deleted in (cull_all(aliases) if aliases else {}).items():
+            self.stdout.write(f"{alias}: {deleted} rows deleted")

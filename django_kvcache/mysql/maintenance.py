@@ -1,0 +1,93 @@
+"""Table creation, migrations and culling over every MySQLCache in ``CACHES``.
+
+The management commands are thin wrappers around these functions; ``cull_all`` is also
+meant to be called from a periodic task (Celery beat, RQ scheduler...)::
+
+    from django_kvcache.mysql.maintenance import cull_all
+
+    @app.task
+    def cull_caches():
+        return cull_all()
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from django.conf import settings
+from django.core.cache import caches
+from django.utils.module_loading import import_string
+
+from django_kvcache.backends.mysql import MySQLCache
+
+
+class UnknownCache(LookupError):
+    """An alias that is not in ``CACHES`` or is not a MySQLCache."""
+
+
+def is_mysql_cache(alias: str) -> bool:
+    try:
+        backend = import_string(settings.CACHES[alias]["BACKEND"])
+    except (KeyError, ImportError):
+        return False
+    return isinstance(backend, type) and issubclass(backend, MySQLCache)
+
+
+def mysql_caches(aliases: Iterable[str] | None = None) -> dict[str, MySQLCache]:
+    """``{alias: cache}`` for the given aliases, or for every MySQLCache in CACHES."""
+    if not aliases:
+        aliases = [alias for alias in settings.CACHES if is_mysql_cache(alias)]
+    found = {}
+    for alias in aliases:
+        if alias not in settings.CACHES:
+            raise UnknownCache(f"No cache named {alias!r} in CACHES")
+        if not is_mysql_cache(alias):
+            raise UnknownCache(f"Cache {alias!r} is not a MySQLCache")
+        found[alias] = caches[alias]
+    return found
+
+
+def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -> dict[str, str]:
+    """Create every missing table; returns ``{alias: SQL}`` of what was (or would be) run."""
+    done = {}
+    for alias, cache in mysql_caches(aliases).items():
+        if cache.table_exists():
+            continue
+        done[alias] = cache.create_table_sql() if dry_run else cache.create_table()
+    return done
+
+
+def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
+    """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``."""
+    return {alias: cache.cull() for alias, cache in mysql_caches(aliases).items()}
+
+
+MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases})."""
+from django.db import migrations
+
+
+class Migration(migrations.Migration):
+    dependencies = []
+
+    operations = [
+{operations}
+    ]
+'''
+
+OPERATION_TEMPLATE = """        migrations.RunSQL(
+            sql={create!r},
+            reverse_sql={drop!r},
+        ),
+"""
+
+
+def migration_source(aliases: Iterable[str] | None = None) -> str:
+    """A migration module creating each cache's table, one ``RunSQL`` (with reverse) each."""
+    selected = mysql_caches(aliases)
+    tables: dict[str, MySQLCache] = {}
+    for cache in selected.values():  # two aliases may share one table
+        tables.setdefault(cache.table, cache)
+    operations = "".join(
+        OPERATION_TEMPLATE.format(create=cache.create_table_sql(), drop=cache.drop_table_sql())
+        for cache in tables.values()
+    )
+    return MIGRATION_TEMPLATE.format(aliases=", ".join(selected), operations=operations)

@@ -1,0 +1,416 @@
+"""MySQLCache operations beyond the shared contract: schema, statements, keys, incr, options."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+import warnings
+
+import pytest
+from django.core.cache.backends.base import CacheKeyWarning
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX, INT64_MIN
+from django_kvcache.mysql.keys import DIGEST_MARKER, MAX_KEY_LENGTH, stored_key
+from django_kvcache.mysql.server import server_info
+from django_kvcache.mysql.sql import FOREVER
+from tests.mysql_support import (  # noqa: F401  (fixtures)
+    MYISAM_TABLE,
+    TABLE,
+    cache,
+    insert_row,
+    make_cache,
+    mysql_tables,
+    rows,
+    sql,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --- schema ------------------------------------------------------------------------------
+
+
+def test_schema_has_exact_keys_raw_values_and_an_expiry_index(cache):
+    (_, create), = sql(f"SHOW CREATE TABLE `{TABLE}`")
+    assert "`cache_key` varchar(250)" in create and "utf8mb4_nopad_bin" in create
+    assert "`value` longblob NOT NULL" in create
+    assert "`flags` int(10) unsigned NOT NULL" in create
+    assert "`expires` bigint(20) NOT NULL" in create
+    assert "PRIMARY KEY (`cache_key`)" in create
+    assert "KEY `kvcache_expires` (`expires`)" in create
+    assert "ENGINE=InnoDB" in create
+
+
+def test_engine_option(mysql_tables):
+    (_, create), = sql(f"SHOW CREATE TABLE `{MYISAM_TABLE}`")
+    assert "ENGINE=MyISAM" in create
+    myisam = make_cache(MYISAM_TABLE)
+    myisam.set("key", "value")
+    assert myisam.get("key") == "value"
+    myisam.clear()
+
+
+def test_values_are_stored_as_raw_codec_bytes(cache):
+    cache.set("number", 42)
+    cache.set("text", "é")
+    stored = {key: (bytes(value), flags) for key, value, flags, _ in rows()}
+    assert stored[":1:number"] == (b"42", FLAG_INTEGER)
+    assert stored[":1:text"] == cache.codec.encode("é")
+    assert stored[":1:text"][1] == FLAG_PICKLE
+
+
+def test_expiry_is_epoch_milliseconds_and_forever_sorts_last(cache):
+    before = now_ms()
+    cache.set("bounded", "v", timeout=100)
+    cache.set("forever", "v", timeout=None)
+    cache.set("fraction", "v", timeout=2.5)
+    after = now_ms()
+    expires = {key: expires for key, _, _, expires in rows()}
+    assert before + 100_000 <= expires[":1:bounded"] <= after + 100_000
+    assert before + 2_500 <= expires[":1:fraction"] <= after + 2_500
+    assert expires[":1:forever"] == FOREVER
+
+
+def test_keys_differing_only_in_trailing_space_case_or_accent_are_distinct(cache):
+    family = ["a", "a ", "A", "á", "a\u0301", "\U0001f600", "\U0001f601"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheKeyWarning)
+        for index, key in enumerate(family):
+            cache.set(key, index)
+        assert [cache.get(key) for key in family] == list(range(len(family)))
+        assert cache.get_many(family) == {key: index for index, key in enumerate(family)}
+
+
+# --- one statement per operation ----------------------------------------------------------
+
+
+def statements(cache, operation):
+    with CaptureQueriesContext(connections["default"]) as captured:
+        result = operation()
+    return result, [query["sql"] for query in captured.captured_queries]
+
+
+@pytest.mark.parametrize(
+    "name, operation",
+    [
+        ("get", lambda c: c.get("a")),
+        ("get miss", lambda c: c.get("missing")),
+        ("has_key", lambda c: c.has_key("a")),
+        ("set", lambda c: c.set("a", "new")),
+        ("set forever", lambda c: c.set("a", "new", timeout=None)),
+        ("set timeout 0", lambda c: c.set("a", "new", timeout=0)),
+        ("add new", lambda c: c.add("new", 1)),
+        ("add existing", lambda c: c.add("a", 1)),
+        ("add timeout 0", lambda c: c.add("new", 1, timeout=0)),
+        ("get_many", lambda c: c.get_many(["a", "n", "missing"])),
+        ("set_many 20", lambda c: c.set_many({f"k{i}": i for i in range(20)})),
+        ("set_many timeout 0", lambda c: c.set_many({"a": 1, "b": 2}, timeout=0)),
+        ("delete_many", lambda c: c.delete_many(["a", "n", "missing"])),
+        ("incr", lambda c: c.incr("n")),
+        ("decr", lambda c: c.decr("n", 5)),
+        ("touch", lambda c: c.touch("a", 60)),
+        ("touch 0", lambda c: c.touch("a", 0)),
+        ("delete", lambda c: c.delete("a")),
+        ("clear", lambda c: c.clear()),
+        ("keys_with_prefix", lambda c: c.keys_with_prefix("a")),
+        ("get_with_prefix", lambda c: c.get_with_prefix("a")),
+        ("delete_with_prefix", lambda c: c.delete_with_prefix("a")),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_one_statement_per_operation(cache, name, operation):
+    cache.set_many({"a": "A", "n": 10})
+    _, executed = statements(cache, lambda: operation(cache))
+    assert len(executed) == 1, executed
+    assert "COUNT(" not in executed[0].upper()
+
+
+def test_empty_batches_run_no_statement(cache):
+    assert statements(cache, lambda: cache.get_many([]))[1] == []
+    assert statements(cache, lambda: cache.set_many({}))[1] == []
+    assert statements(cache, lambda: cache.delete_many([]))[1] == []
+
+
+# --- add -----------------------------------------------------------------------------------
+
+
+def test_add_overwrites_only_an_expired_row(cache):
+    insert_row(":1:old", b"stale", 0, now_ms() - 1000)
+    assert cache.add("old", "fresh", timeout=None) is True
+    assert cache.get("old") == "fresh"
+    (_, _, _, expires), = rows()
+    assert expires == FOREVER
+
+
+def test_add_leaves_a_live_row_untouched(cache):
+    cache.set("key", "first", timeout=100)
+    before = rows()
+    assert cache.add("key", "second", timeout=None) is False
+    assert rows() == before
+
+
+def test_add_reports_correctly_after_an_incr_set_last_insert_id(cache):
+    cache.set("n", 5)
+    cache.incr("n", 1000)  # leaves LAST_INSERT_ID() = 1005 on the connection
+    assert cache.add("fresh", 1) is True
+    assert cache.add("fresh", 2) is False
+
+
+# --- incr / decr -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "start, delta, result",
+    [
+        (0, -1, -1),
+        (-5, 3, -2),
+        (INT64_MAX - 1, 1, INT64_MAX),
+        (INT64_MIN + 1, -1, INT64_MIN),
+        (INT64_MIN, 2**64 - 1, INT64_MAX),
+        (INT64_MAX, -(2**64) + 1, INT64_MIN),
+        (INT64_MIN, INT64_MAX, -1),
+    ],
+)
+def test_incr_covers_the_signed_64_bit_range(cache, start, delta, result):
+    cache.set("n", start)
+    assert cache.incr("n", delta) == result
+    assert cache.get("n") == result
+
+
+@pytest.mark.parametrize(
+    "start, delta", [(INT64_MAX, 1), (INT64_MIN, -1), (0, 2**63), (0, 2**64), (5, 2**70)]
+)
+def test_incr_overflow_raises_and_leaves_the_value(cache, start, delta):
+    cache.set("n", start)
+    with pytest.raises(OverflowError):
+        cache.incr("n", delta)
+    assert cache.get("n") == start
+
+
+def test_incr_keeps_the_expiry(cache):
+    cache.set("n", 1, timeout=100)
+    (_, _, _, expires), = rows()
+    cache.incr("n", 5)
+    assert rows()[0][3] == expires
+    assert cache.get("n") == 6
+
+
+def test_incr_of_expired_or_missing_key_raises_value_error(cache):
+    insert_row(":1:gone", b"5", FLAG_INTEGER, now_ms() - 1)
+    for key, delta in [("gone", 1), ("missing", 1), ("missing", 2**70)]:
+        with pytest.raises(ValueError, match="not found"):
+            cache.incr(key, delta)
+
+
+@pytest.mark.parametrize("value", ["12", 1.5, True, b"7", 2**64])
+def test_incr_of_non_integer_raises_type_error(cache, value):
+    cache.set("v", value)
+    with pytest.raises(TypeError):
+        cache.incr("v")
+    assert cache.get("v") == value
+
+
+def test_incr_rejects_a_non_integer_delta(cache):
+    cache.set("n", 1)
+    with pytest.raises(TypeError):
+        cache.incr("n", 1.5)
+    assert cache.get("n") == 1
+
+
+def test_incr_of_a_corrupt_integer_row_is_a_logged_miss(cache, caplog):
+    insert_row(":1:bad", b"12abc", FLAG_INTEGER, FOREVER)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"), pytest.raises(ValueError):
+        cache.incr("bad")
+    assert "corrupt" in caplog.text
+
+
+# --- corrupt rows ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, flags", [(b"\x80\x04garbage", FLAG_PICKLE), (b"not zlib", FLAG_PICKLE | 8), (b"x", 999)]
+)
+def test_corrupt_row_reads_as_a_logged_miss(cache, caplog, value, flags):
+    insert_row(":1:bad", value, flags, FOREVER)
+    cache.set("good", "fine")
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert cache.get("bad", "default") == "default"
+        assert cache.get_many(["bad", "good"]) == {"good": "fine"}
+    assert caplog.text.count("corrupt") == 2
+    cache.set("bad", "repaired")
+    assert cache.get("bad") == "repaired"
+
+
+# --- long keys ---------------------------------------------------------------------------
+
+
+def test_long_keys_are_digested_never_truncated_and_warn(cache):
+    head = "k" * 300
+    with pytest.warns(CacheKeyWarning):
+        cache.set(head + "1", "one")
+    with pytest.warns(CacheKeyWarning):
+        cache.set(head + "2", "two")
+    with pytest.warns(CacheKeyWarning):
+        assert cache.get(head + "1") == "one"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheKeyWarning)
+        assert cache.get_many([head + "1", head + "2"]) == {head + "1": "one", head + "2": "two"}
+        assert cache.incr_version(head + "1") == 2
+    stored = [key for key, *_ in rows()]
+    assert all(len(key) == MAX_KEY_LENGTH and DIGEST_MARKER in key for key in stored)
+
+
+def test_key_of_250_characters_is_stored_verbatim_without_warning(cache):
+    key = "x" * (MAX_KEY_LENGTH - len(":1:"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheKeyWarning)
+        cache.set(key, "fits")
+        assert cache.get(key) == "fits"
+    assert rows()[0][0] == ":1:" + key
+
+
+def test_a_key_shaped_like_a_digest_cannot_collide_with_one(cache):
+    long_key = "z" * 400
+    digest_form = stored_key(cache.make_key(long_key))
+    lookalike = digest_form[len(":1:") :]  # its made key *is* the digest form
+    assert cache.make_key(lookalike) == digest_form
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheKeyWarning)
+        cache.set(long_key, "long")
+        cache.set(lookalike, "lookalike")
+        assert cache.get(long_key) == "long"
+        assert cache.get(lookalike) == "lookalike"
+    assert len(rows()) == 2
+
+
+# --- timeouts ------------------------------------------------------------------------------
+
+
+def test_set_many_with_zero_timeout_removes_old_values(cache):
+    cache.set_many({"a": 1, "b": 2})
+    assert cache.set_many({"a": 3, "b": 4}, timeout=0) == []
+    assert rows() == []
+
+
+def test_huge_timeouts_are_forever(cache):
+    cache.set("key", "value", timeout=10**30)
+    assert rows()[0][3] == FOREVER
+    assert cache.get("key") == "value"
+
+
+def test_delete_of_an_expired_row_is_false(cache):
+    insert_row(":1:old", b"x", 0, now_ms() - 1)
+    assert cache.delete("old") is False
+    assert cache.touch("old") is False
+    assert cache.has_key("old") is False
+
+
+# --- statements over max_allowed_packet ------------------------------------------------------
+
+
+@pytest.fixture
+def max_packet(cache):
+    return server_info(connections["default"]).max_allowed_packet
+
+
+def test_values_near_max_allowed_packet(cache, max_packet, caplog):
+    rng = random.Random(3)
+    fits = rng.randbytes(max_packet * 3 // 4)
+    cache.set("big", fits)
+    assert cache.get("big") == fits
+    too_big = rng.randbytes(max_packet + 1024)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        cache.set("big", too_big)  # the server would drop the connection; nothing is sent
+        assert cache.add("other", too_big) is False
+    assert "max_allowed_packet" in caplog.text
+    assert cache.get("big") is None  # the older value does not outlive the failed write
+    assert cache.get("other") is None
+
+
+def test_set_many_splits_only_beyond_max_allowed_packet(cache, max_packet, caplog):
+    rng = random.Random(4)
+    data = {f"part{i}": rng.randbytes(max_packet // 3) for i in range(4)}
+    data["huge"] = rng.randbytes(max_packet + 1024)
+    cache.set("huge", "old")
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        failed, executed = statements(cache, lambda: cache.set_many(data))
+    assert failed == ["huge"]
+    inserts = [s for s in executed if s.startswith("INSERT")]
+    assert 2 <= len(inserts) < len(data)  # together over one packet, but batched
+    assert cache.get_many(list(data)) == {k: v for k, v in data.items() if k != "huge"}
+
+
+def test_many_keys_in_one_statement(cache):
+    keys = [f"key-{i}" for i in range(3000)]
+    _, executed = statements(cache, lambda: cache.set_many(dict.fromkeys(keys, 1)))
+    assert len(executed) == 1
+    found, executed = statements(cache, lambda: cache.get_many(keys))
+    assert found == dict.fromkeys(keys, 1) and len(executed) == 1
+
+
+# --- options -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "location, options, named",
+    [
+        (TABLE, {"CULL_PROBABILITY": 2}, "CULL_PROBABILITY"),
+        (TABLE, {"CULL_PROBABILITY": "often"}, "CULL_PROBABILITY"),
+        (TABLE, {"ENGINE": "InnoDB; DROP TABLE x"}, "ENGINE"),
+        (TABLE, {"DATABASE": "nowhere"}, "DATABASE"),
+        (TABLE, {"MAX_ENTRIES": -1}, "MAX_ENTRIES"),
+        (TABLE, {"CULL_FREQUENCY": "3"}, "CULL_FREQUENCY"),
+        (TABLE, {"TABLE": "x"}, "TABLE"),
+        ("evil`name", {}, "LOCATION"),
+        ("", {}, "LOCATION"),
+        ("t" * 65, {}, "LOCATION"),
+    ],
+)
+def test_bad_configuration_names_the_option(location, options, named):
+    with pytest.raises(ImproperlyConfigured, match=named):
+        MySQLCache(location, {"OPTIONS": options})
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "cache"])
+def test_database_option_uses_that_connection(mysql_tables):
+    dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
+    dedicated.has_key("warm-up")  # the server is detected once per alias, on first use
+    with CaptureQueriesContext(connections["cache"]) as on_cache, CaptureQueriesContext(
+        connections["default"]
+    ) as on_default:
+        dedicated.set("key", "value")
+        assert dedicated.get("key") == "value"
+    assert len(on_cache) == 2 and len(on_default) == 0
+    dedicated.clear()
+
+
+class ReadsFromCacheAlias:
+    def db_for_read(self, model, **hints):
+        return "cache" if model._meta.app_label == "django_kvcache" else None
+
+    def db_for_write(self, model, **hints):
+        return "default" if model._meta.app_label == "django_kvcache" else None
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "cache"])
+def test_routers_choose_the_connection(mysql_tables, settings):
+    settings.DATABASE_ROUTERS = [f"{__name__}.ReadsFromCacheAlias"]
+    routed = make_cache()
+    routed.has_key("warm-up"), routed.delete("warm-up")  # server detection, once per alias
+    with CaptureQueriesContext(connections["cache"]) as reads, CaptureQueriesContext(
+        connections["default"]
+    ) as writes:
+        routed.set("key", "value")
+        routed.get("key")
+        routed.get_many(["key"])
+    assert [q["sql"].split()[0] for q in reads] == ["SELECT", "SELECT"]
+    assert [q["sql"].split()[0] for q in writes] == ["INSERT"]
+    routed.clear()
