@@ -1,0 +1,146 @@
+"""MySQLCache management commands, the plain cull function and the system checks."""
+from __future__ import annotations
+
+import time
+from io import StringIO
+
+import pytest
+from django.core.cache import caches
+from django.core.management import CommandError, call_command
+from django.db import connections
+from django.test import override_settings
+
+from django_kvcache.checks import check_mysql_cache_tables, check_mysql_caches
+from django_kvcache.mysql.maintenance import cull_all
+from tests.mysql_support import BACKEND, drop_table, insert_row, sql
+
+TABLES = ["kvcache_cmd_a", "kvcache_cmd_b"]
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "mysql_a": {"BACKEND": BACKEND, "LOCATION": TABLES[0]},
+    "mysql_b": {"BACKEND": BACKEND, "LOCATION": TABLES[1], "OPTIONS": {"MAX_ENTRIES": 2}},
+}
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def cache_settings():
+    for table in TABLES:
+        drop_table(table)
+    with override_settings(CACHES=CACHES):
+        yield
+    for table in TABLES:
+        drop_table(table)
+
+
+def command(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def tables() -> set[str]:
+    return set(TABLES) & set(connections["default"].introspection.table_names())
+
+
+def test_createtable_creates_missing_tables_once():
+    assert command("kvcache_createtable") == "mysql_a: created table\nmysql_b: created table\n"
+    assert tables() == set(TABLES)
+    assert command("kvcache_createtable") == "mysql_a: table exists\nmysql_b: table exists\n"
+    caches["mysql_a"].set("key", "value")
+    assert caches["mysql_a"].get("key") == "value"
+
+
+def test_createtable_for_named_aliases():
+    assert command("kvcache_createtable", "mysql_b") == "mysql_b: created table\n"
+    assert tables() == {TABLES[1]}
+
+
+def test_createtable_dry_run_prints_sql_and_creates_nothing():
+    out = command("kvcache_createtable", "--dry-run")
+    assert out.count("CREATE TABLE IF NOT EXISTS") == 2
+    assert "-- mysql_a\nCREATE TABLE IF NOT EXISTS `kvcache_cmd_a`" in out
+    assert tables() == set()
+
+
+@pytest.mark.parametrize("name", ["kvcache_createtable", "kvcache_migration", "kvcache_cull"])
+@pytest.mark.parametrize("alias, reason", [("nope", "No cache named"), ("default", "not a MySQLCache")])
+def test_commands_refuse_unknown_aliases(name, alias, reason):
+    with pytest.raises(CommandError, match=reason):
+        command(name, alias)
+
+
+def test_migration_module_creates_and_drops_each_table():
+    source = command("kvcache_migration")
+    namespace: dict = {}
+    exec(compile(source, "0002_cache_tables.py", "exec"), namespace)
+    operations = namespace["Migration"].operations
+    assert len(operations) == 2
+    with connections["default"].cursor() as cursor:
+        for operation in operations:
+            cursor.execute(operation.sql)
+        assert tables() == set(TABLES)
+        for operation in operations:
+            cursor.execute(operation.reverse_sql)
+    assert tables() == set()
+
+
+def test_cull_command_and_function_report_rows_deleted_per_alias():
+    command("kvcache_createtable")
+    past = int(time.time() * 1000) - 1000
+    for i in range(3):
+        insert_row(f":1:old{i}", b"x", 0, past, table=TABLES[0])
+    caches["mysql_b"].set_many({f"k{i}": i for i in range(5)})
+    assert command("kvcache_cull") == "mysql_a: 3 rows deleted\nmysql_b: 3 rows deleted\n"
+    assert cull_all() == {"mysql_a": 0, "mysql_b": 0}
+    assert cull_all(["mysql_b"]) == {"mysql_b": 0}
+    assert sql(f"SELECT COUNT(*) FROM `{TABLES[1]}`") == [(2 - 2 // 3,)]
+
+
+# --- system checks -------------------------------------------------------------------------
+
+
+def check_ids(messages) -> list[str]:
+    return [message.id for message in messages]
+
+
+def test_missing_table_warns_with_the_command_to_run():
+    messages = check_mysql_cache_tables(databases=["default"])
+    assert check_ids(messages) == ["kvcache.W001", "kvcache.W001"]
+    assert "kvcache_createtable mysql_a" in messages[0].hint
+    assert check_mysql_cache_tables(databases=None) == []  # no database access unless asked
+    command("kvcache_createtable")
+    assert check_mysql_cache_tables(databases=["default"]) == []
+
+
+def test_invalid_options_are_errors():
+    broken = {**CACHES, "broken": {"BACKEND": BACKEND, "LOCATION": "t", "OPTIONS": {"CULL_PROBABILITY": 5}}}
+    with override_settings(CACHES=broken):
+        messages = check_mysql_caches()
+    assert check_ids(messages) == ["kvcache.E002"]
+    assert "CULL_PROBABILITY" in messages[0].msg
+
+
+@pytest.fixture
+def sqlite_alias():
+    """A non-MySQL database alias (never connected to: checks only look at its vendor)."""
+    connections.settings["sqlite"] = {
+        **connections.settings["default"], "ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"
+    }
+    yield "sqlite"
+    del connections["sqlite"]
+    del connections.settings["sqlite"]
+
+
+def test_database_that_is_not_mysql_is_an_error(sqlite_alias):
+    elsewhere = {**CACHES, "elsewhere": {"BACKEND": BACKEND, "LOCATION": "t",
+                                         "OPTIONS": {"DATABASE": sqlite_alias}}}
+    with override_settings(CACHES=elsewhere):
+        messages = check_mysql_caches()
+    assert check_ids(messages) == ["kvcache.E001"]
+    assert "'sqlite'" in messages[0].msg
+
+
+def test_valid_configuration_has_no_errors():
+    assert check_mysql_caches() == []

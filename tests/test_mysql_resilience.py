@@ -1,0 +1,166 @@
+"""MySQLCache under concurrency (separate processes) and after a dropped connection."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import MySQLdb
+import pytest
+from django.conf import settings
+from django.db import OperationalError, ProgrammingError, connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_kvcache.backends.mysql import MySQLCache
+from tests.mysql_support import TABLE, insert_row, make_cache, mysql_tables, rows  # noqa: F401
+
+PROCESSES = 4
+INCREMENTS = 150
+RACED_KEYS = 120
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "cache"])
+
+
+# --- child processes: fresh interpreters with their own connections ----------------------------
+
+
+def start_child(database_name: str) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+    connections["default"].settings_dict["NAME"] = database_name
+
+
+def child_cache() -> MySQLCache:
+    return MySQLCache(TABLE, {"OPTIONS": {"CULL_PROBABILITY": 0}})
+
+
+def increment_many(_: int) -> list[int]:
+    cache = child_cache()
+    return [cache.incr("counter") for _ in range(INCREMENTS)]
+
+
+def add_all(worker: int) -> list[str]:
+    cache = child_cache()
+    return [f"race{i}" for i in range(RACED_KEYS) if cache.add(f"race{i}", worker)]
+
+
+@pytest.fixture
+def pool(mysql_tables):
+    context = multiprocessing.get_context("spawn")  # no inherited sockets
+    database_name = connections["default"].settings_dict["NAME"]
+    with context.Pool(PROCESSES, initializer=start_child, initargs=(database_name,)) as pool:
+        yield pool
+
+
+@pytest.fixture
+def shared(mysql_tables):
+    cache = make_cache()
+    cache.clear()
+    yield cache
+    cache.clear()
+
+
+def test_concurrent_increments_lose_nothing(shared, pool):
+    shared.set("counter", 0)
+    results = pool.map(increment_many, range(PROCESSES))
+    returned = [value for worker in results for value in worker]
+    assert shared.get("counter") == PROCESSES * INCREMENTS
+    # Each increment saw its own result: no two callers ever got the same value.
+    assert sorted(returned) == list(range(1, PROCESSES * INCREMENTS + 1))
+
+
+def test_racing_add_has_exactly_one_winner(shared, pool):
+    past = int(time.time() * 1000) - 1000
+    for i in range(0, RACED_KEYS, 2):  # half the keys hold an expired row to overwrite
+        insert_row(f":1:race{i}", b"stale", 0, past)
+    results = pool.map(add_all, range(PROCESSES))
+    for i in range(RACED_KEYS):
+        winners = [worker for worker, won in enumerate(results) if f"race{i}" in won]
+        assert len(winners) == 1, (i, winners)
+        assert shared.get(f"race{i}") == winners[0]
+
+
+def test_get_or_set_racing_add_keeps_the_first_value(shared):
+    assert shared.get_or_set("key", "first") == "first"
+    other = make_cache()
+    assert other.get_or_set("key", lambda: "second") == "first"
+
+
+# --- dropped connections ------------------------------------------------------------------
+
+
+def kill(alias: str) -> None:
+    """Kill the server side of ``alias``'s connection, as a restart or wait_timeout would."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()")
+        (thread_id,) = cursor.fetchone()
+    params = settings.MYSQL
+    killer = MySQLdb.connect(
+        host=params["HOST"], port=int(params["PORT"]), user=params["USER"],
+        password=params["PASSWORD"],
+    )
+    try:
+        killer.cursor().execute("KILL CONNECTION %s", (thread_id,))
+    finally:
+        killer.close()
+
+
+def attempts(captured: CaptureQueriesContext) -> list[str]:
+    """Statements sent, without the session set-up Django runs on a new connection."""
+    return [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
+
+
+@pytest.mark.parametrize(
+    "operation, expected",
+    [
+        (lambda c: c.get("key"), "value"),
+        (lambda c: c.set("other", 1), None),
+        (lambda c: c.add("fresh", 1), True),
+        (lambda c: c.incr("n", 2), 3),
+        (lambda c: c.get_many(["key", "n"]), {"key": "value", "n": 1}),
+        (lambda c: c.delete("key"), True),
+        (lambda c: c.keys_with_prefix("k"), ["key"]),
+    ],
+)
+def test_an_operation_after_a_dropped_connection_is_retried_once(shared, operation, expected):
+    shared.set_many({"key": "value", "n": 1})
+    kill("default")
+    with CaptureQueriesContext(connections["default"]) as captured:
+        assert operation(shared) == expected
+    assert len(attempts(captured)) == 2  # the one that met the dead connection, and the retry
+
+
+def test_no_retry_inside_a_transaction(mysql_tables):
+    dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
+    dedicated.set("key", "value")
+    with pytest.raises(OperationalError):
+        with transaction.atomic(using="cache"):
+            dedicated.get("key")
+            kill("cache")
+            dedicated.get("key")
+    assert dedicated.get("key") == "value"  # outside the transaction it recovers
+    dedicated.clear()
+
+
+def test_other_errors_are_not_retried(mysql_tables):
+    missing = MySQLCache("kvcache_no_such_table", {})
+    with CaptureQueriesContext(connections["default"]) as captured:
+        with pytest.raises(ProgrammingError):
+            missing.get("key")
+    assert len(attempts(captured)) == 1
+
+
+def test_a_dedicated_alias_keeps_cache_writes_out_of_the_request_transaction(mysql_tables):
+    dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
+    shared_connection = make_cache()
+    dedicated.clear()
+    with pytest.raises(RuntimeError):
+        with transaction.atomic(using="default"):
+            dedicated.set("dedicated", 1)
+            shared_connection.set("shared", 1)
+            raise RuntimeError("the view failed")
+    assert dedicated.get("dedicated") == 1  # committed on its own connection
+    assert shared_connection.get("shared") is None  # rolled back with the request
+    dedicated.clear()
