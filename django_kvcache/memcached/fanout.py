@@ -33,7 +33,35 @@ class Batch:
 
 
 def run(batches: Sequence[Batch], retry: bool = True) -> None:
-    """Send every batch's request, then read every reply; fills ``result``/``error``."""
+    """Send every batch's request, then read every reply; fills ``result``/``error``.
+
+    A thread never waits for one node's connection while holding another's (two threads
+    could each hold what the other waits for): batches whose pool is busy go in a later
+    round, and a round where every pool is busy waits for a single pool only.
+    """
+    pending = list(batches)
+    while pending:
+        claimed = [batch for batch in pending if _claim(batch, wait=False)]
+        if not claimed:
+            claimed = [pending[0]] if _claim(pending[0], wait=True) else []
+        pending = [b for b in pending if b._client is None and b.error is None]
+        _exchange(claimed, retry)
+
+
+def _claim(batch: Batch, wait: bool) -> bool:
+    pool = batch.node.pool
+    try:
+        client = pool.checkout() if wait else pool.try_checkout()
+    except MemcachedError as exc:
+        batch.error = exc
+        return False
+    if client is None:
+        return False
+    batch._client, batch._reused = client, client.sock is not None
+    return True
+
+
+def _exchange(batches: list[Batch], retry: bool) -> None:
     sent = [batch for batch in batches if _send(batch)]
     stale = []
     try:
@@ -50,14 +78,9 @@ def run(batches: Sequence[Batch], retry: bool = True) -> None:
 
 
 def _send(batch: Batch) -> bool:
-    node = batch.node
+    node, client = batch.node, batch._client
+    assert client is not None
     node.ops += len(batch.keys)
-    try:
-        client = node.pool.checkout()
-    except MemcachedError as exc:
-        batch.error = exc
-        return False
-    batch._client, batch._reused = client, client.sock is not None
     try:
         connected(client).sendall(batch.request)
     except NODE_FAILURES as exc:

@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,23 @@ class RawSerde:
 RAW_SERDE = RawSerde()
 
 
+class _Waiter:
+    """A thread queued for a connection; ``lock`` is released when one is handed over."""
+
+    __slots__ = ("client", "lock")
+
+    def __init__(self) -> None:
+        self.client: Client | None = None  # None with the lock released: open a new one
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+
 class NodePool:
-    """Connections to one node. ``size`` counts open connections, idle or in use."""
+    """Connections to one node. ``size`` counts open connections, idle or in use.
+
+    Waiting threads queue in arrival order and each gets a connection handed over
+    directly, so a burst of newcomers cannot starve a thread that is already waiting.
+    """
 
     def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
         self.address = address
@@ -63,34 +79,57 @@ class NodePool:
     def forget(self) -> None:
         """Start empty without closing anything (after fork the sockets are the parent's)."""
         self.idle: list[Client] = []
+        self.queue: deque[_Waiter] = deque()
         self.size = 0
         self.waits = 0
         self.connects = 0
-        self.waiting = 0
-        self.condition = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
 
     def checkout(self) -> Client:
-        try:
-            return self.idle.pop()
-        except IndexError:
-            return self._checkout_slow()
+        if not self.queue:
+            try:
+                return self.idle.pop()
+            except IndexError:
+                pass
+        return self._checkout_slow()
+
+    def try_checkout(self) -> Client | None:
+        """A connection if one is free or may be opened now; None instead of waiting."""
+        if not self.queue:
+            try:
+                return self.idle.pop()
+            except IndexError:
+                pass
+        with self.lock:
+            if self.idle and not self.queue:
+                return self.idle.pop()
+            if self.size < self.settings.max_size:
+                self.size += 1
+                return self._new_client()
+        return None
 
     def checkin(self, client: Client) -> None:
+        if self.queue:
+            with self.lock:
+                if self.queue:
+                    waiter = self.queue.popleft()
+                    waiter.client = client
+                    waiter.lock.release()
+                    return
         self.idle.append(client)
-        if self.waiting:
-            with self.condition:
-                self.condition.notify()
 
     def discard(self, client: Client) -> None:
-        """Close a connection that failed; the pool may open a new one in its place."""
+        """Close a connection that failed; a waiting thread may open one in its place."""
         client.close()
-        with self.condition:
-            self.size -= 1
-            self.condition.notify()
+        with self.lock:
+            if self.queue:
+                self.queue.popleft().lock.release()  # hands over the slot, not a client
+            else:
+                self.size -= 1
 
     def close_idle(self) -> None:
         """Close every idle connection (the ones in use close when they come back)."""
-        with self.condition:
+        with self.lock:
             idle, self.idle = self.idle, []
             self.size -= len(idle)
         for client in idle:
@@ -98,29 +137,29 @@ class NodePool:
 
     def _checkout_slow(self) -> Client:
         settings = self.settings
-        deadline = None
-        with self.condition:
-            while True:
-                if self.idle:
-                    return self.idle.pop()
-                if self.size < settings.max_size:
-                    self.size += 1
-                    break
-                if deadline is None:
-                    self.waits += 1
-                    deadline = time.monotonic() + settings.pool_timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+            if self.size < settings.max_size:
+                self.size += 1
+                return self._new_client()
+            waiter = _Waiter()
+            self.queue.append(waiter)
+            self.waits += 1
+        if not waiter.lock.acquire(timeout=settings.pool_timeout):
+            with self.lock:
+                if waiter in self.queue:
+                    self.queue.remove(waiter)
                     raise PoolExhausted(
                         self.address.name,
                         f"all {settings.max_size} connections busy for "
                         f"{settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
                     )
-                self.waiting += 1
-                try:
-                    self.condition.wait(remaining)
-                finally:
-                    self.waiting -= 1
+            # handed over just as we gave up: take it
+        return waiter.client if waiter.client is not None else self._new_client()
+
+    def _new_client(self) -> Client:
+        settings = self.settings
         self.connects += 1
         return Client(
             self.address.server,
