@@ -62,8 +62,13 @@ def _claim(batch: Batch, wait: bool) -> bool:
 
 
 def _exchange(batches: list[Batch], retry: bool) -> None:
-    sent = [batch for batch in batches if _send(batch)]
-    stale = []
+    sent: list[Batch] = []
+    stale: list[Batch] = []
+    for batch in batches:
+        if _send(batch, retry):
+            sent.append(batch)
+        elif batch.error is None:
+            stale.append(batch)
     try:
         for batch in sent:
             if not _receive(batch, retry) and batch.error is None:
@@ -77,7 +82,8 @@ def _exchange(batches: list[Batch], retry: bool) -> None:
         run(stale, retry=False)
 
 
-def _send(batch: Batch) -> bool:
+def _send(batch: Batch, retry: bool) -> bool:
+    """Send one request. False with no error: a stale pooled connection, worth a retry."""
     node, client = batch.node, batch._client
     assert client is not None
     node.ops += len(batch.keys)
@@ -86,7 +92,8 @@ def _send(batch: Batch) -> bool:
     except NODE_FAILURES as exc:
         batch._client = None
         node.pool.discard(client)
-        batch.error = node.failure(exc)
+        if not _stale(batch, exc, retry):
+            batch.error = node.failure(exc)
         return False
     node.bytes_sent += len(batch.request)
     return True
@@ -102,10 +109,8 @@ def _receive(batch: Batch, retry: bool) -> bool:
     except NODE_FAILURES as exc:
         batch._client = None
         node.pool.discard(client)
-        if retry and batch._reused and isinstance(exc, STALE_CONNECTION):
-            node.pool.close_idle()
-            return False
-        batch.error = node.failure(exc)
+        if not _stale(batch, exc, retry):
+            batch.error = node.failure(exc)
         return False
     finally:
         node.bytes_received += reader.received
@@ -114,6 +119,14 @@ def _receive(batch: Batch, retry: bool) -> bool:
     if node.health.failures:
         node.health.succeeded()
     return True
+
+
+def _stale(batch: Batch, exc: BaseException, retry: bool) -> bool:
+    """Whether ``exc`` is a pooled connection that went stale (server restarted)."""
+    if retry and batch._reused and isinstance(exc, STALE_CONNECTION):
+        batch.node.pool.close_idle()  # its neighbours in the pool are just as stale
+        return True
+    return False
 
 
 # --- the batches ----------------------------------------------------------------------

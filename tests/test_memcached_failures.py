@@ -1,0 +1,232 @@
+"""Node failures: killed and restarted nodes under both FAILOVER policies and both
+IGNORE_EXCEPTIONS settings, a node that accepts connections and never answers, the
+health state machine and its signals."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+from pymemcache.client.base import Client
+
+from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.memcached import NodeDown, NodeError
+from django_kvcache.memcached.health import NodeHealth
+from django_kvcache.signals import node_down, node_up
+
+RETRY = 0.4
+
+
+@pytest.fixture
+def signals():
+    received = []
+
+    def down(sender, node, reason, **kwargs):
+        received.append(("down", node))
+
+    def up(sender, node, **kwargs):
+        received.append(("up", node))
+
+    node_down.connect(down)
+    node_up.connect(up)
+    yield received
+    node_down.disconnect(down)
+    node_up.disconnect(up)
+
+
+@pytest.fixture
+def two_nodes(memcached_node_factory):
+    return memcached_node_factory(), memcached_node_factory()
+
+
+def build(nodes, **options):
+    options = {"RETRY_TIMEOUT": RETRY, "FAILURE_THRESHOLD": 2, **options}
+    # A unique CONNECT_TIMEOUT keeps each test's pools and health records its own.
+    options.setdefault("CONNECT_TIMEOUT", 1 + time.monotonic() % 1)
+    return MemcachedCache([node.address for node in nodes], {"OPTIONS": options})
+
+
+def key_on(cache, node, prefix="key"):
+    """A caller key that the cache places on ``node``."""
+    for i in range(1000):
+        if cache._nodes[cache._node_for_key(f":1:{prefix}-{i}")].name == node.address:
+            return f"{prefix}-{i}"
+    raise AssertionError("no key found for the node")
+
+
+def wait_for_retry():
+    time.sleep(RETRY + 0.1)
+
+
+def test_dead_node_raises_every_time_then_comes_back(two_nodes, signals):
+    alive, dying = two_nodes
+    cache = build(two_nodes)
+    doomed, safe = key_on(cache, dying), key_on(cache, alive)
+    cache.set_many({doomed: "before", safe: "kept"})
+    dying.kill()
+
+    for _ in range(2):  # refused connections, counted until the threshold
+        with pytest.raises(NodeError) as raised:
+            cache.get(doomed)
+        assert not isinstance(raised.value, NodeDown)
+        assert raised.value.node == dying.address
+    assert signals == [("down", dying.address)]
+    for call in (lambda: cache.get(doomed), lambda: cache.set(doomed, 1),
+                 lambda: cache.get_many([doomed, safe]), lambda: cache.delete_many([doomed]),
+                 lambda: cache.incr(doomed)):
+        with pytest.raises(NodeDown, match="RETRY_TIMEOUT"):
+            call()
+    assert cache.get(safe) == "kept"  # the other node is unaffected
+
+    dying.start()  # same port, empty
+    wait_for_retry()
+    assert cache.get(doomed) is None  # the probe: answered, so the node is up again
+    assert signals == [("down", dying.address), ("up", dying.address)]
+    cache.set(doomed, "after")
+    assert cache.get_many([doomed, safe]) == {doomed: "after", safe: "kept"}
+    metrics = cache.metrics()[dying.address]
+    assert metrics["errors"] >= 7 and metrics["down"] is False
+
+
+def test_failed_probe_keeps_the_node_down(two_nodes, signals):
+    _, dying = two_nodes
+    cache = build(two_nodes)
+    doomed = key_on(cache, dying)
+    dying.kill()
+    for _ in range(2):
+        with pytest.raises(NodeError):
+            cache.get(doomed)
+    wait_for_retry()
+    with pytest.raises(NodeError) as probe:
+        cache.get(doomed)
+    assert not isinstance(probe.value, NodeDown)  # the probe really tried
+    with pytest.raises(NodeDown):
+        cache.get(doomed)
+    assert signals == [("down", dying.address)]
+
+
+def test_ignore_exceptions_gives_defaults_and_counts(two_nodes, caplog):
+    alive, dying = two_nodes
+    cache = build(two_nodes, IGNORE_EXCEPTIONS=True)
+    doomed, safe = key_on(cache, dying), key_on(cache, alive)
+    cache.set_many({doomed: "before", safe: "kept"})
+    dying.kill()
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        for _ in range(3):  # before and after the node is marked down
+            assert cache.get(doomed, "default") == "default"
+        assert cache.set(doomed, "x") is None
+        assert cache.add(doomed, "x") is False
+        assert cache.delete(doomed) is False
+        assert cache.touch(doomed) is False
+        assert cache.has_key(doomed) is False
+        assert cache.get_many([doomed, safe]) == {safe: "kept"}
+        assert cache.set_many({doomed: 1, safe: 2}) == [doomed]
+        assert cache.delete_many([doomed, safe]) is None
+    assert cache.get(safe) is None  # the reachable part of delete_many happened
+    assert caplog.text.count("Ignored memcached failure") == 11
+    assert cache.metrics()[dying.address]["ignored"] == 11
+    with pytest.raises(NodeDown):
+        cache.incr(doomed)  # no default answer exists for incr
+
+
+def test_without_failover_a_down_nodes_keys_miss_and_nothing_is_copied(two_nodes):
+    alive, dying = two_nodes
+    cache = build(two_nodes, IGNORE_EXCEPTIONS=True)
+    doomed = key_on(cache, dying)
+    dying.kill()
+    for _ in range(3):
+        cache.set(doomed, "written while down")
+    raw = Client(("127.0.0.1", alive.port))
+    assert raw.get(f":1:{doomed}") is None  # no copy on the surviving node
+    raw.close()
+
+
+def test_failover_moves_keys_to_the_next_choice_and_back(two_nodes, signals):
+    alive, dying = two_nodes
+    cache = build(two_nodes, FAILOVER=True)
+    doomed = key_on(cache, dying)
+    dying.kill()
+    for _ in range(2):
+        with pytest.raises(NodeError):
+            cache.get(doomed)  # failures before the threshold still raise
+    cache.set(doomed, "on the fallback")
+    assert cache.get(doomed) == "on the fallback"
+    assert cache.get_many([doomed]) == {doomed: "on the fallback"}
+    raw = Client(("127.0.0.1", alive.port))
+    assert raw.get(f":1:{doomed}") is not None  # it really lives on the other node
+    raw.close()
+
+    dying.start()
+    wait_for_retry()
+    assert cache.get(doomed) is None  # back on its own (empty) node
+    assert signals == [("down", dying.address), ("up", dying.address)]
+
+
+def test_failover_with_every_node_down_raises(memcached_node_factory):
+    only = memcached_node_factory()
+    cache = build([only], FAILOVER=True)
+    only.kill()
+    for _ in range(2):
+        with pytest.raises(NodeError):
+            cache.set("key", 1)
+    with pytest.raises(NodeDown):
+        cache.get("key")
+
+
+@pytest.fixture
+def silent_server():
+    """Accepts connections (the kernel completes them) and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def test_node_that_never_answers_times_out_then_is_skipped(silent_server, memcached_node_factory):
+    alive = memcached_node_factory()
+    cache = MemcachedCache(
+        [alive.address, silent_server],
+        {"OPTIONS": {"IO_TIMEOUT": 0.2, "RETRY_TIMEOUT": 30, "FAILURE_THRESHOLD": 2}},
+    )
+    silent_key = key_on(cache, type("N", (), {"address": silent_server})())
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(NodeError, match="timed out"):
+            cache.get(silent_key)
+        assert time.monotonic() - started < 5  # bounded by IO_TIMEOUT, not forever
+    with pytest.raises(NodeDown):
+        cache.get_many([silent_key])
+    metrics = cache.metrics()[silent_server]
+    assert metrics["timeouts"] == 2 and metrics["down"] is True
+
+
+def test_restarted_node_costs_no_error(memcached_node_factory):
+    node = memcached_node_factory()
+    cache = build([node])
+    cache.set_many({"a": 1, "b": 2})
+    assert cache._nodes[0].pool.idle  # a pooled connection, about to go stale
+    node.restart()
+    assert cache.get_many(["a", "b"]) == {}  # batch path: replaced, no error
+    cache.set("a", 3)
+    node.restart()
+    assert cache.get("a") is None  # single-key path: the same
+    cache.set("a", 4)
+    assert cache.get_many(["a", "b"]) == {"a": 4}
+    assert cache.metrics()[node.address]["errors"] == 0
+
+
+def test_health_allows_one_probe_per_retry_period(signals):
+    health = NodeHealth("test:1", threshold=2, retry_timeout=0.2)
+    assert health.may_try()
+    health.failed("refused")
+    assert health.may_try() and not health.down
+    health.failed("refused")
+    assert health.down and not health.may_try()
+    time.sleep(0.25)
+    assert health.may_try()  # the probe
+    assert not health.may_try()  # everyone else keeps waiting for it
+    health.succeeded()
+    assert not health.down and health.may_try() and health.failures == 0
+    assert signals == [("down", "test:1"), ("up", "test:1")]
