@@ -41,9 +41,10 @@ def two_nodes(memcached_node_factory):
 
 
 def build(nodes, **options):
-    options = {"RETRY_TIMEOUT": RETRY, "FAILURE_THRESHOLD": 2, **options}
-    # A unique CONNECT_TIMEOUT keeps each test's pools and health records its own.
-    options.setdefault("CONNECT_TIMEOUT", 1 + time.monotonic() % 1)
+    # Health is process-wide per (node, FAILURE_THRESHOLD, RETRY_TIMEOUT); a RETRY_TIMEOUT
+    # a hair different each time keeps a reused port from inheriting an old test's state.
+    unique_retry = RETRY + (time.monotonic() % 1) / 1000
+    options = {"RETRY_TIMEOUT": unique_retry, "FAILURE_THRESHOLD": 2, **options}
     return MemcachedCache([node.address for node in nodes], {"OPTIONS": options})
 
 
