@@ -62,7 +62,6 @@ class Selection:
     skipped: dict[str, str]  # cache name -> why it did not run
 
 
-
 def reference_of(specs: Iterable[CacheSpec]) -> str | None:
     """The cache the others are compared with: DatabaseCache on MariaDB, else on SQLite."""
     names = {spec.name for spec in specs}
@@ -91,25 +90,23 @@ def candidates(token: str, nodes: list[str]) -> list[tuple[CacheSpec, list[str |
     mariadb = database_problem("default")
     found: list[tuple[CacheSpec, list[str | None]]] = []
 
-    def add(name: str, description: str, family: str, backend: str, location: Any,
-            problems: list[str | None], **extra: Any) -> None:
-        options = extra.pop("options", {})
-        if family in TABLE_FAMILIES:
-            options = {"MAX_ENTRIES": MAX_ENTRIES, **options}
-        spec = CacheSpec(name, description, family, backend, location,
-                         key_prefix=f"kvb-{token}-{name}", options=options, **extra)
+    def add_table_cache(name: str, description: str, family: str, backend: str, table: str,
+            problems: list[str | None], database: str, options: dict[str, Any] | None = None) -> None:
+        options = {"MAX_ENTRIES": MAX_ENTRIES, **(options or {})}
+        spec = CacheSpec(name, description, family, backend, table, key_prefix=f"kvb-{token}-{name}",
+                         options=options, database=database)
         found.append((spec, problems))
 
-    add("db-mariadb", "Django DatabaseCache on MariaDB", "db", DJANGO_DB,
+    add_table_cache("db-mariadb", "Django DatabaseCache on MariaDB", "db", DJANGO_DB,
         f"kvbench_{token}_db", [mariadb], database="default")
-    add("db-sqlite", "Django DatabaseCache on SQLite", "db", DJANGO_DB,
+    add_table_cache("db-sqlite", "Django DatabaseCache on SQLite", "db", DJANGO_DB,
         f"{SQLITE_TABLE_PREFIX}{token}", [database_problem("sqlite")], database="sqlite")
     for engine in ("InnoDB", "MyISAM"):
-        add(f"kv-mysql-{engine.lower()}", f"kvcache MySQLCache, {engine} table", "kv-mysql",
+        add_table_cache(f"kv-mysql-{engine.lower()}", f"kvcache MySQLCache, {engine} table", "kv-mysql",
             KV_MYSQL, f"kvbench_{token}_{engine.lower()}",
             [importable("django_kvcache.backends.mysql"), mariadb],
             options={"ENGINE": engine, "DATABASE": "default"}, database="default")
-    add("django-mysql", "django-mysql MySQLCache", "django-mysql", DJANGO_MYSQL,
+    add_table_cache("django-mysql", "django-mysql MySQLCache", "django-mysql", DJANGO_MYSQL,
         f"kvbench_{token}_djmysql", [importable("django_mysql.cache"), mariadb],
         database="default")
     for family in MEMCACHED_FAMILIES:

@@ -28,8 +28,7 @@ def benchmark(parameters: Parameters, scenarios: Sequence[str], patterns: Sequen
         try:
             context.caches = _create_storage(selection, context)
             context.reference = caches.reference_of(context.caches)
-            results = {name: importlib.import_module(f"kvcache_bench.scenarios.{name}").run(context)
-                       for name in scenarios}
+            results = {name: _run_scenario(name, context) for name in scenarios}
         finally:
             _clean_up(context)
         return {
@@ -44,6 +43,12 @@ def benchmark(parameters: Parameters, scenarios: Sequence[str], patterns: Sequen
             "failures": context.failures,
             "duration_s": round(time.monotonic() - started, 1),
         }
+
+
+def _run_scenario(name: str, context: Context) -> dict[str, Any]:
+    for spec in context.caches:  # what one scenario left behind must not slow the next
+        storage.empty_storage(spec, context.cache(spec))
+    return importlib.import_module(f"kvcache_bench.scenarios.{name}").run(context)
 
 
 def _create_storage(selection: caches.Selection, context: Context) -> list[caches.CacheSpec]:

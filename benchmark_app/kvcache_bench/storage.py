@@ -34,6 +34,12 @@ def create_storage(spec: CacheSpec, cache: BaseCache) -> None:
         cache.create_table()
 
 
+def empty_storage(spec: CacheSpec, cache: BaseCache) -> None:
+    """Start a scenario on an empty table (memcached is shared: never flushed)."""
+    if spec.table is not None:
+        cache.clear()
+
+
 def drop_storage(spec: CacheSpec) -> None:
     if spec.table is None:
         return

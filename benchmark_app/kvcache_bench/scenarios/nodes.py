@@ -13,7 +13,7 @@ from typing import Any, Callable
 from kvcache_bench.caches import MEMCACHED_FAMILIES, memcached_spec
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
-from kvcache_bench.scenarios.ops import Call, mismatches
+from kvcache_bench.checks import Call, mismatches
 from kvcache_bench.timing import rotated, summarize, time_calls
 
 FLOOR = "bare pymemcache Client"

@@ -16,12 +16,12 @@ from typing import Any, Callable, Sequence
 from django.core.cache.backends.base import BaseCache
 
 from kvcache_bench.caches import CacheSpec
+from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
 from kvcache_bench.context import Context
 from kvcache_bench.data import Values, make_values
 from kvcache_bench.storage import bulk_load
 from kvcache_bench.timing import rotated, summarize, time_calls
 
-ABSENT: Any = object()  # "this key must not be in the cache afterwards"
 MAX_REPORTED_MISMATCHES = 3
 #: Results a third-party backend is known to return instead of Django's: reported as a
 #: note rather than failing the run, as long as the result is exactly this one.
@@ -29,12 +29,6 @@ KNOWN_DEVIATIONS: dict[tuple[str, str], tuple[Any, str]] = {
     ("django-mysql", "delete hit"): (None, "django-mysql's delete() returns None, not True"),
     ("django-mysql", "delete miss"): (None, "django-mysql's delete() returns None, not False"),
 }
-
-
-@dataclass(frozen=True)
-class Call:
-    argument: Any
-    expected: Any  # the result the call must return; an exception class for an error
 
 
 @dataclass(frozen=True)
@@ -181,54 +175,23 @@ OPERATIONS: tuple[Operation, ...] = (
 )
 
 
-def matches(result: Any, expected: Any) -> bool:
-    if isinstance(expected, type) and issubclass(expected, BaseException):
-        return isinstance(result, expected)
-    if expected is None or isinstance(expected, bool):
-        return result is expected
-    return type(result) is type(expected) and result == expected
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def mismatches(results: Sequence[Any], calls: Sequence[Call], known: tuple[Any, str] | None = None) -> list[str]:
-    """One line per wrong result; a known deviation (see KNOWN_DEVIATIONS) is not wrong."""
-    return [
-        f"call {index} returned {_short(result)}, expected {_short(call.expected)}"
-        for index, (result, call) in enumerate(zip(results, calls))
-        if not matches(result, call.expected) and not (known and matches(result, known[0]))
-    ]
-
-
-def stored_mismatches(cache: BaseCache, stored: dict[str, Any]) -> list[str]:
-    """What the cache holds after the calls, compared with what it must hold."""
-    found = cache.get_many(list(stored)) if stored else {}
-    problems = []
-    for key, expected in stored.items():
-        if expected is ABSENT and key in found:
-            problems.append(f"{key} still holds {_short(found[key])} after the calls")
-        elif expected is not ABSENT and found.get(key, ABSENT) != expected:
-            problems.append(f"{key} holds {_short(found.get(key, 'nothing'))} afterwards, "
-                            f"expected {_short(expected)}")
-    return problems
-
-
-def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round) -> tuple[list[int], list[str]]:
+def one_round(context: Context, spec: CacheSpec, operation: Operation,
+              r: Round) -> tuple[list[int], list[str], int]:
+    """Prepare, time and check one round; returns durations, problems and deviations."""
     cache = context.cache(spec)
     prepared = operation.prepare(r)
-    context.written.add(spec, [*prepared.preload, *prepared.stored, *r.keys(r.calls * r.batch)])
     if prepared.preload:
         bulk_load(spec, cache, prepared.preload)
     durations, results = time_calls(lambda argument: operation.run(cache, argument),
                                     [call.argument for call in prepared.calls])
     known = KNOWN_DEVIATIONS.get((spec.family, operation.name))
     problems = mismatches(results, prepared.calls, known) + stored_mismatches(cache, prepared.stored)
-    if spec.table is None:  # keep shared memcached nodes small: drop the round's keys now
-        cache.delete_many(r.keys(r.calls * r.batch))
-    return durations, problems
+    # Drop the round's entries: tables stay small (their growth is the rows scenario's
+    # subject) and so do the shared memcached nodes.
+    written = list(dict.fromkeys([*prepared.preload, *prepared.stored]))
+    if written:  # django-mysql's delete_many([]) is an SQL syntax error
+        cache.delete_many(written)
+    return durations, problems, deviations(results, prepared.calls, known)
 
 
 def run(context: Context) -> dict[str, Any]:
@@ -236,6 +199,7 @@ def run(context: Context) -> dict[str, Any]:
     values = make_values(p.seed, p.value_count, p.value_min, p.value_max, p.large_size)
     durations: dict[tuple[str, str], list[int]] = defaultdict(list)
     problems: dict[tuple[str, str], list[str]] = defaultdict(list)
+    deviated: dict[tuple[str, str], int] = defaultdict(int)
     rounds = range(-p.warmup_rounds, p.rounds)  # negative rounds: warm-up, checked, not kept
     total = len(rounds) * len(OPERATIONS) * len(context.caches)
     with context.progress("ops", total) as bar:
@@ -243,12 +207,13 @@ def run(context: Context) -> dict[str, Any]:
             for op_index, operation in enumerate(OPERATIONS):
                 r = Round(f"{operation.name.replace(' ', '_')}.{round_index}", p.calls, p.batch, values)
                 for spec in rotated(context.caches, round_index + op_index):
-                    taken, wrong = one_round(context, spec, operation, r)
+                    taken, wrong, deviating = one_round(context, spec, operation, r)
                     if round_index >= 0:
                         durations[spec.name, operation.name].extend(taken)
                     problems[spec.name, operation.name].extend(wrong)
+                    deviated[spec.name, operation.name] += deviating
                     bar.update()
-    results = _results(context, durations, problems)
+    results = _results(context, durations, problems, deviated)
     add_ratios(results, context.reference)
     return {"operations": [op.name for op in OPERATIONS], "results": results}
 
@@ -261,13 +226,13 @@ def add_ratios(results: list[dict[str, Any]], reference: str | None) -> None:
         entry["ratio"] = round(entry["median_us"] / base, 3) if base else None
 
 
-def _results(context: Context, durations: dict, problems: dict) -> list[dict[str, Any]]:
+def _results(context: Context, durations: dict, problems: dict, deviated: dict) -> list[dict[str, Any]]:
     results = []
     for spec in context.caches:
         for operation in OPERATIONS:
-            known = KNOWN_DEVIATIONS.get((spec.family, operation.name))
-            if known:
-                context.notes.append(f"ops: {spec.name} {operation.name}: {known[1]} (accepted)")
+            if deviated[spec.name, operation.name]:
+                reason = KNOWN_DEVIATIONS[spec.family, operation.name][1]
+                context.notes.append(f"ops: {spec.name} {operation.name}: {reason} (accepted)")
             wrong = problems[spec.name, operation.name]
             if wrong:
                 shown = "; ".join(wrong[:MAX_REPORTED_MISMATCHES])

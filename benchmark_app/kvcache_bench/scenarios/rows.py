@@ -14,7 +14,7 @@ from typing import Any
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
-from kvcache_bench.scenarios.ops import mismatches, Call
+from kvcache_bench.checks import Call, mismatches
 from kvcache_bench.storage import bulk_load, count_rows, cull_once
 from kvcache_bench.timing import rotated, summarize, time_calls
 
