@@ -235,6 +235,7 @@ def test_unix_socket_node(unix_node, memcached_node_factory):
         ({"FAILOVER": "yes"}, "FAILOVER"),
         ({"IGNORE_EXCEPTIONS": 1}, "IGNORE_EXCEPTIONS"),
         ({"HASHING": "ketama"}, "HASHING"),
+        ({"HASHING": ["kvcache"]}, "HASHING"),
         ({"TLS": "on"}, "TLS"),
         ({"TLS": {"verify": False}}, "TLS"),
         ({"TLS": {"cafile": "/nonexistent/ca.pem"}}, "TLS"),

@@ -31,7 +31,13 @@ from django_kvcache.memcached import fanout, protocol
 from django_kvcache.memcached.health import health_for
 from django_kvcache.memcached.node import Node, connected
 from django_kvcache.memcached.pool import ConnectionSettings, pool_for
-from django_kvcache.memcached.routing import make_router, parse_location, parse_weights
+from django_kvcache.memcached.routing import (
+    NodeAddress,
+    check_scheme,
+    make_router,
+    parse_location,
+    parse_weights,
+)
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
@@ -49,6 +55,34 @@ class Cluster:
 
 _clusters: dict[tuple, Cluster] = {}
 _clusters_lock = threading.Lock()
+
+
+def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Cluster:
+    """The process-wide cluster for these nodes and OPTIONS (checked here)."""
+    settings = ConnectionSettings(
+        connect_timeout=_seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
+        io_timeout=_seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
+        max_size=_count(options, "MAX_POOL_SIZE", 64),
+        pool_timeout=_seconds(options, "POOL_TIMEOUT", 1.0),
+        tls=_tls_context(options.get("TLS")),
+    )
+    threshold = _count(options, "FAILURE_THRESHOLD", 2)
+    retry_timeout = _seconds(options, "RETRY_TIMEOUT", 10.0)
+    scheme = check_scheme(options.get("HASHING", "kvcache"))
+    weights = parse_weights(options.get("WEIGHTS"), addresses)
+    identity = (
+        tuple(a.name for a in addresses), scheme, tuple(weights), settings,
+        threshold, retry_timeout,
+    )
+    cluster = _clusters.get(identity)
+    if cluster is not None:
+        return cluster
+    nodes = [
+        Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
+        for a in addresses
+    ]
+    with _clusters_lock:
+        return _clusters.setdefault(identity, Cluster(nodes, make_router(scheme, addresses, weights)))
 
 
 class MemcachedCache(KVCache):
@@ -70,38 +104,9 @@ class MemcachedCache(KVCache):
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
         super().__init__(params)
-        options = self.options
-        addresses = parse_location(server)
-        self.failover = _flag(options, "FAILOVER")
-        self.ignore_exceptions = _flag(options, "IGNORE_EXCEPTIONS")
-        settings = ConnectionSettings(
-            connect_timeout=_seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
-            io_timeout=_seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
-            max_size=_count(options, "MAX_POOL_SIZE", 64),
-            pool_timeout=_seconds(options, "POOL_TIMEOUT", 1.0),
-            tls=_tls_context(options.get("TLS")),
-        )
-        threshold = _count(options, "FAILURE_THRESHOLD", 2)
-        retry_timeout = _seconds(options, "RETRY_TIMEOUT", 10.0)
-        scheme = options.get("HASHING", "kvcache")
-        weights = parse_weights(options.get("WEIGHTS"), addresses)
-        identity = (
-            tuple(a.name for a in addresses), scheme, tuple(weights), settings,
-            threshold, retry_timeout,
-        )
-        cluster = _clusters.get(identity)
-        if cluster is None:
-            router = make_router(scheme, addresses, weights)  # validates HASHING first
-            with _clusters_lock:
-                cluster = _clusters.get(identity) or Cluster(
-                    [
-                        Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
-                        for a in addresses
-                    ],
-                    router,
-                )
-                _clusters[identity] = cluster
-        self.cluster = cluster
+        self.failover = _flag(self.options, "FAILOVER")
+        self.ignore_exceptions = _flag(self.options, "IGNORE_EXCEPTIONS")
+        self.cluster = cluster = cluster_for(parse_location(server), self.options)
         self._nodes = cluster.nodes
         self._node_for_key = cluster.router.node_for
 
@@ -451,7 +456,11 @@ def _count(options: Mapping[str, Any], name: str, default: int) -> int:
 
 def _tls_context(value: Any) -> ssl.SSLContext | None:
     """OPTIONS['TLS']: an ``ssl.SSLContext``, or a dict of ``ssl.create_default_context``
-    arguments (``cafile``, ``capath``, ``cadata``) plus ``certfile``/``keyfile``."""
+    arguments (``cafile``, ``capath``, ``cadata``) plus ``certfile``/``keyfile``.
+
+    One context per distinct dict, so instances built from the same settings share pools
+    (and Django's per-request instances do not load certificates every time).
+    """
     if value is None or isinstance(value, ssl.SSLContext):
         return value
     if not isinstance(value, Mapping):
@@ -464,21 +473,18 @@ def _tls_context(value: Any) -> ssl.SSLContext | None:
         raise ImproperlyConfigured(
             f"OPTIONS['TLS'] has unknown keys {unknown}; known: {sorted(known)}"
         )
-    try:
-        context = ssl.create_default_context(
-            cafile=value.get("cafile"), capath=value.get("capath"), cadata=value.get("cadata")
-        )
-        if value.get("certfile"):
-            context.load_cert_chain(value["certfile"], value.get("keyfile"))
-    except (OSError, ssl.SSLError) as exc:
-        raise ImproperlyConfigured(f"OPTIONS['TLS']: {exc}") from exc
-    return _shared_context(context, value)
+    key = tuple(sorted((k, str(v)) for k, v in value.items()))
+    if key not in _contexts:
+        try:
+            context = ssl.create_default_context(
+                cafile=value.get("cafile"), capath=value.get("capath"), cadata=value.get("cadata")
+            )
+            if value.get("certfile"):
+                context.load_cert_chain(value["certfile"], value.get("keyfile"))
+        except (OSError, ssl.SSLError) as exc:
+            raise ImproperlyConfigured(f"OPTIONS['TLS']: {exc}") from exc
+        _contexts.setdefault(key, context)
+    return _contexts[key]
 
 
 _contexts: dict[tuple, ssl.SSLContext] = {}
-
-
-def _shared_context(context: ssl.SSLContext, value: Mapping[str, Any]) -> ssl.SSLContext:
-    """One context per TLS dict, so instances with the same settings share their pools."""
-    key = tuple(sorted((k, str(v)) for k, v in value.items()))
-    return _contexts.setdefault(key, context)

@@ -228,13 +228,17 @@ def low_bytes(text: str) -> bytes:
     return text.encode("utf-32-le")[::4]
 
 
+def check_scheme(scheme: Any) -> str:
+    if scheme not in SCHEMES:
+        raise ImproperlyConfigured(
+            f"OPTIONS['HASHING'] must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}"
+        )
+    return scheme
+
+
 def make_router(
     scheme: Any, nodes: Sequence[NodeAddress], weights: Sequence[float]
 ) -> Router:
-    if scheme == "kvcache":
+    if check_scheme(scheme) == "kvcache":
         return KvcacheRouter(nodes, weights)
-    if scheme == "pymemcache":
-        return PymemcacheRouter(nodes, weights)
-    raise ImproperlyConfigured(
-        f"OPTIONS['HASHING'] must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}"
-    )
+    return PymemcacheRouter(nodes, weights)
