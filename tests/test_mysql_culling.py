@@ -150,3 +150,28 @@ def test_forever_rows_are_never_deleted_as_expired(cache):
     cache.set("forever", 1, timeout=None)
     assert cache.cull() == 0
     assert rows()[0][3] == FOREVER
+
+
+@pytest.mark.parametrize(
+    "max_entries, draw, checks",
+    [
+        (0, 0.999, True),
+        (culling.LIMIT_CHECK_ENTRIES, 0.999, True),
+        (10 * culling.LIMIT_CHECK_ENTRIES, 0.099, True),
+        (10 * culling.LIMIT_CHECK_ENTRIES, 0.1, False),
+        (10**9, 0.5, False),
+    ],
+)
+def test_write_path_limit_checks_are_amortised_over_large_limits(max_entries, draw, checks):
+    # The check reads up to MAX_ENTRIES index entries: with a large limit it runs on a
+    # matching fraction of the culls, so a write's average cost does not grow with it.
+    assert culling.draw_limit_check(max_entries, draw) is checks
+
+
+def test_a_write_path_cull_without_limit_check_still_deletes_expired_rows(mysql_tables):
+    cache = culling_cache(max_entries=10**9, cull_frequency=3, probability=1)
+    insert_row(":1:old", b"x", 0, now_ms() - 1)
+    with CaptureQueriesContext(connections["default"]) as captured:
+        cache.set("new", 1)
+    assert live_keys() == ["new"] and len(rows()) == 1
+    assert not any("OFFSET" in q["sql"] for q in captured)

@@ -398,7 +398,8 @@ class MySQLCache(KVCache):
                 sql,
                 self._max_entries,
                 self._cull_frequency,
-                culling.WRITE_PATH_BATCHES,
+                max_batches=culling.WRITE_PATH_BATCHES,
+                check_limit=culling.draw_limit_check(self._max_entries, random.random()),
             ).run(now_ms())
 
     # --- table management ------------------------------------------------------------

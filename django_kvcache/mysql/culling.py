@@ -20,10 +20,21 @@ BATCH_SIZE = 1000
 #: A cull drawn on the write path stops after this many batches; the rest waits for the
 #: next one (or for ``kvcache_cull``), so one unlucky request never pays for a backlog.
 WRITE_PATH_BATCHES = 10
+#: The limit check reads up to MAX_ENTRIES index entries. On the write path it runs with
+#: probability ``LIMIT_CHECK_ENTRIES / MAX_ENTRIES`` (always when MAX_ENTRIES is at most
+#: this), so a write pays for at most this many entries per cull on average, however
+#: large the table. The price: a large cache may overshoot MAX_ENTRIES between checks by
+#: about ``MAX_ENTRIES / (LIMIT_CHECK_ENTRIES * CULL_PROBABILITY)`` new keys at worst.
+LIMIT_CHECK_ENTRIES = 1000
 
 Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
 rowcount = attrgetter("rowcount")
 fetchone = methodcaller("fetchone")
+
+
+def draw_limit_check(max_entries: int, draw: float) -> bool:
+    """Whether a write-path cull checks the limit, given a uniform ``draw`` in [0, 1)."""
+    return draw * max_entries < LIMIT_CHECK_ENTRIES
 
 
 class Cull:
@@ -34,16 +45,20 @@ class Cull:
         max_entries: int,
         cull_frequency: int,
         max_batches: int | None = None,
+        check_limit: bool = True,
     ) -> None:
         self.execute = execute
         self.sql = sql
         self.max_entries = max_entries
         self.cull_frequency = cull_frequency
         self.batches_left = max_batches if max_batches is not None else float("inf")
+        self.check_limit = check_limit
 
     def run(self, now_ms: int) -> int:
         """Delete expired rows, then evict if over the limit; returns the rows deleted."""
         deleted = self.delete_in_batches(self.sql.delete_expired, [now_ms])
+        if not self.check_limit:
+            return deleted
         if self.execute(self.sql.row_at, [self.max_entries], fetchone) is None:
             return deleted
         return deleted + self.evict()
