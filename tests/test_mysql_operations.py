@@ -15,8 +15,8 @@ from django.test.utils import CaptureQueriesContext
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX, INT64_MIN
 from django_kvcache.mysql.keys import DIGEST_MARKER, MAX_KEY_LENGTH, stored_key
-from django_kvcache.mysql.server import server_info
-from django_kvcache.mysql.sql import FOREVER
+from django_kvcache.mysql.server import ServerInfo, parse_version, server_info
+from django_kvcache.mysql.sql import FOREVER, Statements, create_table_sql
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     MYISAM_TABLE,
     TABLE,
@@ -414,3 +414,34 @@ def test_routers_choose_the_connection(mysql_tables, settings):
     assert [q["sql"].split()[0] for q in reads] == ["SELECT", "SELECT"]
     assert [q["sql"].split()[0] for q in writes] == ["INSERT"]
     routed.clear()
+
+
+# --- server flavours -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version, row_alias",
+    [
+        ("10.11.19-MariaDB-0+deb12u1", False),
+        ("11.4.2-MariaDB", False),
+        ("8.0.18", False),
+        ("8.0.19", True),
+        ("8.4.3-commercial", True),
+    ],
+)
+def test_row_alias_form_only_where_the_server_has_it(version, row_alias):
+    info = ServerInfo("mariadb" in version.lower(), parse_version(version), 16 << 20)
+    assert info.row_alias is row_alias
+    statements = Statements("t", connections["default"].ops.quote_name, info.row_alias)
+    upserts = [statements.set, statements.add, statements.set_many(3)]
+    for upsert in upserts:
+        if row_alias:
+            assert " AS new ON DUPLICATE KEY UPDATE " in upsert and "VALUES(`" not in upsert
+        else:
+            assert "VALUES(`value`)" in upsert and "new." not in upsert
+
+
+def test_table_collation_per_flavour():
+    quote = connections["default"].ops.quote_name
+    assert "COLLATE utf8mb4_nopad_bin" in create_table_sql("t", quote, mariadb=True)
+    assert "COLLATE utf8mb4_0900_bin" in create_table_sql("t", quote, mariadb=False)

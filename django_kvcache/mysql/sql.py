@@ -83,13 +83,16 @@ class Statements:
         # The IFs read the old `expires`, so it is assigned last. A live row is left as it
         # is and reports its expiry through LAST_INSERT_ID (never 0), which tells "not
         # added" apart from an insert: CLIENT.FOUND_ROWS makes rowcount 1 for both.
+        # The stored row's columns are qualified: next to MySQL's row alias `new`, a bare
+        # column name must not be read as ambiguous.
+        old_live = f"{t}.`expires` > %s"
         self.add = (
             insert
             + "(%s, %s, %s, %s)"
             + self.new_row
-            + f"`value` = IF({live}, `value`, {self.new('value')}), "
-            + f"`flags` = IF({live}, `flags`, {self.new('flags')}), "
-            + f"`expires` = IF({live}, LAST_INSERT_ID(`expires`), {self.new('expires')})"
+            + f"`value` = IF({old_live}, {t}.`value`, {self.new('value')}), "
+            + f"`flags` = IF({old_live}, {t}.`flags`, {self.new('flags')}), "
+            + f"`expires` = IF({old_live}, LAST_INSERT_ID({t}.`expires`), {self.new('expires')})"
         )
         self.touch = f"UPDATE {t} SET `expires` = %s WHERE `cache_key` = %s AND {live}"
         self.delete = f"DELETE FROM {t} WHERE `cache_key` = %s"
