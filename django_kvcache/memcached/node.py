@@ -70,9 +70,11 @@ class Node:
     def failure(self, exc: BaseException) -> NodeError:
         """Count a failed exchange and tell the health record; the error to raise."""
         self.errors += 1
-        if isinstance(exc, socket.timeout):
+        if isinstance(exc, (socket.timeout, BlockingIOError)):  # Python's or the kernel's
             self.timeouts += 1
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            reason = f"timed out ({type(exc).__name__}: {exc})"
+        else:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.health.failed(reason)
         return NodeError(self.name, reason)
 

@@ -12,7 +12,10 @@ forgets every connection inherited from its parent (they share the parent's sock
 from __future__ import annotations
 
 import os
+import socket
 import ssl
+import struct
+import sys
 import threading
 import time
 import weakref
@@ -161,7 +164,7 @@ class NodePool:
     def _new_client(self) -> Client:
         settings = self.settings
         self.connects += 1
-        return Client(
+        return Connection(
             self.address.server,
             serde=RAW_SERDE,
             connect_timeout=settings.connect_timeout,
@@ -172,6 +175,34 @@ class NodePool:
             encoding="utf-8",
             tls_context=settings.tls,
         )
+
+
+class Connection(Client):
+    """A pymemcache ``Client`` whose IO timeout is enforced by the kernel.
+
+    A Python socket timeout makes every ``send``/``recv`` a ``poll`` plus the call; the
+    kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking socket bound the wait the same
+    way with one system call. A timeout then raises ``BlockingIOError`` (EAGAIN), which
+    the node counts as a timeout. TLS sockets keep Python's timeout.
+    """
+
+    def _connect(self) -> None:
+        io_timeout, use_kernel = self.timeout, _KERNEL_TIMEOUTS and not self.tls_context
+        if use_kernel:
+            self.timeout = None  # pymemcache leaves the socket blocking after connecting
+        try:
+            super()._connect()
+        finally:
+            self.timeout = io_timeout
+        if use_kernel and io_timeout is not None:
+            seconds = int(io_timeout)
+            value = struct.pack("ll", seconds, int((io_timeout - seconds) * 1_000_000))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)  # type: ignore[union-attr]
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)  # type: ignore[union-attr]
+
+
+# struct timeval as two C longs is what Linux and the BSDs take.
+_KERNEL_TIMEOUTS = sys.platform.startswith(("linux", "darwin", "freebsd"))
 
 
 _all_pools: weakref.WeakSet[NodePool] = weakref.WeakSet()
