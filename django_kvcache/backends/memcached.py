@@ -15,10 +15,11 @@ instances (pools, node health, counters, routing) lives in a process-wide
 from __future__ import annotations
 
 import math
+import random
 import ssl
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
 from django.core.exceptions import ImproperlyConfigured
@@ -41,7 +42,7 @@ from django_kvcache.memcached.routing import (
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
-CAS_ATTEMPTS = 20
+CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
 
 
 class Cluster:
@@ -83,6 +84,12 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
     ]
     with _clusters_lock:
         return _clusters.setdefault(identity, Cluster(nodes, make_router(scheme, addresses, weights)))
+
+
+class Placement(NamedTuple):
+    groups: dict[Node, list[str]]
+    stranded: list[str]  # keys whose node is down (and no failover node is up)
+    errors: list[MemcachedError]
 
 
 class MemcachedCache(KVCache):
@@ -164,10 +171,10 @@ class MemcachedCache(KVCache):
             f"next try in {retry_in:.1f} s (RETRY_TIMEOUT)",
         )
 
-    def _groups(self, keys: Iterable[str]) -> tuple[dict[Node, list[str]], list[MemcachedError]]:
-        """Keys by the node that serves them now, and the errors of unavailable nodes."""
-        groups: dict[Node, list[str]] = {}
-        errors: list[MemcachedError] = []
+    def _place(self, keys: Iterable[str]) -> Placement:
+        """Keys by the node that serves them now; keys no node can take, with the errors."""
+        placement = Placement({}, [], [])
+        groups = placement.groups
         for index, node_keys in self.cluster.router.group(keys).items():
             node = self._nodes[index]
             if not node.health.down_until or node.health.may_try():
@@ -177,11 +184,12 @@ class MemcachedCache(KVCache):
                 try:
                     groups.setdefault(self._failover_node(key, node), []).append(key)
                 except NodeDown as exc:
-                    errors.append(exc)
-                    if not self.failover:
-                        node.errors += len(node_keys) - 1
-                        break
-        return groups, errors
+                    placement.stranded.append(key)
+                    if not placement.errors or self.failover:
+                        placement.errors.append(exc)
+                    else:
+                        node.errors += 1
+        return placement
 
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any:
         """Raise ``error``, or with IGNORE_EXCEPTIONS log and count it, giving ``fallback``."""
@@ -288,7 +296,8 @@ class MemcachedCache(KVCache):
 
     def _add_with_cas(self, node: Node, key: str, delta: int) -> int | None:
         encoded_key = key.encode()
-        for _ in range(CAS_ATTEMPTS):
+        deadline = time.monotonic() + CAS_PATIENCE
+        while time.monotonic() < deadline:
             found = node.call(lambda c: protocol.meta_get(connected(c), encoded_key))
             if found is None:
                 return None
@@ -304,7 +313,8 @@ class MemcachedCache(KVCache):
                 retry=False,
             ):
                 return value + delta
-        raise MemcachedError(node.name, f"{key!r} kept changing during {CAS_ATTEMPTS} increments")
+            time.sleep(random.random() / 1000)  # someone else won: let them get out of the way
+        raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
     # --- many keys: one pipelined request per node, all nodes at once ------------------
 
@@ -312,14 +322,13 @@ class MemcachedCache(KVCache):
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
-        groups, errors = self._groups(key_map)
-        batches = [fanout.get_batch(node, node_keys) for node, node_keys in groups.items()]
+        placement = self._place(key_map)
+        batches = [fanout.get_batch(node, node_keys) for node, node_keys in placement.groups.items()]
         fanout.run(batches)
         found: dict[Any, Any] = {}
         decode = self.decode
         for batch in batches:
             if batch.error is not None:
-                errors.append(batch.error)
                 continue
             node = batch.node
             node.hits += len(batch.result)
@@ -329,8 +338,7 @@ class MemcachedCache(KVCache):
                 value = decode(data, flags, key)
                 if value is not MISSING:
                     found[key_map[key]] = value
-        for error in errors:
-            self._failed(error)
+        self._report(placement, batches)
         return found
 
     def set_many(
@@ -339,46 +347,45 @@ class MemcachedCache(KVCache):
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
-        values = {key: data[caller_key] for key, caller_key in key_map.items()}
         expire = self.expire_time(timeout)
-        groups, errors = self._groups(key_map)
-        failed: list[str] = []
+        placement = self._place(key_map)
         batches = []
-        for node, node_keys in groups.items():
+        for node, node_keys in placement.groups.items():
             encoded = []
             for key in node_keys:
-                payload, flags, saved = self.codec.encode_measured(values[key])
+                payload, flags, saved = self.codec.encode_measured(data[key_map[key]])
                 node.bytes_saved += saved
                 encoded.append((payload, flags))
             batches.append(fanout.set_batch(node, node_keys, encoded, expire))
         fanout.run(batches)
+        failed = list(placement.stranded)
         refused: list[str] = []
         for batch in batches:
             if batch.error is not None:
-                errors.append(batch.error)
                 failed.extend(batch.keys)
-                continue
-            refused.extend(k for k, line in zip(batch.keys, batch.result) if line != b"STORED")
+            else:
+                refused.extend(k for k, line in zip(batch.keys, batch.result) if line != b"STORED")
         if refused:
             self._delete_keys(refused)  # a failed set must not leave the old value behind
-        for error in errors:
-            self._failed(error)
-        unavailable = set(key_map) - {k for b in batches for k in b.keys}
-        return [key_map[key] for key in [*failed, *refused, *unavailable]]
+        self._report(placement, batches)
+        return [key_map[key] for key in failed + refused]
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        key_map = self.make_keys(keys, version)
-        errors = self._delete_keys(list(key_map))
-        for error in errors:
-            self._failed(error)
+        self._delete_keys(list(self.make_keys(keys, version)), report=True)
 
-    def _delete_keys(self, keys: list[str]) -> list[MemcachedError]:
+    def _delete_keys(self, keys: list[str], report: bool = False) -> None:
         if not keys:
-            return []
-        groups, errors = self._groups(keys)
-        batches = [fanout.delete_batch(node, node_keys) for node, node_keys in groups.items()]
+            return
+        placement = self._place(keys)
+        batches = [fanout.delete_batch(node, node_keys) for node, node_keys in placement.groups.items()]
         fanout.run(batches)
-        return errors + [batch.error for batch in batches if batch.error is not None]
+        if report:
+            self._report(placement, batches)
+
+    def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
+        """After a multi-key call: raise (or log) what went wrong, once every node is done."""
+        for error in placement.errors + [b.error for b in batches if b.error is not None]:
+            self._failed(error)
 
     def clear(self) -> None:
         """Flush every node (memcached has no per-prefix delete)."""
