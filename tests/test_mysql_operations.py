@@ -7,7 +7,7 @@ import time
 import warnings
 
 import pytest
-from django.core.cache.backends.base import CacheKeyWarning
+from django.core.cache.backends.base import CacheKeyWarning, memcache_key_warnings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
@@ -266,6 +266,16 @@ def test_long_keys_are_digested_never_truncated_and_warn(cache):
         assert cache.incr_version(head + "1") == 2
     stored = [key for key, *_ in rows()]
     assert all(len(key) == MAX_KEY_LENGTH and DIGEST_MARKER in key for key in stored)
+
+
+@pytest.mark.parametrize("key", ["plain", "with space", "tab\t", "nul\x00", "del\x7f", "é" * 260, "x" * 247])
+def test_key_warnings_are_exactly_djangos(cache, key):
+    expected = list(memcache_key_warnings(cache.make_key(key)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.set(key, 1)
+        assert cache.get(key) == 1
+    assert [str(w.message) for w in caught if w.category is CacheKeyWarning] == expected * 2
 
 
 def test_key_of_250_characters_is_stored_verbatim_without_warning(cache):

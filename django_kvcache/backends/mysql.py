@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from functools import partial
 from operator import attrgetter, methodcaller
 from typing import Any, Iterable, Iterator, Mapping
 
-from django.core.cache.backends.base import DEFAULT_TIMEOUT
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, MEMCACHE_MAX_KEY_LENGTH
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -54,6 +55,8 @@ def row_size(data: bytes) -> int:
     if len(data) <= ALWAYS_FITS:
         return KEY_BYTES + 2 * len(data)
     return KEY_BYTES + len(data) + sum(data.count(byte) for byte in ESCAPED_BYTES)
+#: The characters Django warns about in keys (``memcache_key_warnings``).
+KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 #: MySQL error codes for a value that is not decimal text in an integer-flagged row.
 BAD_NUMBER = frozenset({1292, 1366})
 
@@ -160,6 +163,11 @@ class MySQLCache(KVCache):
         return self._db(self.database or router.db_for_write(self.cache_model_class))
 
     # --- keys and timeouts -----------------------------------------------------------
+
+    def validate_key(self, key: str) -> None:
+        """Django's key warnings, with a fast path for the keys that need none."""
+        if len(key) > MEMCACHE_MAX_KEY_LENGTH or KEY_WARNING_CHARACTERS.search(key):
+            super().validate_key(key)
 
     def _key(self, key: Any, version: int | None) -> str:
         key = self.make_and_validate_key(key, version=version)
