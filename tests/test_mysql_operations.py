@@ -310,8 +310,9 @@ def test_set_many_with_zero_timeout_removes_old_values(cache):
     assert rows() == []
 
 
-def test_huge_timeouts_are_forever(cache):
-    cache.set("key", "value", timeout=10**30)
+@pytest.mark.parametrize("timeout", [10**30, 1e300, float("inf")])
+def test_huge_timeouts_are_forever(cache, timeout):
+    cache.set("key", "value", timeout=timeout)
     assert rows()[0][3] == FOREVER
     assert cache.get("key") == "value"
 

@@ -21,13 +21,19 @@ from operator import attrgetter, methodcaller
 from typing import Any, Iterable, Iterator, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, MEMCACHE_MAX_KEY_LENGTH
-from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_kvcache.base import MISSING, KVCache, delegate_to_sync
 from django_kvcache.codec import INT64_MAX
 from django_kvcache.mysql import culling
+from django_kvcache.mysql.config import (
+    DEFAULT_CULL_PROBABILITY,
+    check_database,
+    check_probability,
+    check_table,
+    router_model,
+)
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.server import run, server_info
 from django_kvcache.mysql.sql import (
@@ -40,7 +46,6 @@ from django_kvcache.mysql.sql import (
 
 logger = logging.getLogger("django_kvcache")
 
-DEFAULT_CULL_PROBABILITY = 0.01
 #: Escaped size of the largest stored key (250 four-byte characters, every byte escaped).
 KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
 #: Below this a value always fits one statement on any server; above it the server's
@@ -70,25 +75,11 @@ def rowcount_and_lastrowid(cursor: Any) -> tuple[int, int]:
     return cursor.rowcount, cursor.lastrowid
 
 
+FOREVER_SECONDS = FOREVER // 1000
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-class _Options:
-    """Enough of a model's ``_meta`` for database routers (as Django's DatabaseCache)."""
-
-    app_label = "django_kvcache"
-    model_name = "cacheentry"
-    object_name = "CacheEntry"
-    verbose_name = "cache entry"
-    verbose_name_plural = "cache entries"
-    abstract = False
-    managed = True
-    proxy = False
-    swapped = False
-
-    def __init__(self, table: str) -> None:
-        self.db_table = table
 
 
 class MySQLCache(KVCache):
@@ -98,44 +89,14 @@ class MySQLCache(KVCache):
 
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
         super().__init__(params)
-        self.table = self.check_table(location)
-        self.database: str | None = self.check_database(self.options.get("DATABASE"))
+        self.table = check_table(location)
+        self.database: str | None = check_database(self.options.get("DATABASE"))
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
-        self.cull_probability = self.check_probability(
+        self.cull_probability = check_probability(
             self.options.get("CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY)
         )
-        self.cache_model_class = type("CacheEntry", (), {"_meta": _Options(self.table)})
+        self.cache_model_class = router_model(self.table)
         self._statements: dict[str, Statements] = {}
-
-    # --- configuration ---------------------------------------------------------------
-
-    @staticmethod
-    def check_table(location: Any) -> str:
-        # quote_name does not escape backticks, so they are refused here.
-        if not isinstance(location, str) or not 0 < len(location) <= 64 or "`" in location:
-            raise ImproperlyConfigured(
-                "MySQLCache LOCATION must be a table name of 1 to 64 characters without "
-                f"backticks, got {location!r}"
-            )
-        return location
-
-    @staticmethod
-    def check_database(alias: Any) -> str | None:
-        if alias is None:
-            return None
-        if not isinstance(alias, str) or alias not in connections.settings:
-            raise ImproperlyConfigured(
-                f"OPTIONS['DATABASE'] must name an entry of DATABASES, got {alias!r}"
-            )
-        return alias
-
-    @staticmethod
-    def check_probability(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ImproperlyConfigured(
-                f"OPTIONS['CULL_PROBABILITY'] must be a number from 0 to 1, got {value!r}"
-            )
-        return float(value)
 
     # --- connections -----------------------------------------------------------------
 
@@ -184,6 +145,8 @@ class MySQLCache(KVCache):
             return FOREVER
         if seconds <= 0:
             return None
+        if seconds >= FOREVER_SECONDS:  # also keeps float("inf") out of int()
+            return FOREVER
         return min(now_ms() + int(seconds * 1000), FOREVER)
 
     # --- reading ---------------------------------------------------------------------
