@@ -45,7 +45,6 @@ class CacheSpec:
     key_prefix: str
     options: dict[str, Any] = field(default_factory=dict)
     database: str | None = None  # alias holding the table of a table-backed cache
-    nodes: int | None = None  # memcached node count
 
     @property
     def table(self) -> str | None:
@@ -126,7 +125,7 @@ def memcached_spec(family: str, token: str, nodes: list[str], count: int) -> Cac
     else:
         description, backend = f"Django PyMemcacheCache, {count} node(s)", DJANGO_PYMEMCACHE
     return CacheSpec(name, description, family, backend, nodes[:count],
-                     key_prefix=f"kvb-{token}-{name}", nodes=count)
+                     key_prefix=f"kvb-{token}-{name}")
 
 
 def extra_spec(token: str, definition: str) -> CacheSpec:
