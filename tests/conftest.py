@@ -30,3 +30,16 @@ def mariadb_server() -> Iterator[MariaDBServer]:
     server.start()
     yield server
     server.remove()
+
+
+@pytest.fixture(scope="module")
+def private_memcached_nodes() -> Iterator[list[str]]:
+    """Three memcached processes for one test module, so its flushes stay its own."""
+    nodes = [MemcachedNode() for _ in range(3)]
+    try:
+        for node in nodes:
+            node.start()
+        yield [node.address for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()

@@ -53,8 +53,11 @@ def same_poll(a: Any, b: Any) -> bool:
     return isinstance(b, Poll) and (a.pk, a.question, a.answers) == (b.pk, b.question, b.answers)
 
 
-class CacheContract:
-    """Mix-in of contract tests; subclasses provide ``backend_params``."""
+class CacheFixture:
+    """How to build the backend under test; subclasses provide ``backend_params``.
+
+    The base of :class:`CacheContract` and of the hostile-input and concurrency suites.
+    """
 
     def backend_params(self) -> dict[str, Any]:
         """The CACHES entry (BACKEND, LOCATION, OPTIONS) for the backend under test."""
@@ -77,6 +80,10 @@ class CacheContract:
         yield cache
         cache.clear()
         cache.close()
+
+
+class CacheContract(CacheFixture):
+    """Django's cache contract as tests."""
 
     # --- basic operations and their return types -------------------------------------
 
