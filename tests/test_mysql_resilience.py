@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import time
 
 import MySQLdb
@@ -24,7 +25,12 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "cach
 # --- child processes: fresh interpreters with their own connections ----------------------------
 
 
-def start_child(database_name: str) -> None:
+_start_line = None
+
+
+def start_child(database_name: str, start_line) -> None:
+    global _start_line
+    _start_line = start_line
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
 
@@ -33,7 +39,11 @@ def start_child(database_name: str) -> None:
 
 
 def child_cache() -> MySQLCache:
-    return MySQLCache(TABLE, {"OPTIONS": {"CULL_PROBABILITY": 0}})
+    """A cache on a fresh connection, once every process is ready: they start together."""
+    cache = MySQLCache(TABLE, {"OPTIONS": {"CULL_PROBABILITY": 0}})
+    cache.has_key("warm-up")  # connect and detect the server before the race
+    _start_line.wait(timeout=60)
+    return cache
 
 
 def increment_many(_: int) -> list[int]:
@@ -41,16 +51,32 @@ def increment_many(_: int) -> list[int]:
     return [cache.incr("counter") for _ in range(INCREMENTS)]
 
 
+def raced_order(worker: int) -> list[int]:
+    """Each process goes through the keys in its own order, so they meet on many keys."""
+    order = list(range(RACED_KEYS))
+    random.Random(worker).shuffle(order)
+    return order
+
+
 def add_all(worker: int) -> list[str]:
     cache = child_cache()
-    return [f"race{i}" for i in range(RACED_KEYS) if cache.add(f"race{i}", worker)]
+    return [f"race{i}" for i in raced_order(worker) if cache.add(f"race{i}", worker)]
+
+
+def get_or_set_all(worker: int) -> list[int]:
+    cache = child_cache()
+    got = {i: cache.get_or_set(f"gos{i}", lambda: worker) for i in raced_order(worker)}
+    return [got[i] for i in range(RACED_KEYS)]
 
 
 @pytest.fixture
 def pool(mysql_tables):
     context = multiprocessing.get_context("spawn")  # no inherited sockets
     database_name = connections["default"].settings_dict["NAME"]
-    with context.Pool(PROCESSES, initializer=start_child, initargs=(database_name,)) as pool:
+    # One task per process: a process waiting at the barrier cannot take a second task.
+    start_line = context.Barrier(PROCESSES)
+    initargs = (database_name, start_line)
+    with context.Pool(PROCESSES, initializer=start_child, initargs=initargs) as pool:
         yield pool
 
 
@@ -69,6 +95,8 @@ def test_concurrent_increments_lose_nothing(shared, pool):
     assert shared.get("counter") == PROCESSES * INCREMENTS
     # Each increment saw its own result: no two callers ever got the same value.
     assert sorted(returned) == list(range(1, PROCESSES * INCREMENTS + 1))
+    # And they really interleaved: some process saw gaps made by the others.
+    assert any(worker != list(range(worker[0], worker[0] + INCREMENTS)) for worker in results)
 
 
 def test_racing_add_has_exactly_one_winner(shared, pool):
@@ -80,12 +108,15 @@ def test_racing_add_has_exactly_one_winner(shared, pool):
         winners = [worker for worker, won in enumerate(results) if f"race{i}" in won]
         assert len(winners) == 1, (i, winners)
         assert shared.get(f"race{i}") == winners[0]
+    assert sum(1 for won in results if won) > 1  # the race was real: several processes won
 
 
-def test_get_or_set_racing_add_keeps_the_first_value(shared):
-    assert shared.get_or_set("key", "first") == "first"
-    other = make_cache()
-    assert other.get_or_set("key", lambda: "second") == "first"
+def test_racing_get_or_set_agrees_on_one_value(shared, pool):
+    results = pool.map(get_or_set_all, range(PROCESSES))
+    for i in range(RACED_KEYS):
+        seen = {worker_results[i] for worker_results in results}
+        assert len(seen) == 1, (i, seen)  # every process got the same, winning value
+        assert shared.get(f"gos{i}") == seen.pop()
 
 
 # --- dropped connections ------------------------------------------------------------------
