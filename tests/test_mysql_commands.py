@@ -11,7 +11,7 @@ from django.db import connections
 from django.test import override_settings
 
 from django_kvcache.checks import check_mysql_cache_tables, check_mysql_caches
-from django_kvcache.mysql.maintenance import cull_all
+from django_kvcache.mysql.maintenance import cull_all, python_literal
 from tests.mysql_support import BACKEND, drop_table, insert_row, sql
 
 TABLES = ["kvcache_cmd_a", "kvcache_cmd_b"]
@@ -144,3 +144,11 @@ def test_database_that_is_not_mysql_is_an_error(sqlite_alias):
 
 def test_valid_configuration_has_no_errors():
     assert check_mysql_caches() == []
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["CREATE TABLE `t` (\n    `a` INT\n)", 'DROP TABLE `we"""ird`', "DROP TABLE `back\\slash`", 'X "'],
+)
+def test_migration_literals_round_trip(statement):
+    assert " ".join(eval(python_literal(statement)).split()) == " ".join(statement.split())

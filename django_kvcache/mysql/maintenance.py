@@ -69,15 +69,22 @@ class Migration(migrations.Migration):
     dependencies = []
 
     operations = [
-{operations}
-    ]
+{operations}    ]
 '''
 
 OPERATION_TEMPLATE = """        migrations.RunSQL(
-            sql={create!r},
-            reverse_sql={drop!r},
+            sql={create},
+            reverse_sql={drop},
         ),
 """
+
+
+def python_literal(sql: str) -> str:
+    """``sql`` as a readable triple-quoted literal when that is safe, else its repr."""
+    if '"""' in sql or "\\" in sql or sql.endswith('"'):
+        return repr(sql)
+    indented = sql.replace("\n", "\n" + " " * 12)
+    return f'"""\n{" " * 12}{indented}\n{" " * 12}"""'
 
 
 def migration_source(aliases: Iterable[str] | None = None) -> str:
@@ -87,7 +94,9 @@ def migration_source(aliases: Iterable[str] | None = None) -> str:
     for cache in selected.values():  # two aliases may share one table
         tables.setdefault(cache.table, cache)
     operations = "".join(
-        OPERATION_TEMPLATE.format(create=cache.create_table_sql(), drop=cache.drop_table_sql())
+        OPERATION_TEMPLATE.format(
+            create=python_literal(cache.create_table_sql()), drop=repr(cache.drop_table_sql())
+        )
         for cache in tables.values()
     )
     return MIGRATION_TEMPLATE.format(aliases=", ".join(selected), operations=operations)
