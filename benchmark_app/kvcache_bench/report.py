@@ -42,7 +42,8 @@ def ops_text(ops: dict[str, Any], reference: str | None) -> str:
         cell = micros(entry["median_us"]) + (f" {ratio:.2f}x" if ratio is not None else "")
         cells[entry["cache"], entry["operation"]] = cell + ("" if entry["correct"] else " WRONG")
     operations = ops["operations"]
-    parts = [f"ops: median per call, and its ratio to {reference or 'nothing (no DatabaseCache ran)'}"]
+    parts = [f"ops: median per call, and speed-up over {reference or 'nothing (no DatabaseCache ran)'}"
+             " (its median / this median: above 1x is faster)"]
     for start in range(0, len(operations), OPS_COLUMNS_PER_TABLE):
         chunk = operations[start:start + OPS_COLUMNS_PER_TABLE]
         parts.append(table(["cache", *chunk], ([cache, *(cells[cache, op] for op in chunk)] for cache in caches)))
