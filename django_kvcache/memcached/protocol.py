@@ -13,10 +13,9 @@ from pymemcache.exceptions import MemcacheUnexpectedCloseError
 
 #: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
 GET_KEYS_PER_LINE = 100
-#: Bytes asked of each ``recv``, unless a known larger block is due. Python allocates the
-#: full size before the call: 256 KiB costs an mmap'd buffer per call, 64 KiB does not.
+#: Bytes asked of each ``recv``. Python allocates the full size before the call: 256 KiB
+#: costs an mmap'd buffer per call, 64 KiB does not. Larger blocks are received in place.
 RECV_SIZE = 64 * 1024
-MAX_RECV_SIZE = 4 * 1024 * 1024
 
 
 class ProtocolError(Exception):
@@ -45,14 +44,33 @@ class ReplyReader:
 
     def block(self, length: int) -> bytes:
         """The next ``length`` bytes, then the ``\\r\\n`` that ends a data block."""
-        while len(self.buf) - self.pos < length + 2:
-            self._fill(length + 2 - (len(self.buf) - self.pos))
+        missing = length + 2 - (len(self.buf) - self.pos)
+        if missing > RECV_SIZE:
+            return self._large_block(length)
+        while missing > 0:
+            self._fill()
+            missing = length + 2 - (len(self.buf) - self.pos)
         start = self.pos
         self.pos = start + length + 2
         return self.buf[start : start + length]
 
-    def _fill(self, wanted: int = RECV_SIZE) -> None:
-        chunk = self.sock.recv(min(max(wanted, RECV_SIZE), MAX_RECV_SIZE))
+    def _large_block(self, length: int) -> bytes:
+        """Collect the chunks and join them once: no buffer regrown on every ``recv``."""
+        chunks = [self.buf[self.pos :]]
+        have = len(chunks[0])
+        while have < length + 2:
+            chunk = self.sock.recv(RECV_SIZE)
+            if not chunk:
+                raise MemcacheUnexpectedCloseError()
+            self.received += len(chunk)
+            chunks.append(chunk)
+            have += len(chunk)
+        data = b"".join(chunks)
+        self.buf, self.pos = data, length + 2
+        return data[:length]
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(RECV_SIZE)
         if not chunk:
             raise MemcacheUnexpectedCloseError()
         self.received += len(chunk)
