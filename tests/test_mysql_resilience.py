@@ -1,10 +1,12 @@
 """MySQLCache under concurrency (separate processes) and after a dropped connection."""
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import random
 import time
+from contextlib import contextmanager
 
 import MySQLdb
 import pytest
@@ -13,7 +15,14 @@ from django.db import OperationalError, ProgrammingError, connections, transacti
 from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.backends.mysql import MySQLCache
-from tests.mysql_support import TABLE, insert_row, make_cache, mysql_tables, rows  # noqa: F401
+from tests.mysql_support import (  # noqa: F401  (fixtures)
+    TABLE,
+    insert_row,
+    make_cache,
+    mysql_tables,
+    rows,
+    sql,
+)
 
 PROCESSES = 4
 INCREMENTS = 150
@@ -195,3 +204,48 @@ def test_a_dedicated_alias_keeps_cache_writes_out_of_the_request_transaction(mys
     assert dedicated.get("dedicated") == 1  # committed on its own connection
     assert shared_connection.get("shared") is None  # rolled back with the request
     dedicated.clear()
+
+
+# --- lock conflicts -----------------------------------------------------------------------
+
+
+@contextmanager
+def short_lock_waits(alias: str = "default"):
+    """Lock waits of one second on ``alias``'s connection (InnoDB's default is 50)."""
+    (previous,) = sql("SELECT @@SESSION.innodb_lock_wait_timeout", alias=alias)[0]
+    sql("SET SESSION innodb_lock_wait_timeout = 1", alias=alias)
+    try:
+        yield
+    finally:
+        sql("SET SESSION innodb_lock_wait_timeout = %s", (previous,), alias=alias)
+
+
+@contextmanager
+def row_locked_elsewhere(stored_key: str):
+    """Another connection holds ``stored_key``'s row lock in an open transaction."""
+    with transaction.atomic(using="cache"):
+        sql(f"SELECT 1 FROM `{TABLE}` WHERE `cache_key` = %s FOR UPDATE", (stored_key,), alias="cache")
+        yield
+
+
+def test_a_cull_blocked_by_locks_is_skipped_and_the_write_succeeds(shared, caplog):
+    culling_cache = make_cache(OPTIONS={"CULL_PROBABILITY": 1})
+    insert_row(":1:old", b"x", 0, int(time.time() * 1000) - 1000)
+    with short_lock_waits(), row_locked_elsewhere(":1:old"):
+        with caplog.at_level(logging.INFO, logger="django_kvcache"):
+            culling_cache.set("new", 1)
+    assert "skipped after a lock conflict" in caplog.text
+    assert culling_cache.get("new") == 1
+    assert [key for key, *_ in rows()] == [":1:new", ":1:old"]
+    assert culling_cache.cull() == 1  # the next cull gets it
+
+
+def test_a_statement_that_timed_out_on_a_lock_is_retried_once(shared):
+    shared.set("key", 1)
+    with short_lock_waits(), row_locked_elsewhere(":1:key"):
+        with CaptureQueriesContext(connections["default"]) as captured:
+            with pytest.raises(OperationalError) as raised:
+                shared.set("key", 2)
+    assert raised.value.args[0] == 1205
+    assert len(attempts(captured)) == 2
+    assert shared.get("key") == 1

@@ -21,7 +21,7 @@ from operator import attrgetter, methodcaller
 from typing import Any, Iterable, Iterator, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, MEMCACHE_MAX_KEY_LENGTH
-from django.db import DatabaseError, connections, router
+from django.db import DatabaseError, OperationalError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_kvcache.base import MISSING, KVCache, delegate_to_sync
@@ -35,7 +35,13 @@ from django_kvcache.mysql.config import (
     router_model,
 )
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
-from django_kvcache.mysql.server import run, server_info
+from django_kvcache.mysql.server import (
+    error_code,
+    in_transaction,
+    is_lock_conflict,
+    run,
+    server_info,
+)
 from django_kvcache.mysql.sql import (
     FOREVER,
     Statements,
@@ -274,7 +280,7 @@ class MySQLCache(KVCache):
                     connection, sql.incr, (delta, key, now, delta), rowcount_and_lastrowid
                 )
             except DatabaseError as exc:
-                if not exc.args or exc.args[0] not in BAD_NUMBER:
+                if error_code(exc) not in BAD_NUMBER:
                     raise
                 logger.warning("Ignoring corrupt integer cache entry %r: %s", key, exc)
                 raise ValueError(f"Key '{key}' not found") from exc
@@ -363,15 +369,25 @@ class MySQLCache(KVCache):
         ).run(now_ms())
 
     def _maybe_cull(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
-        if self.cull_probability and random.random() < self.cull_probability:
-            culling.Cull(
-                partial(run, connection),
-                sql,
-                self._max_entries,
-                self._cull_frequency,
-                max_batches=culling.WRITE_PATH_BATCHES,
-                check_limit=culling.draw_limit_check(self._max_entries, random.random()),
-            ).run(now_ms())
+        if not self.cull_probability or random.random() >= self.cull_probability:
+            return
+        cull = culling.Cull(
+            partial(run, connection),
+            sql,
+            self._max_entries,
+            self._cull_frequency,
+            max_batches=culling.WRITE_PATH_BATCHES,
+            check_limit=culling.draw_limit_check(self._max_entries, random.random()),
+        )
+        try:
+            cull.run(now_ms())
+        except OperationalError as exc:
+            # Culling is housekeeping: rows locked by concurrent writers must not fail
+            # this write; the next cull (or kvcache_cull) gets them. In a transaction a
+            # deadlock has rolled back the caller's work, which must not go unnoticed.
+            if not is_lock_conflict(exc) or in_transaction(connection):
+                raise
+            logger.info("Cull of %s skipped after a lock conflict: %s", self.table, exc)
 
     # --- table management ------------------------------------------------------------
 

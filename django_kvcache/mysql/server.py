@@ -20,6 +20,10 @@ T = TypeVar("T")
 #: killed, 4031 MySQL client interaction timeout.
 DISCONNECTED = frozenset({2006, 2013, 2055, 1927, 4031})
 
+#: Errors after which InnoDB has rolled the statement back: 1213 deadlock, 1205 lock wait
+#: timeout. Outside a transaction the statement had no effect and can run again.
+ROLLED_BACK = frozenset({1213, 1205})
+
 #: Room left in a packet for the statement text around the parameters.
 PACKET_HEADROOM = 4096
 
@@ -75,26 +79,36 @@ def forget_server(alias: str) -> None:
     _servers.pop(alias, None)
 
 
-def is_disconnect(exc: OperationalError) -> bool:
-    return bool(exc.args) and exc.args[0] in DISCONNECTED
+def error_code(exc: Exception) -> int | None:
+    return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+
+
+def is_lock_conflict(exc: Exception) -> bool:
+    return error_code(exc) in ROLLED_BACK
+
+
+def in_transaction(connection: BaseDatabaseWrapper) -> bool:
+    return connection.in_atomic_block or not connection.autocommit
 
 
 def run(connection: BaseDatabaseWrapper, sql: str, params: Any, read: Callable[[Any], T]) -> T:
     """Execute one statement and ``read`` its result from the cursor.
 
-    A dropped connection (server restart, ``wait_timeout``, ``KILL``) is closed and the
-    statement retried once on a fresh one, unless a transaction is open: its earlier
-    work is lost with the connection, so only the caller may decide what to do.
+    Outside a transaction, the statement is retried once after a dropped connection
+    (server restart, ``wait_timeout``, ``KILL``: on a fresh connection) or a deadlock or
+    lock wait timeout (InnoDB rolled the statement back). Inside one the error is raised:
+    the transaction's earlier work is lost, so only the caller may decide what to do.
     """
     try:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return read(cursor)
     except OperationalError as exc:
-        in_transaction = connection.in_atomic_block or not connection.autocommit
-        if in_transaction or not is_disconnect(exc):
+        code = error_code(exc)
+        if in_transaction(connection) or (code not in DISCONNECTED and code not in ROLLED_BACK):
             raise
-    connection.close()
+        if code in DISCONNECTED:
+            connection.close()
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return read(cursor)
