@@ -16,7 +16,6 @@ from pymemcache.serde import compressed_serde
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import ValueTooLarge, protocol
-from django_kvcache.memcached.node import connected
 from tests.servers import memcached_node
 
 THIRTY_DAYS = 30 * 24 * 3600
@@ -125,7 +124,7 @@ def meta_ttl(cache, key):
     node = cache._node(key)
     client = node.pool.checkout()
     try:
-        return protocol.meta_get(connected(client), key.encode())[2]
+        return protocol.meta_get(client, key.encode())[2]
     finally:
         node.pool.checkin(client)
 

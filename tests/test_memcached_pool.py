@@ -20,7 +20,7 @@ from pymemcache.client.base import Client
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import PoolExhausted
-from django_kvcache.memcached.node import connected
+from django_kvcache.memcached.protocol import connected
 from tests.servers import services
 
 BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
@@ -102,7 +102,8 @@ def io_timeout(sock: socket.socket) -> float | None:
 
 def test_sockets_have_nodelay_and_timeouts(memcached_node_factory):
     address = memcached_node_factory().address
-    for options, expected in [({}, 1.0), ({"IO_TIMEOUT": 0.25}, 0.25), ({"IO_TIMEOUT": None}, None)]:
+    cases = [({}, 1.0), ({"IO_TIMEOUT": 0.25}, 0.25), ({"IO_TIMEOUT": None}, None)]
+    for options, expected in cases:
         cache = MemcachedCache([address], {"OPTIONS": options})
         pool = cache._nodes[0].pool
         client = pool.checkout()
@@ -110,7 +111,10 @@ def test_sockets_have_nodelay_and_timeouts(memcached_node_factory):
             sock = connected(client)
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
             # the kernel keeps its timeouts in clock ticks: 0.25 s may read back as 0.252
-            assert io_timeout(sock) == (None if expected is None else pytest.approx(expected, abs=0.01))
+            if expected is None:
+                assert io_timeout(sock) is None
+            else:
+                assert io_timeout(sock) == pytest.approx(expected, abs=0.01)
             assert client.connect_timeout == options.get("CONNECT_TIMEOUT", 1.0)
         finally:
             pool.checkin(client)

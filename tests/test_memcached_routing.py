@@ -144,7 +144,9 @@ def test_switching_from_pymemcachecache_finds_every_key():
     prefix = f"switch-{uuid.uuid4().hex[:8]}"
     params = {"KEY_PREFIX": prefix, "TIMEOUT": 60}
     django_cache = PyMemcacheCache(settings.MEMCACHED_NODES, params)
-    ours = MemcachedCache(settings.MEMCACHED_NODES, {**params, "OPTIONS": {"HASHING": "pymemcache"}})
+    ours = MemcachedCache(
+        settings.MEMCACHED_NODES, {**params, "OPTIONS": {"HASHING": "pymemcache"}}
+    )
     values = {f"key-{i}": value for i, value in enumerate(
         ["text", "ünïcode ✓", b"bytes", 42, -7, 3.5, {"a": [1, 2]}, None, True] * 12
     )}

@@ -30,7 +30,7 @@ from django_kvcache.base import MISSING, KVCache, delegate_to_sync, logger
 from django_kvcache.memcached import MemcachedError, NodeDown, ValueTooLarge
 from django_kvcache.memcached import fanout, protocol
 from django_kvcache.memcached.health import health_for
-from django_kvcache.memcached.node import Node, connected
+from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.pool import ConnectionSettings, pool_for
 from django_kvcache.memcached.routing import (
     NodeAddress,
@@ -83,7 +83,8 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
         for a in addresses
     ]
     with _clusters_lock:
-        return _clusters.setdefault(identity, Cluster(nodes, make_router(scheme, addresses, weights)))
+        cluster = Cluster(nodes, make_router(scheme, addresses, weights))
+        return _clusters.setdefault(identity, cluster)
 
 
 class Placement(NamedTuple):
@@ -207,7 +208,7 @@ class MemcachedCache(KVCache):
         key = self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
-            found = node.call(_get_one, key)
+            found = node.call(protocol.get_one, key)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -298,7 +299,7 @@ class MemcachedCache(KVCache):
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = node.call(lambda c: protocol.meta_get(connected(c), encoded_key))
+            found = node.call(protocol.meta_get, encoded_key)
             if found is None:
                 return None
             data, flags, ttl, cas = found
@@ -308,10 +309,10 @@ class MemcachedCache(KVCache):
             if type(value) is not int:
                 raise TypeError(f"Cannot increment or decrement the non-integer value of {key!r}")
             new_data, new_flags = self.codec.encode(value + delta)
-            if node.call(
-                lambda c: protocol.meta_cas(connected(c), encoded_key, new_data, new_flags, ttl, cas),
-                retry=False,
-            ):
+            swapped = node.call(
+                protocol.meta_cas, encoded_key, new_data, new_flags, ttl, cas, retry=False
+            )
+            if swapped:
                 return value + delta
             time.sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
@@ -323,7 +324,7 @@ class MemcachedCache(KVCache):
         if not key_map:
             return {}
         placement = self._place(key_map)
-        batches = [fanout.get_batch(node, node_keys) for node, node_keys in placement.groups.items()]
+        batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
         fanout.run(batches)
         found: dict[Any, Any] = {}
         decode = self.decode
@@ -377,7 +378,7 @@ class MemcachedCache(KVCache):
         if not keys:
             return
         placement = self._place(keys)
-        batches = [fanout.delete_batch(node, node_keys) for node, node_keys in placement.groups.items()]
+        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
         fanout.run(batches)
         if report:
             self._report(placement, batches)
@@ -424,10 +425,6 @@ class MemcachedCache(KVCache):
         return stats
 
     adisconnect_all = delegate_to_sync("disconnect_all")
-
-
-def _get_one(client: Client, key: str) -> tuple[bytes, int] | None:
-    return protocol.get_one(connected(client), key.encode())
 
 
 # --- OPTIONS checks -------------------------------------------------------------------

@@ -14,8 +14,8 @@ from pymemcache.client.base import Client
 
 from django_kvcache.memcached import MemcachedError
 from django_kvcache.memcached import protocol
-from django_kvcache.memcached.node import NODE_FAILURES, STALE_CONNECTION, Node, connected
-from django_kvcache.memcached.protocol import ReplyReader
+from django_kvcache.memcached.node import NODE_FAILURES, STALE_CONNECTION, Node
+from django_kvcache.memcached.protocol import ReplyReader, connected
 
 
 @dataclass

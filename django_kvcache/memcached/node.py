@@ -4,7 +4,6 @@ from __future__ import annotations
 import socket
 from typing import Any, Callable
 
-from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheUnexpectedCloseError, MemcacheUnknownError
 
 from django_kvcache.memcached import NodeError
@@ -91,9 +90,3 @@ class Node:
         )
         return counters
 
-
-def connected(client: Client) -> socket.socket:
-    """The client's socket, connecting first if needed (for our own protocol code)."""
-    if client.sock is None:
-        client._connect()
-    return client.sock  # type: ignore[return-value]

@@ -17,8 +17,6 @@ import ssl
 import struct
 import sys
 import threading
-import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +75,6 @@ class NodePool:
         self.address = address
         self.settings = settings
         self.forget()
-        _all_pools.add(self)
 
     def forget(self) -> None:
         """Start empty without closing anything (after fork the sockets are the parent's)."""
@@ -197,15 +194,15 @@ class Connection(Client):
         if use_kernel and io_timeout is not None:
             seconds = int(io_timeout)
             value = struct.pack("ll", seconds, int((io_timeout - seconds) * 1_000_000))
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)  # type: ignore[union-attr]
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)  # type: ignore[union-attr]
+            sock: socket.socket = self.sock  # type: ignore[assignment]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 # struct timeval as two C longs is what Linux and the BSDs take.
 _KERNEL_TIMEOUTS = sys.platform.startswith(("linux", "darwin", "freebsd"))
 
 
-_all_pools: weakref.WeakSet[NodePool] = weakref.WeakSet()
 _registry: dict[tuple[str, ConnectionSettings], NodePool] = {}
 _registry_lock = threading.Lock()
 
@@ -223,7 +220,7 @@ def pool_for(address: NodeAddress, settings: ConnectionSettings) -> NodePool:
 def _forget_all_after_fork() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()
-    for pool in list(_all_pools):
+    for pool in _registry.values():
         pool.forget()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Iterable
 
+from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheUnexpectedCloseError
 
 #: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
@@ -16,6 +17,13 @@ GET_KEYS_PER_LINE = 100
 #: Bytes asked of each ``recv``. Python allocates the full size before the call: 256 KiB
 #: costs an mmap'd buffer per call, 64 KiB does not. Larger blocks are received in place.
 RECV_SIZE = 64 * 1024
+
+
+def connected(client: Client) -> socket.socket:
+    """The pooled pymemcache client's socket, connecting first if needed."""
+    if client.sock is None:
+        client._connect()
+    return client.sock  # type: ignore[return-value]
 
 
 class ProtocolError(Exception):
@@ -107,13 +115,14 @@ def read_values(reader: ReplyReader, ends: int) -> dict[bytes, tuple[bytes, int]
     return found
 
 
-def get_one(sock: socket.socket, key: bytes) -> tuple[bytes, int] | None:
+def get_one(client: Client, key: str) -> tuple[bytes, int] | None:
     """``get`` of one key: ``(data, flags)`` or None. The single-key hot path.
 
     A small value's whole reply usually arrives in one ``recv``; it is parsed in place
     without the reader's bookkeeping.
     """
-    sock.sendall(b"get %b\r\n" % key)
+    sock = connected(client)
+    sock.sendall(b"get %b\r\n" % key.encode())
     buf = sock.recv(RECV_SIZE)
     if buf == b"END\r\n":
         return None
@@ -125,7 +134,7 @@ def get_one(sock: socket.socket, key: bytes) -> tuple[bytes, int] | None:
             return buf[start : len(buf) - 7], int(flags)
     if not buf:
         raise MemcacheUnexpectedCloseError()
-    return read_values(ReplyReader(sock, buf), 1).get(key)
+    return read_values(ReplyReader(sock, buf), 1).get(key.encode())
 
 
 def store_command(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> bytes:
@@ -144,8 +153,9 @@ def read_lines(reader: ReplyReader, count: int) -> list[bytes]:
 # --- meta commands: read-modify-write that keeps the item's remaining TTL -------------
 
 
-def meta_get(sock: socket.socket, key: bytes) -> tuple[bytes, int, int, int] | None:
+def meta_get(client: Client, key: bytes) -> tuple[bytes, int, int, int] | None:
     """``(data, flags, remaining ttl or -1, cas)``, or None when the key is missing."""
+    sock = connected(client)
     sock.sendall(b"mg %b v f t c\r\n" % key)
     reader = ReplyReader(sock)
     line = reader.line()
@@ -159,9 +169,10 @@ def meta_get(sock: socket.socket, key: bytes) -> tuple[bytes, int, int, int] | N
 
 
 def meta_cas(
-    sock: socket.socket, key: bytes, data: bytes, flags: int, ttl: int, cas: int
+    client: Client, key: bytes, data: bytes, flags: int, ttl: int, cas: int
 ) -> bool:
     """Store only if the item is unchanged since ``meta_get``; keeps its TTL."""
+    sock = connected(client)
     ttl = 0 if ttl == -1 else max(ttl, 1)  # mg says -1 for "never expires"; ms wants 0
     sock.sendall(b"ms %b %d T%d F%d C%d\r\n%b\r\n" % (key, len(data), ttl, flags, cas, data))
     line = ReplyReader(sock).line()
