@@ -15,6 +15,7 @@ instances (pools, node health, counters, routing) lives in a process-wide
 from __future__ import annotations
 
 import math
+import os
 import random
 import ssl
 import threading
@@ -56,6 +57,14 @@ class Cluster:
 
 _clusters: dict[tuple, Cluster] = {}
 _clusters_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _clusters_lock
+    _clusters_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Cluster:
