@@ -24,7 +24,9 @@ def _mysql_cache_aliases() -> list[str]:
 
 
 @register(Tags.caches)
-def check_mysql_caches(app_configs: Iterable[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+def check_mysql_caches(
+    app_configs: Iterable[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
     for alias in _mysql_cache_aliases():
         try:

@@ -46,7 +46,8 @@ def sql(statement: str, params: Any = (), alias: str = "default") -> list[tuple]
 
 def rows(table: str = TABLE) -> list[tuple]:
     """Every row of ``table`` as (cache_key, value, flags, expires), in key order."""
-    return sql(f"SELECT `cache_key`, `value`, `flags`, `expires` FROM `{table}` ORDER BY `cache_key`")
+    columns = "`cache_key`, `value`, `flags`, `expires`"
+    return sql(f"SELECT {columns} FROM `{table}` ORDER BY `cache_key`")
 
 
 def insert_row(key: str, value: bytes, flags: int, expires: int, table: str = TABLE) -> None:

@@ -65,7 +65,9 @@ def test_createtable_dry_run_prints_sql_and_creates_nothing():
 
 
 @pytest.mark.parametrize("name", ["kvcache_createtable", "kvcache_migration", "kvcache_cull"])
-@pytest.mark.parametrize("alias, reason", [("nope", "No cache named"), ("default", "not a MySQLCache")])
+@pytest.mark.parametrize(
+    "alias, reason", [("nope", "No cache named"), ("default", "not a MySQLCache")]
+)
 def test_commands_refuse_unknown_aliases(name, alias, reason):
     with pytest.raises(CommandError, match=reason):
         command(name, alias)
@@ -115,7 +117,10 @@ def test_missing_table_warns_with_the_command_to_run():
 
 
 def test_invalid_options_are_errors():
-    broken = {**CACHES, "broken": {"BACKEND": BACKEND, "LOCATION": "t", "OPTIONS": {"CULL_PROBABILITY": 5}}}
+    broken = {
+        **CACHES,
+        "broken": {"BACKEND": BACKEND, "LOCATION": "t", "OPTIONS": {"CULL_PROBABILITY": 5}},
+    }
     with override_settings(CACHES=broken):
         messages = check_mysql_caches()
     assert check_ids(messages) == ["kvcache.E002"]
@@ -126,7 +131,9 @@ def test_invalid_options_are_errors():
 def sqlite_alias():
     """A non-MySQL database alias (never connected to: checks only look at its vendor)."""
     connections.settings["sqlite"] = {
-        **connections.settings["default"], "ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"
+        **connections.settings["default"],
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": ":memory:",
     }
     yield "sqlite"
     del connections["sqlite"]
@@ -148,7 +155,12 @@ def test_valid_configuration_has_no_errors():
 
 @pytest.mark.parametrize(
     "statement",
-    ["CREATE TABLE `t` (\n    `a` INT\n)", 'DROP TABLE `we"""ird`', "DROP TABLE `back\\slash`", 'X "'],
+    [
+        "CREATE TABLE `t` (\n    `a` INT\n)",
+        'DROP TABLE `we"""ird`',
+        "DROP TABLE `back\\slash`",
+        'X "',
+    ],
 )
 def test_migration_literals_round_trip(statement):
     assert " ".join(eval(python_literal(statement)).split()) == " ".join(statement.split())

@@ -268,7 +268,9 @@ def test_long_keys_are_digested_never_truncated_and_warn(cache):
     assert all(len(key) == MAX_KEY_LENGTH and DIGEST_MARKER in key for key in stored)
 
 
-@pytest.mark.parametrize("key", ["plain", "with space", "tab\t", "nul\x00", "del\x7f", "é" * 260, "x" * 247])
+@pytest.mark.parametrize(
+    "key", ["plain", "with space", "tab\t", "nul\x00", "del\x7f", "é" * 260, "x" * 247]
+)
 def test_key_warnings_are_exactly_djangos(cache, key):
     expected = list(memcache_key_warnings(cache.make_key(key)))
     with warnings.catch_warnings(record=True) as caught:

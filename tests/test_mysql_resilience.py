@@ -224,7 +224,8 @@ def short_lock_waits(alias: str = "default"):
 def row_locked_elsewhere(stored_key: str):
     """Another connection holds ``stored_key``'s row lock in an open transaction."""
     with transaction.atomic(using="cache"):
-        sql(f"SELECT 1 FROM `{TABLE}` WHERE `cache_key` = %s FOR UPDATE", (stored_key,), alias="cache")
+        lock = f"SELECT 1 FROM `{TABLE}` WHERE `cache_key` = %s FOR UPDATE"
+        sql(lock, (stored_key,), alias="cache")
         yield
 
 

@@ -25,7 +25,7 @@ from django.db import DatabaseError, OperationalError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_kvcache.base import MISSING, KVCache, delegate_to_sync
-from django_kvcache.codec import INT64_MAX
+from django_kvcache.codec import INT64_MAX, INT64_MIN
 from django_kvcache.mysql import culling
 from django_kvcache.mysql.config import (
     DEFAULT_CULL_PROBABILITY,
@@ -231,14 +231,30 @@ class MySQLCache(KVCache):
             return []
         # Every key and value is checked and encoded before anything is written, so a bad
         # key or an unpicklable value leaves the whole batch unwritten.
-        encoded = [(key, self._key(key, version), *self.codec.encode(value)) for key, value in data.items()]
+        rows = [
+            (key, self._key(key, version), *self.codec.encode(value)) for key, value in data.items()
+        ]
         connection, sql = self._writer()
         self._maybe_cull(connection, sql)
+        failed = self._upsert_rows(connection, sql, rows, expires)
+        if failed:  # an older value must not outlive a failed write
+            self.delete_many(failed, version=version)
+        return failed
+
+    def _upsert_rows(
+        self,
+        connection: BaseDatabaseWrapper,
+        sql: Statements,
+        rows: list[tuple[Any, str, bytes, int]],
+        expires: int,
+    ) -> list[Any]:
+        """Upsert ``(caller key, stored key, bytes, flags)`` rows in as few statements as
+        ``max_allowed_packet`` allows; returns the caller keys of rows too large for any."""
         budget = server_info(connection).statement_budget
         failed: list[Any] = []
         params: list[Any] = []
         size = 0
-        for caller_key, key, blob, flags in encoded:
+        for caller_key, key, blob, flags in rows:
             size_of_row = row_size(blob)
             if size_of_row > budget:
                 self._too_large(caller_key, blob)
@@ -251,8 +267,6 @@ class MySQLCache(KVCache):
             size += size_of_row
         if params:
             run(connection, sql.set_many(len(params) // 4), params, rowcount)
-        if failed:  # an older value must not outlive a failed write
-            self.delete_many(failed, version=version)
         return failed
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
@@ -296,8 +310,15 @@ class MySQLCache(KVCache):
         row = run(connection, sql.incr_failure, (key, now), fetchone)
         if row is None:
             return ValueError(f"Key '{key}' not found")
-        if not row[0]:
+        is_integer, data = row
+        if not is_integer:
             return TypeError(f"The value of key '{key}' is not an integer")
+        try:
+            in_range = INT64_MIN <= int(data) + delta <= INT64_MAX
+        except ValueError:  # not decimal text: corrupt, and a miss like in get()
+            in_range = True
+        if in_range:  # the key was missing when the UPDATE ran, and was set since
+            return ValueError(f"Key '{key}' not found")
         return OverflowError(
             f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
         )

@@ -75,7 +75,7 @@ class Statements:
         live = "`expires` > %s"
         insert = f"INSERT INTO {t} (`cache_key`, `value`, `flags`, `expires`) VALUES "
         self.insert = insert
-        self.new_row = " AS new ON DUPLICATE KEY UPDATE " if row_alias else " ON DUPLICATE KEY UPDATE "
+        self.new_row = (" AS new" if row_alias else "") + " ON DUPLICATE KEY UPDATE "
 
         self.get = f"SELECT `value`, `flags` FROM {t} WHERE `cache_key` = %s AND {live}"
         self.has_key = f"SELECT 1 FROM {t} WHERE `cache_key` = %s AND {live}"
@@ -108,9 +108,14 @@ class Statements:
             f"AND IF(`flags` IN ({INTEGER_FLAGS}), {as_decimal} + %s, NULL) "
             f"BETWEEN {INT64_RANGE}"
         )
-        self.incr_failure = f"SELECT `flags` IN ({INTEGER_FLAGS}) FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.incr_failure = (
+            f"SELECT `flags` IN ({INTEGER_FLAGS}), `value` FROM {t} "
+            f"WHERE `cache_key` = %s AND {live}"
+        )
         self.clear = f"DELETE FROM {t}"
-        self.select_many = f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
+        self.select_many = (
+            f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
+        )
         self.delete_many = f"DELETE FROM {t} WHERE `cache_key` IN "
 
         like = f"`cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' AND {live}"
