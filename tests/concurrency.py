@@ -101,10 +101,13 @@ class ConcurrencyContract:
 
     def test_threads_sharing_one_instance_see_only_their_keys(self, cache):
         wrong: list[tuple] = []
+        errors: list[str] = []
 
         def work(thread: int) -> None:
             try:
                 check(thread)
+            except Exception as exc:  # an exception must fail the test, not end a thread quietly
+                errors.append(repr(exc))
             finally:
                 connections.close_all()  # this thread's own database connections
 
@@ -126,4 +129,5 @@ class ConcurrencyContract:
         for thread in threads:
             thread.join(timeout=WORKER_TIMEOUT)
         assert not any(thread.is_alive() for thread in threads)
+        assert errors == []
         assert wrong == []
