@@ -56,7 +56,10 @@ class Node:
                 return self.call(command, *args, retry=False)
             raise self.failure(exc) from exc
         except Exception:
-            pool.checkin(client)  # pymemcache closed it if needed; it reconnects lazily
+            # A refused command (value too large, not a number...): the reply may be half
+            # read, so start the next user on a fresh socket (pymemcache reconnects lazily).
+            client.close()
+            pool.checkin(client)
             raise
         except BaseException:
             pool.discard(client)  # interrupted mid-reply: the stream is unusable
