@@ -9,7 +9,14 @@ from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.mysql import culling
 from django_kvcache.mysql.sql import FOREVER
-from tests.mysql_support import cache, insert_row, make_cache, mysql_tables, rows  # noqa: F401
+from tests.mysql_support import (  # noqa: F401  (fixtures)
+    cache,
+    insert_row,
+    make_cache,
+    mysql_tables,
+    rows,
+    sql,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -175,3 +182,21 @@ def test_a_write_path_cull_without_limit_check_still_deletes_expired_rows(mysql_
         cache.set("new", 1)
     assert live_keys() == ["new"] and len(rows()) == 1
     assert not any("OFFSET" in q["sql"] for q in captured)
+
+
+def index_used(statement: str, params) -> str:
+    (plan,) = sql("EXPLAIN " + statement, params)
+    return plan[5]  # EXPLAIN's `key` column
+
+
+def test_statements_use_the_index_meant_for_them(cache):
+    for batch in range(4):
+        cache.set_many({f"k{batch}-{i}": i for i in range(500)}, timeout=600 + batch)
+    _, statements = cache._writer()
+    now = now_ms()
+    assert index_used(statements.delete_expired, (now, 1000)) == "kvcache_expires"
+    assert index_used(statements.nth_latest, (100,)) == "kvcache_expires"
+    assert index_used(statements.evict_through, (now, now, "k", 1000)) == "kvcache_expires"
+    assert index_used(statements.get_many(2), (now, ":1:k1-1", ":1:k2-2")) == "PRIMARY"
+    assert index_used(statements.keys_with_prefix, (":1:k1-1%", now)) == "PRIMARY"
+    assert index_used(statements.incr, (1, ":1:k1-1", now)) == "PRIMARY"

@@ -70,6 +70,8 @@ def row_size(data: bytes) -> int:
 KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 #: MySQL error codes for a value that is not decimal text in an integer-flagged row.
 BAD_NUMBER = frozenset({1292, 1366})
+#: "BIGINT value is out of range": an increment past the signed 64-bit range.
+OUT_OF_RANGE = 1690
 
 fetchone = methodcaller("fetchone")
 fetchall = methodcaller("fetchall")
@@ -288,20 +290,25 @@ class MySQLCache(KVCache):
         key = self._key(key, version)
         connection, sql = self._writer()
         now = now_ms()
-        if -(2**64) < delta < 2**64:  # any other delta overflows every stored value
-            try:
-                matched, value = run(
-                    connection, sql.incr, (delta, key, now, delta), rowcount_and_lastrowid
-                )
-            except DatabaseError as exc:
-                if error_code(exc) not in BAD_NUMBER:
-                    raise
-                logger.warning("Ignoring corrupt integer cache entry %r: %s", key, exc)
-                raise ValueError(f"Key '{key}' not found") from exc
-            if matched:
-                # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
-                return value - 2**64 if value > INT64_MAX else value
-        raise self._incr_error(connection, sql, key, delta, now)
+        if INT64_MIN <= delta <= INT64_MAX:
+            statement, params = sql.incr, (delta, key, now)
+        elif -(2**64) < delta < 2**64:
+            statement, params = sql.incr_wide, (delta, key, now, delta)
+        else:  # overflows every stored value
+            raise self._incr_error(connection, sql, key, delta, now)
+        try:
+            matched, value = run(connection, statement, params, rowcount_and_lastrowid)
+        except DatabaseError as exc:
+            if error_code(exc) == OUT_OF_RANGE:
+                raise self._incr_error(connection, sql, key, delta, now) from None
+            if error_code(exc) not in BAD_NUMBER:
+                raise
+            logger.warning("Ignoring corrupt integer cache entry %r: %s", key, exc)
+            raise ValueError(f"Key '{key}' not found") from exc
+        if not matched:
+            raise self._incr_error(connection, sql, key, delta, now)
+        # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
+        return value - 2**64 if value > INT64_MAX else value
 
     def _incr_error(
         self, connection: BaseDatabaseWrapper, sql: Statements, key: str, delta: int, now: int

@@ -72,7 +72,9 @@ class Statements:
     def __init__(self, table: str, quote_name: Callable[[str], str], row_alias: bool) -> None:
         t = quote_name(table)
         self.row_alias = row_alias
-        live = "`expires` > %s"
+        # "+ 0" hides the expiry index from the optimizer where the primary key already
+        # picks the rows: weighing a range over the whole index costs every statement.
+        live = "`expires` + 0 > %s"
         insert = f"INSERT INTO {t} (`cache_key`, `value`, `flags`, `expires`) VALUES "
         self.insert = insert
         self.new_row = (" AS new" if row_alias else "") + " ON DUPLICATE KEY UPDATE "
@@ -97,11 +99,19 @@ class Statements:
         self.touch = f"UPDATE {t} SET `expires` = %s WHERE `cache_key` = %s AND {live}"
         self.delete = f"DELETE FROM {t} WHERE `cache_key` = %s"
         self.delete_live = f"DELETE FROM {t} WHERE `cache_key` = %s AND {live}"
-        # Arithmetic in DECIMAL cannot overflow; the WHERE keeps results inside BIGINT, so
-        # an overflow matches no row and leaves the value unchanged. LAST_INSERT_ID hands
-        # the new value back without a second statement (as unsigned: the caller wraps it).
-        as_decimal = "CAST(`value` AS DECIMAL(65, 0))"
+        # LAST_INSERT_ID hands the new value back without a second statement (as unsigned:
+        # the caller wraps it back). Signed BIGINT arithmetic fails with error 1690 on
+        # overflow, which aborts the statement and leaves the value unchanged.
         self.incr = (
+            f"UPDATE {t} SET `value` = "
+            "CAST(LAST_INSERT_ID(CAST(`value` AS SIGNED) + %s) AS SIGNED) "
+            f"WHERE `cache_key` = %s AND {live} AND `flags` IN ({INTEGER_FLAGS})"
+        )
+        # A delta outside BIGINT (up to 2**64 - 1 either way) can still give a BIGINT
+        # result; DECIMAL arithmetic cannot overflow, and the range test makes an
+        # out-of-range result match no row.
+        as_decimal = "CAST(`value` AS DECIMAL(65, 0))"
+        self.incr_wide = (
             f"UPDATE {t} SET `value` = "
             f"CAST(LAST_INSERT_ID(CAST({as_decimal} + %s AS SIGNED)) AS SIGNED) "
             f"WHERE `cache_key` = %s AND {live} "
