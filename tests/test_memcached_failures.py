@@ -4,6 +4,8 @@ health state machine and its signals."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import time
 
@@ -231,3 +233,67 @@ def test_health_allows_one_probe_per_retry_period(signals):
     health.succeeded()
     assert not health.down and health.may_try() and health.failures == 0
     assert signals == [("down", "test:1"), ("up", "test:1")]
+
+
+# --- writes a node missed are not served stale when it returns ----------------------------
+
+
+@pytest.fixture
+def paused(two_nodes):
+    """Stop one node with SIGSTOP (it keeps its data: a partition, not a crash)."""
+    _, node = two_nodes
+
+    def stop():
+        os.kill(node.process.pid, signal.SIGSTOP)
+
+    yield node, stop
+    os.kill(node.process.pid, signal.SIGCONT)
+
+
+def keys_on(cache, node, count):
+    return [key_on(cache, node, prefix=f"k{i}") for i in range(count)]
+
+
+def test_writes_missed_during_a_partition_are_deleted_before_the_node_serves(two_nodes, paused):
+    node, stop = paused
+    cache = build(two_nodes, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2)
+    written, kept, deleted, many = keys_on(cache, node, 4)
+    cache.set_many({written: "v1", kept: "kept", deleted: "v1", many: "v1"})
+    stop()
+    cache.set(written, "v2")  # times out: maybe stored, maybe not
+    cache.delete(deleted)  # the node is down now: skipped
+    cache.set_many({many: "v2"})
+    os.kill(node.process.pid, signal.SIGCONT)
+    wait_for_retry()
+    assert cache.get(written, "miss") in ("miss", "v2")  # the last write, or nothing
+    assert cache.get_many([kept, deleted, many]) == {kept: "kept"}  # only outdated keys go
+
+
+def test_too_many_missed_writes_flush_the_node(two_nodes, paused, monkeypatch):
+    from django_kvcache.memcached import stale
+
+    monkeypatch.setattr(stale, "LIMIT", 3)
+    node, stop = paused
+    cache = build(two_nodes, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2)
+    untouched, *written = keys_on(cache, node, 6)
+    cache.set_many(dict.fromkeys([untouched, *written], "v1"))
+    stop()
+    for key in written:
+        cache.set(key, "v2")
+    os.kill(node.process.pid, signal.SIGCONT)
+    wait_for_retry()
+    assert cache.get_many([untouched, *written]) == {}  # flushed: even the untouched key
+
+
+def test_a_node_that_missed_clear_is_flushed_when_it_returns(two_nodes, paused):
+    node, stop = paused
+    cache = build(two_nodes, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2)
+    key = key_on(cache, node)
+    cache.set(key, "before clear")
+    stop()
+    for _ in range(2):
+        cache.get(key)  # time out twice: the node is down, clear() will not reach it
+    cache.clear()
+    os.kill(node.process.pid, signal.SIGCONT)
+    wait_for_retry()
+    assert cache.get(key) is None

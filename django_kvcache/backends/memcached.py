@@ -201,6 +201,37 @@ class MemcachedCache(KVCache):
                         node.errors += 1
         return placement
 
+    def _home(self, key: str) -> Node:
+        return self._nodes[self._node_for_key(key)]
+
+    def _write(self, key: str, command: Any, *args: Any) -> Any:
+        """A single-key write on the key's node (or its failover node)."""
+        try:
+            return self._node(key).call(command, key, *args)
+        except MemcachedError as exc:
+            self._missed_write(key, exc)
+            raise
+
+    def _missed_write(self, key: str, error: MemcachedError) -> None:
+        """A write that failed or was skipped leaves the old value on the key's node (and
+        on the node that failed): delete it there before that node serves again."""
+        home = self._home(key)
+        home.outdated.add((key,))
+        failed = self.cluster.by_name.get(error.node)
+        if failed is not None and failed is not home:
+            failed.outdated.add((key,))
+
+    def _missed_batch_writes(self, placement: Placement, batches: list[fanout.Batch]) -> None:
+        for key in placement.stranded:
+            self._home(key).outdated.add((key,))
+        for batch in batches:
+            if batch.error is None:
+                continue
+            batch.node.outdated.add(batch.keys)
+            for key in batch.keys:
+                if self._home(key) is not batch.node:  # a failover batch
+                    self._home(key).outdated.add((key,))
+
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any:
         """Raise ``error``, or with IGNORE_EXCEPTIONS log and count it, giving ``fallback``."""
         if not self.ignore_exceptions:
@@ -244,13 +275,14 @@ class MemcachedCache(KVCache):
         data, flags, saved = self.codec.encode_measured(value)
         expire = self.expire_time(timeout)
         try:
-            node = self._node(key)
-            stored = node.call(command, key, (data, flags), expire)
+            stored = self._write(key, command, (data, flags), expire)
         except MemcacheServerError as exc:  # too large, out of memory: refused, node fine
             self._forget(key)
-            return self._failed(ValueTooLarge(node.name, f"{key!r} not stored: {exc}"), False)
+            refused = ValueTooLarge(self._node(key).name, f"{key!r} not stored: {exc}")
+            return self._failed(refused, False)
         except MemcachedError as exc:
             return self._failed(exc, False)
+        node = self._home(key)
         node.bytes_sent += len(key) + len(data)
         node.bytes_saved += saved
         return bool(stored)
@@ -258,21 +290,21 @@ class MemcachedCache(KVCache):
     def _forget(self, key: str) -> None:
         """Delete a key whose new value was refused, so the old one is never read again."""
         try:
-            self._node(key).call(Client.delete, key)
-        except MemcachedError as exc:
+            self._write(key, Client.delete)
+        except MemcachedError as exc:  # remembered as outdated by _write
             logger.warning("Could not delete %r after a failed set: %s", key, exc)
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._node(key).call(Client.touch, key, self.expire_time(timeout)))
+            return bool(self._write(key, Client.touch, self.expire_time(timeout)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._node(key).call(Client.delete, key))
+            return bool(self._write(key, Client.delete))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -289,14 +321,18 @@ class MemcachedCache(KVCache):
         """
         key = self.make_and_validate_key(key, version=version)
         # No IGNORE_EXCEPTIONS here: incr has no "unknown" answer, so failures always raise.
-        node = self._node(key)
         try:
-            if delta >= 0:
-                value = node.call(Client.incr, key, delta, retry=False)
-            else:
-                value = node.call(Client.decr, key, -delta, retry=False)
-        except MemcacheClientError:  # "non-numeric value" or "invalid numeric delta"
-            value = self._add_with_cas(node, key, delta)
+            node = self._node(key)
+            try:
+                if delta >= 0:
+                    value = node.call(Client.incr, key, delta, retry=False)
+                else:
+                    value = node.call(Client.decr, key, -delta, retry=False)
+            except MemcacheClientError:  # "non-numeric value" or "invalid numeric delta"
+                value = self._add_with_cas(node, key, delta)
+        except MemcachedError as exc:
+            self._missed_write(key, exc)
+            raise
         if value is None:
             raise ValueError(f"Key '{key}' not found")
         return value
@@ -377,6 +413,7 @@ class MemcachedCache(KVCache):
                 refused.extend(k for k, line in zip(batch.keys, batch.result) if line != b"STORED")
         if refused:
             self._delete_keys(refused)  # a failed set must not leave the old value behind
+        self._missed_batch_writes(placement, batches)
         self._report(placement, batches)
         return [key_map[key] for key in failed + refused]
 
@@ -389,6 +426,7 @@ class MemcachedCache(KVCache):
         placement = self._place(keys)
         batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
         fanout.run(batches)
+        self._missed_batch_writes(placement, batches)
         if report:
             self._report(placement, batches)
 
@@ -398,12 +436,22 @@ class MemcachedCache(KVCache):
             self._failed(error)
 
     def clear(self) -> None:
-        """Flush every node (memcached has no per-prefix delete)."""
-        batches = [fanout.flush_batch(node) for node in self._nodes]
+        """Flush every node (memcached has no per-prefix delete).
+
+        A node that misses the flush (down, or failing now) is flushed when it returns,
+        before it serves anything.
+        """
+        reachable = [node for node in self._nodes if node.health.may_try()]
+        batches = [fanout.flush_batch(node) for node in reachable]
         fanout.run(batches)
-        for batch in batches:
-            if batch.error is not None:
-                self._failed(batch.error)
+        errors: list[MemcachedError] = [b.error for b in batches if b.error is not None]
+        for node in self._nodes:
+            if node not in reachable:
+                errors.append(NodeDown(node.name, "marked down: flushed when it returns"))
+        for error in errors:
+            self.cluster.by_name[error.node].outdated.add_everything()
+        for error in errors:
+            self._failed(error)
 
     # --- connections and observability -----------------------------------------------
 

@@ -88,6 +88,8 @@ def _send(batch: Batch, retry: bool) -> bool:
     assert client is not None
     node.ops += len(batch.keys)
     try:
+        if node.outdated.pending:
+            node.clean(client)
         connected(client).sendall(batch.request)
     except NODE_FAILURES as exc:
         batch._client = None

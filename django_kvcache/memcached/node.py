@@ -4,13 +4,15 @@ from __future__ import annotations
 import socket
 from typing import Any, Callable
 
+from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheUnexpectedCloseError, MemcacheUnknownError
 
 from django_kvcache.memcached import NodeError
 from django_kvcache.memcached.health import NodeHealth
 from django_kvcache.memcached.pool import NodePool
-from django_kvcache.memcached.protocol import ProtocolError
+from django_kvcache.memcached.protocol import ProtocolError, ReplyReader, connected, read_lines
 from django_kvcache.memcached.routing import NodeAddress
+from django_kvcache.memcached.stale import OutdatedCopies
 
 #: Errors that mean the node (or the path to it) failed, not the request.
 NODE_FAILURES = (OSError, MemcacheUnexpectedCloseError, MemcacheUnknownError, ProtocolError)
@@ -31,6 +33,7 @@ class Node:
         self.address = address
         self.pool = pool
         self.health = health
+        self.outdated = OutdatedCopies()
         self.ops = self.hits = self.misses = self.errors = self.timeouts = self.ignored = 0
         self.bytes_sent = self.bytes_received = self.bytes_saved = 0
 
@@ -48,6 +51,8 @@ class Node:
         client = pool.checkout()
         reused = client.sock is not None
         try:
+            if self.outdated.pending:
+                self.clean(client)
             result = command(client, *args)
         except NODE_FAILURES as exc:
             pool.discard(client)
@@ -68,6 +73,17 @@ class Node:
         if self.health.failures:
             self.health.succeeded()
         return result
+
+    def clean(self, client: Client) -> None:
+        """Delete this node's outdated copies (see ``stale``) before it serves again."""
+        keys, flush = self.outdated.take()
+        try:
+            request, replies = OutdatedCopies.request(keys, flush)
+            connected(client).sendall(request)
+            read_lines(ReplyReader(client.sock), replies)  # type: ignore[arg-type]
+        except BaseException:
+            self.outdated.put_back(keys, flush)
+            raise
 
     def failure(self, exc: BaseException) -> NodeError:
         """Count a failed exchange and tell the health record; the error to raise."""
