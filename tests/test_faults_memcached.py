@@ -23,6 +23,7 @@ from django_kvcache.memcached import MemcachedError, NodeDown, NodeError
 
 RETRY = 0.3  # RETRY_TIMEOUT: how long a failed node is left alone
 IO_TIMEOUT = 0.3
+MARGIN = 1.0  # seconds on top of the timeouts a call may wait: a bound, not a speed test
 THREADS = 6
 KEYS_PER_NODE = 40
 
@@ -298,12 +299,9 @@ def test_no_failover_second_outage_serves_no_stale_copy(three_nodes):
     home.start()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a write dropped while the node was unreachable leaves its old value to be served "
-    "when the node returns without a restart (see the final report of issue #6)",
-)
 def test_no_failover_paused_node_does_not_serve_a_value_older_than_the_last_write(three_nodes):
+    """A partition, not a crash: the node keeps v1, and a timed-out write (v2, v3) may even
+    be applied when it resumes; the writes it missed are deleted before it serves again."""
     cache = build([node.address for node in three_nodes], IGNORE_EXCEPTIONS=True)
     home = three_nodes[0]
     key = keys_by_node(cache, 1)[home.address][0]
@@ -396,7 +394,9 @@ def test_every_operation_on_a_silent_node_is_bounded_by_the_io_timeout(
     cache, key, other = silent_cache(
         silent_server, live, FAILURE_THRESHOLD=1000, IGNORE_EXCEPTIONS=ignore_exceptions
     )
+    metrics = cache.cluster.by_name[silent_server.address]
     for name, operation in OPERATIONS.items():
+        timeouts_before = metrics.timeouts
         started = time.monotonic()
         try:
             operation(cache, key, other)
@@ -408,9 +408,9 @@ def test_every_operation_on_a_silent_node_is_bounded_by_the_io_timeout(
         elapsed = time.monotonic() - started
         # Django's get_or_set is get, add, get: three waits when failures are ignored.
         waits = 3 if name == "get_or_set" and ignore_exceptions else 1
-        assert elapsed < (waits + 2) * IO_TIMEOUT, (name, elapsed)  # a bound, not speed
+        assert metrics.timeouts - timeouts_before == waits, name  # one wait per request
+        assert elapsed < waits * IO_TIMEOUT + MARGIN, (name, elapsed)
     assert silent_server.received > 0  # the requests really reached the silent node
-    assert cache.metrics()[silent_server.address]["timeouts"] >= len(OPERATIONS)
 
 
 def test_threads_on_a_silent_node_open_its_circuit_and_then_fail_fast(
@@ -437,7 +437,7 @@ def test_threads_on_a_silent_node_open_its_circuit_and_then_fail_fast(
     for thread in threads:
         thread.join(timeout=30)
     assert len(errors) == THREADS * 5  # every call raised, none silently missed
-    assert max(durations) < 3 * IO_TIMEOUT  # nobody waited longer than one timeout
+    assert max(durations) < IO_TIMEOUT + MARGIN  # nobody waited longer than one timeout
     timeouts = cache.metrics()[silent_server.address]["timeouts"]
     # A thread's second call may start before any thread's timeout has been counted; once a
     # thread has timed out twice the node has failed FAILURE_THRESHOLD times and is down.
