@@ -263,10 +263,12 @@ def test_writes_missed_during_a_partition_are_deleted_before_the_node_serves(two
     cache.set(written, "v2")  # times out: maybe stored, maybe not
     cache.delete(deleted)  # the node is down now: skipped
     cache.set_many({many: "v2"})
+    assert cache.metrics()[node.address]["outdated_keys"] == 3
     os.kill(node.process.pid, signal.SIGCONT)
     wait_for_retry()
     assert cache.get(written, "miss") in ("miss", "v2")  # the last write, or nothing
     assert cache.get_many([kept, deleted, many]) == {kept: "kept"}  # only outdated keys go
+    assert cache.metrics()[node.address]["outdated_keys"] == 0
 
 
 def test_too_many_missed_writes_flush_the_node(two_nodes, paused, monkeypatch):

@@ -34,7 +34,7 @@ def test_metrics_lists_every_node_with_every_counter(cache, nodes):
         assert set(counters) >= {
             "ops", "hits", "misses", "errors", "timeouts", "ignored", "bytes_sent",
             "bytes_received", "bytes_saved", "pool_size", "pool_idle", "pool_waits",
-            "pool_connects", "down", "consecutive_failures",
+            "pool_connects", "down", "consecutive_failures", "outdated_keys", "flush_pending",
         }
         assert all(value == 0 for value in counters.values() if type(value) is int)
 

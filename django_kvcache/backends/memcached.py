@@ -278,7 +278,7 @@ class MemcachedCache(KVCache):
             stored = self._write(key, command, (data, flags), expire)
         except MemcacheServerError as exc:  # too large, out of memory: refused, node fine
             self._forget(key)
-            refused = ValueTooLarge(self._node(key).name, f"{key!r} not stored: {exc}")
+            refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc}")
             return self._failed(refused, False)
         except MemcachedError as exc:
             return self._failed(exc, False)

@@ -106,6 +106,8 @@ class Node:
             pool_connects=pool.connects,
             down=self.health.down,
             consecutive_failures=self.health.failures,
+            outdated_keys=len(self.outdated.keys),
+            flush_pending=self.outdated.flush,
         )
         return counters
 
