@@ -190,15 +190,15 @@ class MemcachedCache(KVCache):
             if not node.health.down_until or node.health.may_try():
                 groups.setdefault(node, []).extend(node_keys)
                 continue
+            reported = False
             for key in node_keys:
                 try:
                     groups.setdefault(self._failover_node(key, node), []).append(key)
-                except NodeDown as exc:
+                except NodeDown as exc:  # counted per key, reported once per node
                     placement.stranded.append(key)
-                    if not placement.errors or self.failover:
+                    if not reported:
                         placement.errors.append(exc)
-                    else:
-                        node.errors += 1
+                        reported = True
         return placement
 
     def _home(self, key: str) -> Node:
