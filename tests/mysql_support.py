@@ -37,7 +37,7 @@ def drop_table(table: str, alias: str = "default") -> None:
         cursor.execute(f"DROP TABLE IF EXISTS {connections[alias].ops.quote_name(table)}")
 
 
-def sql(statement: str, params: Any = (), alias: str = "default") -> list[tuple]:
+def sql(statement: str, params: Any = None, alias: str = "default") -> list[tuple]:
     """Run ``statement`` on the test database and return its rows."""
     with connections[alias].cursor() as cursor:
         cursor.execute(statement, params)

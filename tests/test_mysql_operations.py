@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
-from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX, INT64_MIN
 from django_kvcache.mysql.keys import DIGEST_MARKER, MAX_KEY_LENGTH, stored_key
 from django_kvcache.mysql.server import ServerInfo, parse_version, server_info
@@ -458,3 +458,46 @@ def test_table_collation_per_flavour():
     quote = connections["default"].ops.quote_name
     assert "COLLATE utf8mb4_nopad_bin" in create_table_sql("t", quote, mariadb=True)
     assert "COLLATE utf8mb4_0900_bin" in create_table_sql("t", quote, mariadb=False)
+
+
+# --- table names and packet limits per connection ------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("table", ["t%s", "t%_x", "t%%", "t%(x)s"])
+def test_percent_signs_in_the_table_name(table):
+    options = {"CULL_PROBABILITY": 1, "MAX_ENTRIES": 2, "CULL_FREQUENCY": 1}
+    cache = make_cache(table, OPTIONS=options)
+    try:
+        assert cache.set_many({"a": 1, "b": 2, "c": 3}) == []
+        assert cache.add("d", 4) is True
+        assert cache.incr("d") == 5
+        assert cache.keys_with_prefix("") == ["d"]  # culled down, in this very table
+        assert [key for key, *_ in rows(table)] == [":1:d"]
+        assert cache.cull() == 0
+        cache.clear()
+        assert rows(table) == []
+    finally:
+        sql(cache.drop_table_sql())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_packet_limit_is_read_once_per_connection_and_only_for_large_statements(
+    mysql_tables,
+):
+    cache = make_cache()
+    big = random.Random(5).randbytes(ALWAYS_FITS + 1)
+
+    def limit_reads(operation) -> int:
+        _, executed = statements(cache, operation)
+        return sum("@@max_allowed_packet" in statement for statement in executed)
+
+    connections["default"].close()
+    assert limit_reads(lambda: cache.set("small", "x" * 1000)) == 0
+    assert limit_reads(lambda: cache.get_many([f"k{i}" for i in range(200)])) == 0
+    assert limit_reads(lambda: cache.set("big", big)) == 1
+    assert limit_reads(lambda: cache.set_many({"a": big, "b": big})) == 0
+    connections["default"].close()  # a new session may have another limit
+    assert limit_reads(lambda: cache.set("big", big)) == 1
+    assert cache.get("big") == big
+    cache.clear()

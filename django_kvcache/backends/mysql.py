@@ -41,6 +41,7 @@ from django_kvcache.mysql.server import (
     is_lock_conflict,
     run,
     server_info,
+    statement_budget,
 )
 from django_kvcache.mysql.sql import (
     FOREVER,
@@ -54,24 +55,19 @@ logger = logging.getLogger("django_kvcache")
 
 #: Escaped size of the largest stored key (250 four-byte characters, every byte escaped).
 KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
-#: Below this a value always fits one statement on any server; above it the server's
-#: ``max_allowed_packet`` is consulted (read once per alias).
+#: Statements up to this size are sent without looking at the connection's
+#: ``max_allowed_packet`` (MariaDB's default is 16 MiB, MySQL's 64 MiB); larger ones
+#: are checked against it (read once per connection).
 ALWAYS_FITS = 512 * 1024
 #: The bytes the client library escapes with a backslash inside a string literal.
 ESCAPED_BYTES = tuple(bytes([byte]) for byte in b"\0\n\r\\'\"\x1a")
-
-
-def row_size(data: bytes) -> int:
-    """Statement bytes one row takes: exact escaping for large values, a bound for small."""
-    if len(data) <= ALWAYS_FITS:
-        return KEY_BYTES + 2 * len(data)
-    return KEY_BYTES + len(data) + sum(data.count(byte) for byte in ESCAPED_BYTES)
 #: The characters Django warns about in keys (``memcache_key_warnings``).
 KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 #: MySQL error codes for a value that is not decimal text in an integer-flagged row.
 BAD_NUMBER = frozenset({1292, 1366})
 #: "BIGINT value is out of range": an increment past the signed 64-bit range.
 OUT_OF_RANGE = 1690
+FOREVER_SECONDS = FOREVER // 1000
 
 fetchone = methodcaller("fetchone")
 fetchall = methodcaller("fetchall")
@@ -83,7 +79,16 @@ def rowcount_and_lastrowid(cursor: Any) -> tuple[int, int]:
     return cursor.rowcount, cursor.lastrowid
 
 
-FOREVER_SECONDS = FOREVER // 1000
+def row_size(data: bytes) -> int:
+    """Statement bytes one row takes: exact escaping for large values, a bound for small."""
+    if len(data) <= ALWAYS_FITS:
+        return KEY_BYTES + 2 * len(data)
+    return KEY_BYTES + len(data) + sum(data.count(byte) for byte in ESCAPED_BYTES)
+
+
+def needs_budget(rows: list[tuple[Any, str, bytes, int]]) -> bool:
+    """Whether rows of ``(caller key, stored key, bytes, flags)`` may exceed ALWAYS_FITS."""
+    return len(rows) * KEY_BYTES + 2 * sum(len(row[2]) for row in rows) > ALWAYS_FITS
 
 
 def now_ms() -> int:
@@ -252,7 +257,7 @@ class MySQLCache(KVCache):
     ) -> list[Any]:
         """Upsert ``(caller key, stored key, bytes, flags)`` rows in as few statements as
         ``max_allowed_packet`` allows; returns the caller keys of rows too large for any."""
-        budget = server_info(connection).statement_budget
+        budget = statement_budget(connection) if needs_budget(rows) else ALWAYS_FITS
         failed: list[Any] = []
         params: list[Any] = []
         size = 0
@@ -443,12 +448,15 @@ class MySQLCache(KVCache):
 
     def _key_chunks(self, connection: BaseDatabaseWrapper, keys: list[str]) -> Iterator[list[str]]:
         """``keys`` in as few statements as ``max_allowed_packet`` allows (usually one)."""
-        per_statement = server_info(connection).statement_budget // KEY_BYTES
+        if len(keys) * KEY_BYTES <= ALWAYS_FITS:
+            yield keys
+            return
+        per_statement = statement_budget(connection) // KEY_BYTES
         for start in range(0, len(keys), per_statement):
             yield keys[start : start + per_statement]
 
     def _fits(self, connection: BaseDatabaseWrapper, data: bytes, key: str) -> bool:
-        if row_size(data) <= server_info(connection).statement_budget:
+        if row_size(data) <= statement_budget(connection):
             return True
         self._too_large(key, data)
         return False

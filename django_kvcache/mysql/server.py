@@ -1,12 +1,16 @@
 """What MySQLCache needs to know about the server behind a Django connection alias.
 
-Detected once per alias and process (one ``SELECT``), never on the hot path.
+The flavour and version are detected once per alias and process (one ``SELECT``). The
+packet limit belongs to each database connection (a session keeps the
+``max_allowed_packet`` it started with), so it is read once per connection, and only when
+a statement might come near it: never on the hot path.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
+from weakref import WeakKeyDictionary
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError
@@ -32,20 +36,17 @@ PACKET_HEADROOM = 4096
 class ServerInfo:
     mariadb: bool
     version: tuple[int, ...]
-    max_allowed_packet: int
+    max_allowed_packet: int  # as the connection that detected the server had it
 
     @property
     def row_alias(self) -> bool:
         """``INSERT … AS new`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
         return not self.mariadb and self.version >= (8, 0, 19)
 
-    @property
-    def statement_budget(self) -> int:
-        """Bytes of escaped parameters one statement may carry."""
-        return max(self.max_allowed_packet - PACKET_HEADROOM, PACKET_HEADROOM)
-
 
 _servers: dict[str, ServerInfo] = {}
+#: ``max_allowed_packet`` per DB-API connection, forgotten with the connection.
+_packet_limits: WeakKeyDictionary[Any, int] = WeakKeyDictionary()
 
 
 def require_mysql(connection: BaseDatabaseWrapper) -> None:
@@ -71,7 +72,20 @@ def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
             version, max_packet = cursor.fetchone()
         info = ServerInfo("mariadb" in version.lower(), parse_version(version), int(max_packet))
         _servers[connection.alias] = info
+        _packet_limits[connection.connection] = info.max_allowed_packet
     return info
+
+
+def statement_budget(connection: BaseDatabaseWrapper) -> int:
+    """Bytes of escaped parameters one statement may carry on this connection."""
+    connection.ensure_connection()
+    limit = _packet_limits.get(connection.connection)
+    if limit is None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT @@max_allowed_packet")
+            (limit,) = cursor.fetchone()
+        _packet_limits[connection.connection] = limit = int(limit)
+    return max(limit - PACKET_HEADROOM, PACKET_HEADROOM)
 
 
 def forget_server(alias: str) -> None:

@@ -1,7 +1,8 @@
 """The SQL text of every MySQLCache operation, built once per table and server flavour.
 
 Only ``%s`` parameters carry keys, values and times; the table name is quoted by the
-connection. Times are epoch milliseconds computed in Python (see ``docs/mysql.rst``).
+connection (and its ``%`` doubled, since the driver %-formats statements with
+parameters). Times are epoch milliseconds computed in Python (see ``docs/mysql.rst``).
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ class Statements:
     """
 
     def __init__(self, table: str, quote_name: Callable[[str], str], row_alias: bool) -> None:
-        t = quote_name(table)
+        # Every statement here runs with parameters, so the driver %-formats it: a % in
+        # the table name must be doubled (the DDL, run without parameters, must not be).
+        t = quote_name(table).replace("%", "%%")
         self.row_alias = row_alias
         # "+ 0" hides the expiry index from the optimizer where the primary key already
         # picks the rows: weighing a range over the whole index costs every statement.
