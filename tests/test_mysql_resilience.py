@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import OperationalError, ProgrammingError, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
     insert_row,
@@ -170,6 +170,14 @@ def test_an_operation_after_a_dropped_connection_is_retried_once(shared, operati
     with CaptureQueriesContext(connections["default"]) as captured:
         assert operation(shared) == expected
     assert len(attempts(captured)) == 2  # the one that met the dead connection, and the retry
+
+
+def test_a_large_write_on_a_dropped_connection_reads_the_packet_limit_again(shared):
+    big = random.Random(1).randbytes(ALWAYS_FITS * 2)
+    connections["default"].close()
+    kill("default")  # a new connection, never asked for its packet limit, then killed
+    shared.set("big", big)
+    assert shared.get("big") == big
 
 
 def test_no_retry_inside_a_transaction(mysql_tables):

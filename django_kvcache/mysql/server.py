@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import methodcaller
 from typing import Any, Callable, TypeVar
 from weakref import WeakKeyDictionary
 
@@ -17,6 +18,7 @@ from django.db import OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 T = TypeVar("T")
+fetchone = methodcaller("fetchone")
 
 #: Client/server error codes meaning "the connection is gone", not "the statement failed":
 #: 2006 server has gone away, 2013 lost connection during query (what a KILLed or timed
@@ -67,9 +69,8 @@ def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
     info = _servers.get(connection.alias)
     if info is None:
         require_mysql(connection)
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT VERSION(), @@max_allowed_packet")
-            version, max_packet = cursor.fetchone()
+        query = "SELECT VERSION(), @@max_allowed_packet"
+        version, max_packet = run(connection, query, (), fetchone)
         info = ServerInfo("mariadb" in version.lower(), parse_version(version), int(max_packet))
         _servers[connection.alias] = info
         _packet_limits[connection.connection] = info.max_allowed_packet
@@ -78,12 +79,11 @@ def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
 
 def statement_budget(connection: BaseDatabaseWrapper) -> int:
     """Bytes of escaped parameters one statement may carry on this connection."""
-    connection.ensure_connection()
-    limit = _packet_limits.get(connection.connection)
+    raw = connection.connection
+    limit = _packet_limits.get(raw) if raw is not None else None
     if limit is None:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT @@max_allowed_packet")
-            (limit,) = cursor.fetchone()
+        (limit,) = run(connection, "SELECT @@max_allowed_packet", (), fetchone)
+        # Keyed after the query: a retry may have opened a new connection.
         _packet_limits[connection.connection] = limit = int(limit)
     return max(limit - PACKET_HEADROOM, PACKET_HEADROOM)
 
