@@ -371,7 +371,10 @@ def silent_server() -> Iterator[SilentServer]:
     server.close()
 
 
-def silent_cache(server: SilentServer, live: str, **options: Any) -> tuple[MemcachedCache, str, str]:
+def silent_cache(
+    server: SilentServer, live: str, **options: Any
+) -> tuple[MemcachedCache, str, str]:
+    """A cache on a live node and the silent one; a key on each (silent first)."""
     cache = build([live, server.address], **options)
     placed = keys_by_node(cache, 1, prefix="silent")
     return cache, placed[server.address][0], placed[live][0]

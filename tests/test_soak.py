@@ -8,7 +8,6 @@ used before (so per-key memos and tables are exercised, not just a warm working 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 from django.core.cache.backends.base import BaseCache
