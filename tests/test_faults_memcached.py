@@ -1,5 +1,6 @@
 """MemcachedCache under faults: a node killed under multi-threaded load, a node that stops
-answering, and which stale values each FAILOVER policy can serve afterwards.
+answering or never completes a connection, and which stale values each FAILOVER policy can
+serve afterwards.
 
 Extends tests/test_memcached_failures.py (single-threaded kills, the health state machine,
 a silent node on ``get``) with load, every operation and the stale-value scenarios.
@@ -462,3 +463,32 @@ def test_threads_on_a_silent_node_open_its_circuit_and_then_fail_fast(
     assert time.monotonic() - started < IO_TIMEOUT
     assert silent_server.received == received
     assert cache.get(other) is None  # the live node still serves its keys
+
+
+@pytest.fixture
+def unreachable_node() -> Iterator[str]:
+    """A port whose handshakes never complete: a listener that accepts nobody, with its
+    (one place) backlog already taken, like a host whose packets are dropped."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    address = listener.getsockname()
+    filler = socket.create_connection(address)
+    yield f"{address[0]}:{address[1]}"
+    filler.close()
+    listener.close()
+
+
+def test_a_node_that_never_completes_a_connection_is_bounded_by_the_connect_timeout(
+    unreachable_node, memcached_node_factory
+):
+    live = memcached_node_factory().address
+    cache = build([live, unreachable_node], RETRY_TIMEOUT=60)
+    key = keys_by_node(cache, 1, prefix="unreachable")[unreachable_node][0]
+    for name in ("get", "set", "get_many"):
+        started = time.monotonic()
+        with pytest.raises(NodeError) as raised:
+            OPERATIONS[name](cache, key, key)
+        assert time.monotonic() - started < IO_TIMEOUT + MARGIN, name  # CONNECT_TIMEOUT
+        if name != "get_many":  # the first two calls wait; they reach FAILURE_THRESHOLD
+            assert "timed out" in str(raised.value), (name, raised.value)
+    assert isinstance(raised.value, NodeDown)  # the third finds the circuit open
+    assert cache.metrics()[unreachable_node]["timeouts"] == 2
