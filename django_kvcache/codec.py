@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import pickle
 import zlib
 from typing import Any, Mapping, Protocol
@@ -171,6 +172,23 @@ class ZlibCompressor:
         return zlib.decompress(data)
 
 
+#: How much of a payload ``looks_compressible`` inspects.
+SAMPLE_SIZE = 512
+
+
+def looks_compressible(data: bytes) -> bool:
+    """False when a sample of ``data`` has as many distinct bytes as random data would.
+
+    Random or already-compressed bytes (images, archives, tokens) come out of zlib no
+    smaller, and trying costs ~10x more than this check; a sample of typical cache
+    payloads (pickled text, dicts, HTML, JSON) uses far fewer distinct byte values.
+    """
+    sample = data[:SAMPLE_SIZE]
+    # n random bytes hold 256 * (1 - e^(-n/256)) distinct values on average.
+    random_distinct = 256 * (1 - math.exp(-len(sample) / 256))
+    return len(set(sample)) < 0.85 * random_distinct
+
+
 def _load_class(options: Mapping[str, Any], option: str, default: str) -> Any:
     path = options.get(option, default)
     if path is None:
@@ -231,7 +249,11 @@ class Codec:
             return b"%d" % value, FLAG_INTEGER, 0
         data = self.serializer.dumps(value)
         flags = self.serializer.flag
-        if self.compressor is not None and len(data) >= self.compress_min_length:
+        if (
+            self.compressor is not None
+            and len(data) >= self.compress_min_length
+            and looks_compressible(data)
+        ):
             compressed = self.compressor.compress(data)
             if len(compressed) < len(data):
                 return compressed, flags | self.compress_flag, len(data) - len(compressed)

@@ -300,3 +300,49 @@ def test_signed_pickle_without_a_key_is_misconfigured():
 def test_other_clients_never_unpickle_signed_entries():
     data, flags = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k"}).encode([1])
     assert not flags & FLAG_PICKLE
+
+
+# --- the compressibility pre-check
+
+
+class CountingCompressor:
+    """zlib, counting how often compression is attempted."""
+
+    flag = FLAG_ZLIB
+    calls = 0
+
+    def __init__(self, options):
+        pass
+
+    def compress(self, data):
+        CountingCompressor.calls += 1
+        return zlib.compress(data, 1)
+
+    def decompress(self, data):
+        return zlib.decompress(data)
+
+
+@pytest.mark.parametrize("size", [400, 1000, 3000, 100_000])
+def test_random_bytes_are_not_sent_to_the_compressor(size):
+    codec = Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingCompressor"})
+    CountingCompressor.calls = 0
+    value = random.Random(size).randbytes(size)
+    data, flags = codec.encode(value)
+    assert CountingCompressor.calls == 0
+    assert flags == FLAG_PICKLE
+    assert codec.decode(data, flags) == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "<li class='item'>entry</li>" * 20,
+        [{"id": i, "name": f"user {i}", "active": True} for i in range(30)],
+        '{"results": [' + ",".join(f'{{"id": {i}, "score": {i * 7 % 100}}}' for i in range(40)) + "]}",
+    ],
+    ids=["html", "records", "json-text"],
+)
+def test_typical_payloads_are_still_compressed(value):
+    data, flags = Codec.from_options({}).encode(value)
+    assert flags == FLAG_PICKLE | FLAG_ZLIB
+    assert len(data) < len(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
