@@ -99,7 +99,7 @@ def test_cull_runs_in_bounded_batches(mysql_tables, monkeypatch):
     cache = culling_cache(max_entries=100, cull_frequency=3)
     for i in range(10):
         insert_row(f":1:old{i}", b"x", 0, now_ms() - 1000)
-    monkeypatch.setattr(culling, "BATCH_SIZE", 3)
+    monkeypatch.setattr(culling, "FULL_CULL_BATCH_SIZE", 3)
     with CaptureQueriesContext(connections["default"]) as captured:
         assert cache.cull(max_batches=2) == 6
     deletes = [q["sql"] for q in captured if q["sql"].startswith("DELETE")]

@@ -398,7 +398,12 @@ class MySQLCache(KVCache):
         holds more than MAX_ENTRIES. Returns the number of rows deleted."""
         connection, sql = self._writer()
         return culling.Cull(
-            partial(run, connection), sql, self._max_entries, self._cull_frequency, max_batches
+            partial(run, connection),
+            sql,
+            self._max_entries,
+            self._cull_frequency,
+            max_batches,
+            batch_size=culling.FULL_CULL_BATCH_SIZE,
         ).run(now_ms())
 
     def _maybe_cull(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
