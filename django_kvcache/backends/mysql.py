@@ -131,10 +131,10 @@ class MySQLCache(KVCache):
         return connection, sql
 
     def _reader(self) -> tuple[BaseDatabaseWrapper, Statements]:
-        return self._db(self.database or router.db_for_read(self.cache_model_class))
+        return self._db(self.db_alias(write=False))
 
     def _writer(self) -> tuple[BaseDatabaseWrapper, Statements]:
-        return self._db(self.database or router.db_for_write(self.cache_model_class))
+        return self._db(self.db_alias(write=True))
 
     # --- keys and timeouts -----------------------------------------------------------
 
