@@ -173,7 +173,7 @@ class ZlibCompressor:
 
 
 #: How much of a payload ``looks_compressible`` inspects.
-SAMPLE_SIZE = 512
+SAMPLE_SIZE = 256
 
 
 def looks_compressible(data: bytes) -> bool:
