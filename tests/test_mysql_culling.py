@@ -1,7 +1,6 @@
 """MySQLCache culling: expired rows first, then the entries closest to expiry, never COUNT(*)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 from django.db import connections
@@ -14,15 +13,12 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     insert_row,
     make_cache,
     mysql_tables,
+    now_ms,
     rows,
     sql,
 )
 
 pytestmark = pytest.mark.django_db
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def culling_cache(max_entries: int, cull_frequency: int, probability: float = 0):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 import warnings
 
 import pytest
@@ -24,15 +23,12 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     insert_row,
     make_cache,
     mysql_tables,
+    now_ms,
     rows,
     sql,
 )
 
 pytestmark = pytest.mark.django_db
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 # --- schema ------------------------------------------------------------------------------

@@ -92,13 +92,18 @@ def _send(batch: Batch, retry: bool) -> bool:
             node.clean(client)
         connected(client).sendall(batch.request)
     except NODE_FAILURES as exc:
-        batch._client = None
-        node.pool.discard(client)
-        if not _stale(batch, exc, retry):
-            batch.error = node.failure(exc)
-        return False
+        return _drop_connection(batch, client, exc, retry)
     node.bytes_sent += len(batch.request)
     return True
+
+
+def _drop_connection(batch: Batch, client: Any, exc: BaseException, retry: bool) -> bool:
+    """Discard the connection that failed; the node's failure counts unless a retry is due."""
+    batch._client = None
+    batch.node.pool.discard(client)
+    if not _stale(batch, exc, retry):
+        batch.error = batch.node.failure(exc)
+    return False
 
 
 def _receive(batch: Batch, retry: bool) -> bool:
@@ -109,11 +114,7 @@ def _receive(batch: Batch, retry: bool) -> bool:
     try:
         batch.result = batch.read(reader)
     except NODE_FAILURES as exc:
-        batch._client = None
-        node.pool.discard(client)
-        if not _stale(batch, exc, retry):
-            batch.error = node.failure(exc)
-        return False
+        return _drop_connection(batch, client, exc, retry)
     finally:
         node.bytes_received += reader.received
     batch._client = None
