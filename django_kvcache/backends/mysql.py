@@ -75,8 +75,16 @@ rowcount = attrgetter("rowcount")
 lastrowid = attrgetter("lastrowid")
 
 
-def rowcount_and_lastrowid(cursor: Any) -> tuple[int, int]:
-    return cursor.rowcount, cursor.lastrowid
+def update_outcome(cursor: Any) -> tuple[int, int, int]:
+    """Rows matched, rows changed and LAST_INSERT_ID of the UPDATE just run.
+
+    Django connects with CLIENT.FOUND_ROWS, so ``rowcount`` counts matched rows; the
+    changed count is only in the server's info line ("Rows matched: 1  Changed: 1 ...").
+    """
+    # No info line at all only when no row matched (seen on an empty MyISAM table).
+    counts = (cursor.db.connection.info() or "").partition("Changed: ")[2].split()
+    changed = int(counts[0]) if counts else 0
+    return cursor.rowcount, changed, cursor.lastrowid
 
 
 def row_size(data: bytes) -> int:
@@ -295,14 +303,14 @@ class MySQLCache(KVCache):
         key = self._key(key, version)
         connection, sql = self._writer()
         now = now_ms()
-        if INT64_MIN <= delta <= INT64_MAX:
-            statement, params = sql.incr, (delta, key, now)
-        elif -(2**64) < delta < 2**64:
+        if delta and INT64_MIN <= delta <= INT64_MAX:
+            statement, params = sql.incr, (now, delta, key)
+        elif -(2**64) < delta < 2**64:  # and 0, whose "Changed: 0" would say nothing
             statement, params = sql.incr_wide, (delta, key, now, delta)
         else:  # overflows every stored value
             raise self._incr_error(connection, sql, key, delta, now)
         try:
-            matched, value = run(connection, statement, params, rowcount_and_lastrowid)
+            matched, changed, value = run(connection, statement, params, update_outcome)
         except DatabaseError as exc:
             if error_code(exc) == OUT_OF_RANGE:
                 raise self._incr_error(connection, sql, key, delta, now) from None
@@ -310,7 +318,9 @@ class MySQLCache(KVCache):
                 raise
             logger.warning("Ignoring corrupt integer cache entry %r: %s", key, exc)
             raise ValueError(f"Key '{key}' not found") from exc
-        if not matched:
+        if statement is sql.incr and not matched:  # no row under this key: the usual miss
+            raise ValueError(f"Key '{key}' not found")
+        if not (changed if statement is sql.incr else matched):
             raise self._incr_error(connection, sql, key, delta, now)
         # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
         return value - 2**64 if value > INT64_MAX else value
@@ -318,7 +328,7 @@ class MySQLCache(KVCache):
     def _incr_error(
         self, connection: BaseDatabaseWrapper, sql: Statements, key: str, delta: int, now: int
     ) -> Exception:
-        """Why the UPDATE matched no row (only ever run after a failed incr)."""
+        """Why the UPDATE did not apply to a row (only ever run after a failed incr)."""
         row = run(connection, sql.incr_failure, (key, now), fetchone)
         if row is None:
             return ValueError(f"Key '{key}' not found")

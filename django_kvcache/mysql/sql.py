@@ -105,10 +105,13 @@ class Statements:
         # LAST_INSERT_ID hands the new value back without a second statement (as unsigned:
         # the caller wraps it back). Signed BIGINT arithmetic fails with error 1690 on
         # overflow, which aborts the statement and leaves the value unchanged.
+        # The key alone picks the row, so matching no row means "missing" without a
+        # second query; whether the entry is live and an integer is decided in IF(), and
+        # the server's info line ("Changed: 1") tells whether the increment applied.
         self.incr = (
-            f"UPDATE {t} SET `value` = "
-            "CAST(LAST_INSERT_ID(CAST(`value` AS SIGNED) + %s) AS SIGNED) "
-            f"WHERE `cache_key` = %s AND {live} AND `flags` IN ({INTEGER_FLAGS})"
+            f"UPDATE {t} SET `value` = IF({live} AND `flags` IN ({INTEGER_FLAGS}), "
+            "CAST(LAST_INSERT_ID(CAST(`value` AS SIGNED) + %s) AS SIGNED), `value`) "
+            "WHERE `cache_key` = %s"
         )
         # A delta outside BIGINT (up to 2**64 - 1 either way) can still give a BIGINT
         # result; DECIMAL arithmetic cannot overflow, and the range test makes an
