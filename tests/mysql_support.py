@@ -6,22 +6,16 @@ transaction; the ones that need real commits use ``transaction=True``.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator
 
 import pytest
 from django.db import connections
 
-from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.backends.mysql import MySQLCache, now_ms  # noqa: F401  (re-exported)
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
 TABLE = "kvcache_test"
 MYISAM_TABLE = "kvcache_test_myisam"
-
-
-def now_ms() -> int:
-    """The clock the rows' ``expires`` column is written in: epoch milliseconds."""
-    return int(time.time() * 1000)
 
 
 def make_cache(table: str = TABLE, **params: Any) -> MySQLCache:

@@ -151,13 +151,13 @@ class MySQLCache(KVCache):
         if len(key) > MEMCACHE_MAX_KEY_LENGTH or KEY_WARNING_CHARACTERS.search(key):
             super().validate_key(key)
 
-    def _key(self, key: Any, version: int | None) -> str:
-        key = self.make_and_validate_key(key, version=version)
-        return key if len(key) < MAX_KEY_LENGTH else stored_key(key)
+    def make_and_validate_key(self, key: Any, version: int | None = None) -> str:
+        """The key as stored: Django's key, or its digest form when it overflows the column.
 
-    def _key_map(self, keys: Iterable[Any], version: int | None) -> dict[str, Any]:
-        """``{stored key: caller's key}``."""
-        return {self._key(key, version): key for key in keys}
+        Every key goes through here, so ``make_keys`` maps stored keys to callers' keys too.
+        """
+        key = super().make_and_validate_key(key, version=version)
+        return key if len(key) < MAX_KEY_LENGTH else stored_key(key)
 
     def _expires(self, timeout: Any) -> int | None:
         """Expiry in epoch ms; ``None`` when the entry is expired at once (timeout <= 0)."""
@@ -173,7 +173,7 @@ class MySQLCache(KVCache):
     # --- reading ---------------------------------------------------------------------
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         connection, sql = self._reader()
         row = run(connection, sql.get, (key, now_ms()), fetchone)
         if row is None:
@@ -182,12 +182,12 @@ class MySQLCache(KVCache):
         return default if value is MISSING else value
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         connection, sql = self._reader()
         return run(connection, sql.has_key, (key, now_ms()), fetchone) is not None
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
-        key_map = self._key_map(keys, version)
+        key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
         connection, sql = self._reader()
@@ -206,7 +206,7 @@ class MySQLCache(KVCache):
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
         connection, sql = self._writer()
         if expires is None:
@@ -222,7 +222,7 @@ class MySQLCache(KVCache):
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
         connection, sql = self._writer()
         now = now_ms()
@@ -247,7 +247,7 @@ class MySQLCache(KVCache):
         # Every key and value is checked and encoded before anything is written, so a bad
         # key or an unpicklable value leaves the whole batch unwritten.
         rows = [
-            (key, self._key(key, version), *self.codec.encode(value)) for key, value in data.items()
+            (key, self.make_and_validate_key(key, version), *self.codec.encode(value)) for key, value in data.items()
         ]
         connection, sql = self._writer()
         self._maybe_cull(connection, sql)
@@ -285,7 +285,7 @@ class MySQLCache(KVCache):
         return failed
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
         connection, sql = self._writer()
         if expires is None:
@@ -300,7 +300,7 @@ class MySQLCache(KVCache):
         """
         if isinstance(delta, bool) or not isinstance(delta, int):
             raise TypeError(f"delta must be an integer, got {delta!r}")
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         connection, sql = self._writer()
         now = now_ms()
         if delta and INT64_MIN <= delta <= INT64_MAX:
@@ -348,12 +348,12 @@ class MySQLCache(KVCache):
     # --- deleting --------------------------------------------------------------------
 
     def delete(self, key: Any, version: int | None = None) -> bool:
-        key = self._key(key, version)
+        key = self.make_and_validate_key(key, version)
         connection, sql = self._writer()
         return run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        stored = list(self._key_map(keys, version))
+        stored = list(self.make_keys(keys, version))
         if not stored:
             return
         connection, sql = self._writer()
