@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 from asgiref.sync import sync_to_async
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
-from django.core.exceptions import ImproperlyConfigured
 
 from django_kvcache.codec import Codec, CorruptValue
+from django_kvcache.options import check_known, django_integer, timeout_setting
 
-logger = logging.getLogger("django_kvcache")
+logger = logging.getLogger(__name__)
 
 #: A value no cache entry can hold, for "not found" where ``None`` is a valid value.
 MISSING: Any = object()
@@ -59,7 +59,8 @@ class KVCache(BaseCache):
     def __init__(self, params: Mapping[str, Any]) -> None:
         options = params.get("OPTIONS") or {}
         self.check_options(options)
-        self.check_timeout(params.get("timeout", params.get("TIMEOUT", 300)))
+        # Checked here, then read by Django's BaseCache with int() as it always does.
+        timeout_setting(params.get("timeout", params.get("TIMEOUT", 300)))
         super().__init__(params)
         self.options: dict[str, Any] = dict(options)
         self.codec = Codec.from_options(options)
@@ -67,28 +68,12 @@ class KVCache(BaseCache):
     # --- configuration ---------------------------------------------------------------
 
     def check_options(self, options: Mapping[str, Any]) -> None:
-        if not isinstance(options, Mapping):
-            raise ImproperlyConfigured(f"{self.backend_name} OPTIONS must be a dict")
-        known = self.shared_options | self.backend_options
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ImproperlyConfigured(
-                f"Unknown OPTIONS for {self.backend_name}: {', '.join(unknown)}. "
-                f"Known options: {', '.join(sorted(known))}"
-            )
+        check_known(
+            options, self.shared_options | self.backend_options, f"{self.backend_name} OPTIONS"
+        )
         for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
-            value = options.get(name, 0)
-            if type(value) is not int or value < 0:
-                raise ImproperlyConfigured(
-                    f"OPTIONS[{name!r}] must be a non-negative integer, got {value!r}"
-                )
-
-    @staticmethod
-    def check_timeout(timeout: Any) -> None:
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-        ):
-            raise ImproperlyConfigured(f"TIMEOUT must be a number or None, got {timeout!r}")
+            if name in options:
+                django_integer(options[name], f"OPTIONS[{name!r}]", minimum=0)
 
     @property
     def backend_name(self) -> str:
@@ -99,8 +84,9 @@ class KVCache(BaseCache):
     def timeout_seconds(self, timeout: Any = DEFAULT_TIMEOUT) -> float | None:
         """Seconds until the entry expires: ``None`` means never, ``<= 0`` already expired.
 
-        Django's rules: ``DEFAULT_TIMEOUT`` takes the cache's TIMEOUT (which may itself
-        be ``None``); ``0`` and negative numbers expire at once; floats are allowed.
+        As Django: ``DEFAULT_TIMEOUT`` takes the cache's TIMEOUT (which may itself be
+        ``None``); ``0`` and negative numbers expire at once; floats are allowed. A
+        timeout that is not a number raises ``TypeError`` (Django fails on it too).
         """
         if timeout is DEFAULT_TIMEOUT:
             timeout = self.default_timeout

@@ -29,6 +29,8 @@ from typing import Any, Mapping, Protocol
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from django_kvcache.options import integer
+
 FLAG_BYTES = 0
 FLAG_PICKLE = 1 << 0
 FLAG_INTEGER = 1 << 1
@@ -226,12 +228,7 @@ class Codec:
     def from_options(cls, options: Mapping[str, Any]) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
         COMPRESS_MIN_LENGTH and COMPRESS_LEVEL."""
-        min_length = options.get("COMPRESS_MIN_LENGTH", DEFAULT_COMPRESS_MIN_LENGTH)
-        if type(min_length) is not int or min_length < 0:
-            raise ImproperlyConfigured(
-                "OPTIONS['COMPRESS_MIN_LENGTH'] must be a non-negative integer, "
-                f"got {min_length!r}"
-            )
+        min_length = integer(options, "COMPRESS_MIN_LENGTH", DEFAULT_COMPRESS_MIN_LENGTH, 0)
         return cls(
             serializer=_load_class(options, "SERIALIZER", DEFAULT_SERIALIZER),
             compressor=_load_class(options, "COMPRESSOR", DEFAULT_COMPRESSOR),
@@ -275,10 +272,3 @@ class Codec:
         except Exception as exc:
             raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {exc!r}")
         raise CorruptValue(f"unknown flags {flags} for serializer {type(self.serializer).__name__}")
-
-    # pymemcache's serde protocol, so a pymemcache Client can use this codec directly.
-    def serialize(self, key: Any, value: Any) -> tuple[bytes, int]:
-        return self.encode(value)
-
-    def deserialize(self, key: Any, data: bytes, flags: int) -> Any:
-        return self.decode(data, flags)

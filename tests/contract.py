@@ -275,6 +275,20 @@ class CacheContract(CacheFixture):
             cache.clear()
             cache.close()
 
+    def test_numeric_string_timeout_setting(self):
+        # Django reads TIMEOUT with int(); its own cache-middleware tests configure "1".
+        cache = self.build(TIMEOUT=str(SHORT_TIMEOUT))
+        try:
+            cache.set("key", "value")
+            cache.set("kept", "value", timeout=None)
+            assert cache.get("key") == "value"
+            time.sleep(EXPIRY_WAIT)
+            assert cache.get("key") is None
+            assert cache.get("kept") == "value"
+        finally:
+            cache.clear()
+            cache.close()
+
     # --- values ----------------------------------------------------------------------
 
     @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import asyncio
 import logging
 
 import pytest
-from django.core.cache.backends.base import DEFAULT_TIMEOUT
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 from django.core.exceptions import ImproperlyConfigured
 
 from django_kvcache.base import MISSING, KVCache
@@ -71,10 +71,12 @@ def make(options=None, **params):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"NOPE": 1}, "Unknown OPTIONS .*NOPE"),
+        ({"NOPE": 1}, "OPTIONS has unknown keys: NOPE"),
         ({"MAX_ENTRIES": -1}, "MAX_ENTRIES"),
-        ({"MAX_ENTRIES": "10"}, "MAX_ENTRIES"),
-        ({"CULL_FREQUENCY": 1.5}, "CULL_FREQUENCY"),
+        ({"MAX_ENTRIES": "-1"}, "MAX_ENTRIES"),
+        ({"MAX_ENTRIES": "many"}, "MAX_ENTRIES"),
+        ({"MAX_ENTRIES": True}, "MAX_ENTRIES"),
+        ({"CULL_FREQUENCY": "1.5"}, "CULL_FREQUENCY"),
         ({"COMPRESS_LEVEL": 12}, "COMPRESS_LEVEL"),
         ({"SERIALIZER": "nowhere.Serializer"}, "SERIALIZER"),
     ],
@@ -91,10 +93,26 @@ def test_backend_options_and_shared_options_are_accepted():
     assert cache.codec.compressor.level == 6
 
 
-@pytest.mark.parametrize("timeout", ["300", True, [1]])
-def test_bad_timeout_setting(timeout):
+@pytest.mark.parametrize(
+    "timeout", ["ten", "1.5", "", True, [1], float("nan"), float("inf")], ids=repr
+)
+def test_junk_timeout_setting_is_refused(timeout):
+    # Django silently uses 300 seconds for these; a typo should not pass unnoticed.
     with pytest.raises(ImproperlyConfigured, match="TIMEOUT"):
         make(TIMEOUT=timeout)
+
+
+@pytest.mark.parametrize(
+    "setting, expected", [("60", 60), (" 60 ", 60), ("-1", -1), (60.9, 60), (0.5, 0)], ids=repr
+)
+def test_timeout_setting_is_read_as_django_reads_it(setting, expected):
+    assert make(TIMEOUT=setting).default_timeout == expected
+    assert BaseCache({"TIMEOUT": setting}).default_timeout == expected  # Django's own reading
+
+
+def test_numeric_string_culling_settings_are_read_as_django_reads_them():
+    cache = make({"MAX_ENTRIES": "30", "CULL_FREQUENCY": "4"})
+    assert (cache._max_entries, cache._cull_frequency) == (30, 4)
 
 
 def test_timeout_rules():

@@ -20,10 +20,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import mmh3
 from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.options import check_known, is_number
 
 DEFAULT_PORT = 11211
 SCHEMES = ("kvcache", "pymemcache")
@@ -100,17 +102,10 @@ def parse_weights(weights: Any, nodes: Sequence[NodeAddress]) -> list[float]:
     """OPTIONS['WEIGHTS'] (node name -> positive number) as one weight per node."""
     if weights is None:
         return [1.0] * len(nodes)
-    if not isinstance(weights, Mapping):
-        raise ImproperlyConfigured(f"OPTIONS['WEIGHTS'] must be a dict, got {weights!r}")
     names = {node.name for node in nodes}
-    unknown = sorted(set(weights) - names)
-    if unknown:
-        raise ImproperlyConfigured(
-            f"OPTIONS['WEIGHTS'] names servers not in LOCATION: {unknown}; "
-            f"use the names {sorted(names)}"
-        )
+    check_known(weights, names, "OPTIONS['WEIGHTS'] (server names of LOCATION)")
     for name, weight in weights.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        if not is_number(weight) or not weight > 0:
             raise ImproperlyConfigured(
                 f"OPTIONS['WEIGHTS'][{name!r}] must be a positive number, got {weight!r}"
             )

@@ -6,6 +6,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
+from django_kvcache.options import is_number
+
 DEFAULT_CULL_PROBABILITY = 0.01
 
 
@@ -30,7 +32,7 @@ def check_database(alias: Any) -> str | None:
 
 
 def check_probability(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    if not is_number(value) or not 0 <= value <= 1:
         raise ImproperlyConfigured(
             f"OPTIONS['CULL_PROBABILITY'] must be a number from 0 to 1, got {value!r}"
         )
