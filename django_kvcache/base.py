@@ -51,6 +51,7 @@ class KVCache(BaseCache):
             "COMPRESSOR",
             "COMPRESS_MIN_LENGTH",
             "COMPRESS_LEVEL",
+            "COMPRESS_DICTIONARY",
             "SIGNING_KEY",
         }
     )

@@ -11,8 +11,10 @@ value written by one of those clients is readable here and the other way round::
     16  UTF-8 text          (read only)
 
 A serializer or compressor of our own that others cannot read takes a bit above these
-(``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512) so no client ever misreads
-it as plain pickle.
+(``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512, zstd compression 1024) so
+no client ever misreads it as plain pickle. Every codec reads values compressed with
+zlib or zstd (when zstd is installed), whatever it writes, so switching COMPRESSOR
+never makes existing entries unreadable.
 
 Integers are stored as plain decimal text so servers can ``incr`` them in place.
 """
@@ -24,12 +26,13 @@ import json
 import math
 import pickle
 import zlib
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_kvcache.options import integer
+from django_kvcache.zstd import FLAG_ZSTD, plain_decompressor
 
 FLAG_BYTES = 0
 FLAG_PICKLE = 1 << 0
@@ -220,18 +223,32 @@ class Codec:
         self.serializer = serializer
         self.compressor = compressor
         self.compress_min_length = compress_min_length
-        # With compression off, entries written while it was on must still read back.
-        self.decompressor = compressor if compressor is not None else ZlibCompressor()
-        self.compress_flag = self.decompressor.flag
+        # Entries written with another compressor (or before compression was turned off)
+        # must still read back: every compressor we know decodes, by its flag bit.
+        self.decompressors: dict[int, Callable[[bytes], bytes]] = {FLAG_ZLIB: zlib.decompress}
+        plain_zstd = plain_decompressor()
+        if plain_zstd is not None:
+            self.decompressors[FLAG_ZSTD] = plain_zstd
+        if compressor is not None:
+            self.decompressors[compressor.flag] = compressor.decompress
+        self.compressed_mask = 0
+        for flag in self.decompressors:
+            self.compressed_mask |= flag
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
         COMPRESS_MIN_LENGTH and COMPRESS_LEVEL."""
         min_length = integer(options, "COMPRESS_MIN_LENGTH", DEFAULT_COMPRESS_MIN_LENGTH, 0)
+        compressor = _load_class(options, "COMPRESSOR", DEFAULT_COMPRESSOR)
+        if options.get("COMPRESS_DICTIONARY") and not getattr(compressor, "dictionaries", None):
+            raise ImproperlyConfigured(
+                "OPTIONS['COMPRESS_DICTIONARY'] needs a compressor that uses dictionaries: "
+                "set OPTIONS['COMPRESSOR'] to 'django_kvcache.zstd.ZstdCompressor'"
+            )
         return cls(
             serializer=_load_class(options, "SERIALIZER", DEFAULT_SERIALIZER),
-            compressor=_load_class(options, "COMPRESSOR", DEFAULT_COMPRESSOR),
+            compressor=compressor,
             compress_min_length=min_length,
         )
 
@@ -253,16 +270,17 @@ class Codec:
         ):
             compressed = self.compressor.compress(data)
             if len(compressed) < len(data):
-                return compressed, flags | self.compress_flag, len(data) - len(compressed)
+                return compressed, flags | self.compressor.flag, len(data) - len(compressed)
         return data, flags, 0
 
     def decode(self, data: bytes, flags: int) -> Any:
         try:
             if flags == FLAG_INTEGER or flags == FLAG_LONG:
                 return int(data)
-            if flags & self.compress_flag:
-                data = self.decompressor.decompress(data)
-                flags &= ~self.compress_flag
+            compressed = flags & self.compressed_mask
+            if compressed:  # a KeyError (two compression bits) is a corrupt entry too
+                data = self.decompressors[compressed](data)
+                flags ^= compressed
             if flags == self.serializer.flag:
                 return self.serializer.loads(data)
             if flags == FLAG_BYTES:

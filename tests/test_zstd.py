@@ -1,0 +1,189 @@
+"""zstd compression: round trips, switching compressors both ways, trained dictionaries
+(the id in each value picks its dictionary; a missing one is a logged miss), per-thread
+compressors and the option checks."""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import random
+import threading
+import zlib
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.codec import FLAG_PICKLE, FLAG_ZLIB, Codec, CorruptValue
+from django_kvcache.zstd import FLAG_ZSTD, train_dictionary, zstd_module
+
+zstd = zstd_module()
+pytestmark = pytest.mark.skipif(zstd is None, reason="zstd not installed (extra 'zstd')")
+
+ZSTD = "django_kvcache.zstd.ZstdCompressor"
+
+
+def api_response(rng: random.Random) -> str:
+    """A small JSON API body: the kind of value a trained dictionary helps most."""
+    return json.dumps(
+        {
+            "id": rng.randint(1, 10**6),
+            "status": rng.choice(["active", "pending", "closed"]),
+            "owner": {"username": f"user{rng.randint(1, 5000)}", "is_staff": rng.random() < 0.1},
+            "tags": rng.sample(["news", "sport", "tech", "arts", "travel", "food"], 3),
+            "created": f"2026-{rng.randint(1, 12):02}-{rng.randint(1, 28):02}T10:00:00Z",
+            "score": round(rng.random() * 100, 2),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def dictionaries(tmp_path_factory):
+    """Two dictionaries trained on different samples of the same kind of value."""
+    folder = tmp_path_factory.mktemp("dictionaries")
+    paths = []
+    for seed in (1, 2):
+        rng = random.Random(seed)
+        samples = [pickle.dumps([api_response(rng) for _ in range(3)]) for _ in range(400)]
+        path = folder / f"dictionary-{seed}.zstd"
+        path.write_bytes(train_dictionary(samples, 8 * 1024))
+        paths.append(str(path))
+    return paths
+
+
+def small_value(seed: int = 99) -> list[str]:
+    rng = random.Random(seed)
+    return [api_response(rng) for _ in range(3)]
+
+
+def dictionary_id(data: bytes) -> int:
+    return zstd.get_frame_info(data).dictionary_id
+
+
+def test_round_trip_and_flag():
+    codec = Codec.from_options({"COMPRESSOR": ZSTD})
+    value = small_value()
+    data, flags = codec.encode(value)
+    assert flags == FLAG_PICKLE | FLAG_ZSTD
+    assert len(data) < len(pickle.dumps(value))
+    assert codec.decode(data, flags) == value
+
+
+def test_switching_compressor_keeps_old_entries_readable_both_ways():
+    zlib_codec, zstd_codec = Codec.from_options({}), Codec.from_options({"COMPRESSOR": ZSTD})
+    value = small_value()
+    zlib_data, zlib_flags = zlib_codec.encode(value)
+    zstd_data, zstd_flags = zstd_codec.encode(value)
+    assert zlib_flags == FLAG_PICKLE | FLAG_ZLIB
+    assert zstd_codec.decode(zlib_data, zlib_flags) == value
+    assert zlib_codec.decode(zstd_data, zstd_flags) == value
+    assert Codec.from_options({"COMPRESSOR": None}).decode(zstd_data, zstd_flags) == value
+
+
+def test_two_compression_bits_at_once_are_a_corrupt_entry():
+    data, flags = Codec.from_options({"COMPRESSOR": ZSTD}).encode(small_value())
+    with pytest.raises(CorruptValue):
+        Codec.from_options({}).decode(data, flags | FLAG_ZLIB)
+
+
+def test_a_dictionary_shrinks_small_values_and_its_id_is_in_every_value(dictionaries):
+    plain = Codec.from_options({"COMPRESSOR": ZSTD})
+    trained = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]})
+    value = small_value()
+    plain_data, _ = plain.encode(value)
+    data, flags = trained.encode(value)
+    assert len(data) < 0.8 * len(plain_data)  # 94 vs 261 bytes when written
+    assert dictionary_id(data) == zstd.ZstdDict(open(dictionaries[0], "rb").read()).dict_id
+    assert trained.decode(data, flags) == value
+
+
+def test_old_dictionaries_listed_after_the_new_one_still_read(dictionaries):
+    old = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": [dictionaries[0]]})
+    new = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[::-1]})
+    value = small_value()
+    old_data, flags = old.encode(value)
+    new_data, _ = new.encode(value)
+    assert dictionary_id(new_data) != dictionary_id(old_data)
+    assert new.decode(old_data, flags) == value
+    assert new.decode(new_data, flags) == value
+
+
+def test_a_value_whose_dictionary_is_not_listed_is_corrupt_not_wrong(dictionaries):
+    writer = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]})
+    data, flags = writer.encode(small_value())
+    for reader in (
+        Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[1]}),
+        Codec.from_options({"COMPRESSOR": ZSTD}),
+        Codec.from_options({}),
+    ):
+        with pytest.raises(CorruptValue, match="dictionary"):
+            reader.decode(data, flags)
+
+
+def test_threads_each_reuse_their_own_compressor():
+    codec = Codec.from_options({"COMPRESSOR": ZSTD})
+    values = [small_value(seed) for seed in range(8)]
+    errors: list[BaseException] = []
+    compressors = set()
+
+    def work(value):
+        try:
+            for _ in range(200):
+                data, flags = codec.encode(value)
+                assert codec.decode(data, flags) == value
+            compressors.add(id(codec.compressor.local.compressor))
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(value,)) for value in values]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert len(compressors) == len(values)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": 99}, "COMPRESS_LEVEL"),
+        ({"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": "3"}, "COMPRESS_LEVEL"),
+        ({"COMPRESS_DICTIONARY": "/some/path"}, "COMPRESS_DICTIONARY.*ZstdCompressor"),
+        ({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": "/no/such/file"}, "/no/such/file"),
+        ({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": 5}, "COMPRESS_DICTIONARY"),
+    ],
+)
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        Codec.from_options(options)
+
+
+def test_a_file_that_is_not_a_dictionary_is_refused(tmp_path):
+    path = tmp_path / "not-a-dictionary"
+    path.write_bytes(zlib.compress(b"x" * 100))
+    with pytest.raises(ImproperlyConfigured, match="cannot load"):
+        Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+
+
+def test_training_needs_samples():
+    with pytest.raises(ValueError, match="at least 10"):
+        train_dictionary([b"a", b"b"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_missing_dictionary_is_a_logged_miss_on_a_real_cache(dictionaries, caplog):
+    from tests.mysql_support import drop_table, make_cache
+
+    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]}
+    writer = make_cache("kvcache_zstd_test", OPTIONS=options)
+    try:
+        writer.set("key", small_value())
+        reader = make_cache(
+            "kvcache_zstd_test", OPTIONS={**options, "COMPRESS_DICTIONARY": dictionaries[1]}
+        )
+        with caplog.at_level(logging.WARNING):
+            assert reader.get("key", "default") == "default"
+        assert "dictionary" in caplog.text
+        assert writer.get("key") == small_value()
+    finally:
+        drop_table("kvcache_zstd_test")
