@@ -7,13 +7,17 @@ STAMP := $(VENV)/.installed
 # Interpreters found by scripts/toxenvs.py are linked here so tox can find them.
 export PATH := $(CURDIR)/.runtime/pythons:$(PATH)
 
-.PHONY: test test-all bench services-up services-down docs clean
+.PHONY: test test-all bench services-up services-down docs package clean
 
-test: $(STAMP)
+test: $(STAMP) package
 	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py default)"
 
-test-all: $(STAMP)
+test-all: $(STAMP) package
 	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py all)"
+
+# The sdist and wheel build, install in fresh venvs and import (no servers needed).
+package: $(STAMP)
+	$(VENV)/bin/python scripts/check_package.py
 
 # Servers up, tox, servers down again whatever tox's result.
 tox:

@@ -1,6 +1,12 @@
+import re
+from pathlib import Path
+
 project = "django-kvcache"
-author = "django-kvcache developers"
-release = "0.1.0"
+author = "The django-kvcache authors"
+copyright = f"2026, {author}"
+# The version is defined once, in the package; setup.cfg reads it from there too.
+_init = Path(__file__).resolve().parent.parent / "django_kvcache" / "__init__.py"
+release = re.search(r'^__version__ = "([^"]+)"', _init.read_text(), re.MULTILINE)[1]
 extensions: list[str] = []
 exclude_patterns = ["_build"]
 html_theme = "alabaster"

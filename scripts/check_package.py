@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Build the sdist and the wheel, and prove each installs and works in a fresh venv.
+
+    .venv/bin/python scripts/check_package.py   # run by `make test` before the test suite
+
+Runs ``python -m build`` on a copy of the files git tracks (the sdist, then the wheel
+built from that sdist, so a file missing from the sdist breaks the wheel too) into a
+temporary directory, checks what each archive holds, then installs each one with the
+``mysql`` and ``memcached`` extras into its own new venv and, from outside the checkout,
+imports both backends and lists the package's management commands through Django. Needs ``build`` (the ``dev`` extra) in the interpreter
+running it, and what mysqlclient needs to compile (``scripts/services.py deps``).
+
+Exits non-zero, saying what is wrong, at the first problem.
+"""
+from __future__ import annotations
+
+import configparser
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+EXTRAS = "mysql,memcached"
+COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration")
+# Paths inside the package, and inside the sdist's top folder.
+PACKAGE_FILES = ("py.typed", *(f"management/commands/{c}.py" for c in COMMANDS))
+SDIST_FILES = ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
+
+# Run by the fresh venv's interpreter, in an empty directory, so nothing comes from the checkout.
+INSTALLED_CHECK = f"""
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import django
+from django.conf import settings
+
+import django_kvcache
+import django_kvcache.backends.memcached
+import django_kvcache.backends.mysql
+
+package = Path(django_kvcache.__file__).parent
+assert package.is_relative_to(sys.prefix), f"imported from {{package}}, not the venv"
+for name in {PACKAGE_FILES!r}:
+    assert (package / name).is_file(), f"installed package lacks {{name}}"
+licenses = [f for f in metadata.files("django-kvcache") if f.name == "LICENSE"]
+assert licenses and "dist-info" in str(licenses[0]), f"no LICENSE in dist-info: {{licenses}}"
+assert metadata.version("django-kvcache") == django_kvcache.__version__
+
+settings.configure(INSTALLED_APPS=["django_kvcache"])
+django.setup()
+from django.core.management import get_commands
+
+missing = [c for c in {COMMANDS!r} if get_commands().get(c) != "django_kvcache"]
+assert not missing, f"management commands not found: {{missing}}"
+print("installed and imported from", package)
+"""
+
+
+class PackageError(Exception):
+    pass
+
+
+def run(*command: str | Path, cwd: Path | None = None) -> None:
+    result = subprocess.run(
+        [str(part) for part in command], cwd=cwd, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise PackageError(
+            f"`{' '.join(map(str, command))}` failed ({result.returncode}):\n"
+            f"{result.stdout[-4000:]}{result.stderr[-4000:]}"
+        )
+    if result.stdout.strip():
+        print(result.stdout.strip().splitlines()[-1])
+
+
+def source_tree(workdir: Path) -> Path:
+    """A copy of the files git tracks or would track: what a clean clone builds from.
+
+    Building in the checkout would reuse its ``*.egg-info/SOURCES.txt``, whose stale
+    entries setuptools adds to the sdist, and would write into the working tree."""
+    if not (PROJECT / ".git").exists():  # e.g. an unpacked sdist
+        return PROJECT
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=PROJECT, capture_output=True, check=True,
+    ).stdout.decode()
+    copy = workdir / "source"
+    for name in filter(None, listed.split("\0")):
+        if (PROJECT / name).is_file():  # not deleted from the tree
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT / name, copy / name)
+    return copy
+
+
+def build(source: Path, outdir: Path) -> tuple[Path, Path]:
+    run(sys.executable, "-m", "build", "--outdir", outdir, source)
+    sdists, wheels = sorted(outdir.glob("*.tar.gz")), sorted(outdir.glob("*.whl"))
+    if len(sdists) != 1 or len(wheels) != 1:
+        raise PackageError(f"expected one sdist and one wheel in {outdir}, found {sdists + wheels}")
+    return sdists[0], wheels[0]
+
+
+def require(names: set[str], wanted: list[str], archive: Path) -> None:
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise PackageError(f"{archive.name} lacks {missing}")
+
+
+def check_wheel(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    require(names, [f"django_kvcache/{name}" for name in PACKAGE_FILES], wheel)
+    if not any(re.fullmatch(r"[^/]+\.dist-info/(licenses/)?LICENSE", name) for name in names):
+        raise PackageError(f"{wheel.name} has no LICENSE in its dist-info")
+    tops = {name.split("/")[0] for name in names}
+    strays = sorted(t for t in tops if t != "django_kvcache" and not t.endswith(".dist-info"))
+    if strays:
+        raise PackageError(f"{wheel.name} installs more than django_kvcache: {strays}")
+    metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    check_classifiers(zipfile.ZipFile(wheel).read(metadata_name).decode())
+
+
+def check_classifiers(metadata: str) -> None:
+    """Every Django version tox.ini tests is declared, so the matrix and PyPI agree."""
+    tox = configparser.ConfigParser()
+    tox.read(PROJECT / "tox.ini")
+    tested = re.findall(r"Django>=(\d+\.\d+),", tox["testenv"]["deps"])
+    missing = [v for v in tested if f"Classifier: Framework :: Django :: {v}" not in metadata]
+    if not tested or missing:
+        raise PackageError(f"classifiers lack the Django versions tox tests: {missing or 'none found'}")
+
+
+def check_sdist(sdist: Path) -> None:
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    wanted = [*SDIST_FILES, *(f"django_kvcache/{name}" for name in PACKAGE_FILES)]
+    require(names, wanted, sdist)
+
+
+def install_and_import(archive: Path, workdir: Path) -> None:
+    venv = workdir / f"venv-{archive.name}"
+    run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    run(python, "-m", "pip", "install", "-q", f"django-kvcache[{EXTRAS}] @ {archive.as_uri()}")
+    run(python, "-c", INSTALLED_CHECK, cwd=workdir)
+
+
+def main() -> int:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvcache-package-") as temp:
+        workdir = Path(temp)
+        try:
+            sdist, wheel = build(source_tree(workdir), workdir / "dist")
+            check_sdist(sdist)
+            check_wheel(wheel)
+            for archive in (wheel, sdist):
+                install_and_import(archive, workdir)
+        except PackageError as exc:
+            print(f"check_package: FAILED: {exc}", file=sys.stderr)
+            return 1
+    print(f"check_package: {sdist.name} and {wheel.name} OK in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
