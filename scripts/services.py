@@ -47,6 +47,7 @@ SYSTEM_PACKAGES = {
     "memcached": "memcached",
     "libmariadb-dev": "mariadb_config",  # headers for building mysqlclient
     "pkg-config": "pkg-config",
+    "build-essential": "gcc",  # mysqlclient compiles on install
 }
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
