@@ -26,10 +26,13 @@ tox:
 	rc=0; $(VENV)/bin/tox run -e "$(ENVS),docs" -- $(PYTEST_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
+# Realistic payloads first, incompressible bytes second; BENCH_ARGS="--values heavy" overrides.
+BENCH_VALUES ?= realistic,random
+
 bench: $(STAMP)
 	mkdir -p results
 	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
-	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark $(BENCH_ARGS) || rc=$$?; \
+	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark --values $(BENCH_VALUES) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
 $(STAMP): setup.cfg pyproject.toml scripts/services.py

@@ -1,15 +1,21 @@
-"""The benchmark command, run for real (small sizes) against the shared servers.
+"""The benchmark command, run for real (small sizes) against the shared servers, and its
+value mixes.
 
 Speed is not checked here; what is checked is that the command runs every scenario for
-every requested cache, writes JSON, CSV and plots, and refuses wrong results.
+every requested cache and value mix, writes JSON, CSV and plots, refuses wrong results,
+and that the storage and capacity figures are sane; and that the mixes are
+deterministic, have their stated composition and sizes, and compress like real data.
 """
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import os
+import random
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,9 @@ from django.core.cache.backends.locmem import LocMemCache
 
 PROJECT = Path(__file__).resolve().parent.parent
 MANAGE = PROJECT / "benchmark_app" / "manage.py"
+sys.path.insert(0, str(PROJECT / "benchmark_app"))
+from kvcache_bench import data as value_mixes, payloads  # noqa: E402  (the benchmark's package)
+
 TABLE_CACHES = ["db-mariadb", "db-sqlite", "kv-mysql-innodb", "kv-mysql-myisam", "django-mysql"]
 MEMCACHED_CACHES = ["kv-memcached-1", "pymemcache-4"]
 REQUESTED = TABLE_CACHES + MEMCACHED_CACHES
@@ -25,6 +34,10 @@ ROUNDS, CALLS = 2, 4
 ROWS = (100, 300)
 NODES = (1, 2)
 WORKERS = (1, 2)
+MIXES = ("realistic", "random")
+SCENARIOS = ["ops", "rows", "nodes", "concurrency", "storage", "capacity"]
+STORAGE_ENTRIES = 60
+CAPACITY_MB, CAPACITY_FILL = 16, 2.5
 OPERATIONS = {"set", "set large", "set_many", "get hit", "get miss", "get large", "get_many hit",
               "get_many miss", "delete hit", "delete miss", "delete_many", "incr", "incr miss",
               "add new", "add existing", "touch hit", "touch miss"}
@@ -55,24 +68,53 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     completed = benchmark(
         results, "--caches", ",".join(REQUESTED), "--rounds", str(ROUNDS), "--calls", str(CALLS),
         "--rows", numbers(ROWS), "--nodes", numbers(NODES), "--workers", numbers(WORKERS),
-        "--iterations", "8",
+        "--iterations", "8", "--values", ",".join(MIXES), "--storage-entries", str(STORAGE_ENTRIES),
+        "--capacity-mb", str(CAPACITY_MB), "--capacity-fill", str(CAPACITY_FILL),
     )
     return completed, results
 
 
 @pytest.fixture(scope="module")
-def data(run: tuple[subprocess.CompletedProcess, Path]) -> dict[str, Any]:
+def runs(run: tuple[subprocess.CompletedProcess, Path]) -> dict[str, dict[str, Any]]:
+    """Each mix's results, by mix name."""
     completed, results = run
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads((results / "benchmark.json").read_text())
+    return {mix: json.loads((results / f"benchmark-{mix}.json").read_text()) for mix in MIXES}
+
+
+@pytest.fixture(scope="module")
+def data(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The first mix's results: the only ones with every scenario."""
+    return runs[MIXES[0]]
 
 
 def test_every_requested_cache_ran_and_nothing_else(data: dict[str, Any]) -> None:
     assert data["skipped"] == {}
     assert [cache["name"] for cache in data["caches"]] == REQUESTED
-    assert data["scenarios_run"] == ["ops", "rows", "nodes", "concurrency"]
+    assert data["scenarios_run"] == SCENARIOS
     assert data["failures"] == []
     assert data["reference"] == "db-mariadb"
+
+
+def test_each_mix_reruns_the_scenarios_that_depend_on_the_values(runs: dict[str, dict[str, Any]]) -> None:
+    random_run = runs["random"]
+    assert random_run["scenarios_run"] == ["ops", "storage", "capacity"]
+    assert random_run["failures"] == []
+    for mix, results in runs.items():
+        assert results["values"]["name"] == results["parameters"]["values"] == mix
+        assert sum(kind["percent"] for kind in results["values"]["kinds"]) == 100
+        ops = {(e["cache"], e["operation"]) for e in results["scenarios"]["ops"]["results"]}
+        assert ops == {(cache, op) for cache in REQUESTED for op in OPERATIONS}
+    kinds = {kind["kind"] for kind in runs["realistic"]["values"]["kinds"]}
+    assert kinds == {"html", "json", "rows", "scalar", "bytes"}
+    assert [kind["kind"] for kind in random_run["values"]["kinds"]] == ["bytes"]
+
+
+def test_ops_measures_cpu_time_beside_wall_time(data: dict[str, Any]) -> None:
+    for entry in data["scenarios"]["ops"]["results"]:
+        # A call cannot use more CPU of this one-threaded process than its wall time,
+        # bar the clocks' granularity; and every call does some work here.
+        assert 0 < entry["cpu_us"] <= entry["mean_us"] * 1.2 + 5
 
 
 def test_machine_is_described(data: dict[str, Any]) -> None:
@@ -129,9 +171,10 @@ def test_concurrency_counts_throughput_and_races(data: dict[str, Any]) -> None:
 
 
 def test_csv_holds_every_figure(run: tuple[subprocess.CompletedProcess, Path], data: dict[str, Any]) -> None:
-    with (run[1] / "benchmark.csv").open() as source:
+    with (run[1] / "benchmark-realistic.csv").open() as source:
         rows = list(csv.DictReader(source))
-    assert {row["scenario"] for row in rows} == {"machine", "parameters", "ops", "rows", "nodes", "concurrency"}
+    assert {row["scenario"] for row in rows} == {"machine", "values", "parameters", *SCENARIOS}
+    assert ["values", "", "", "", "name", "realistic"] in [list(row.values()) for row in rows]
     medians = {(row["subject"], row["operation"]) for row in rows
                if row["scenario"] == "ops" and row["metric"] == "median_us"}
     assert medians == {(cache, op) for cache in REQUESTED for op in OPERATIONS}
@@ -141,8 +184,14 @@ def test_text_table_and_plots_are_written(run: tuple[subprocess.CompletedProcess
     completed, results = run
     for cache in REQUESTED:
         assert cache in completed.stdout
-    for name in ("ops", "rows", "nodes", "concurrency"):
-        png = results / f"benchmark-{name}.png"
+    for mix in MIXES:
+        assert f"values: {mix} (" in completed.stdout
+        assert f"ops, {mix} values: median per call" in completed.stdout
+        assert f"capacity, {mix} values: entries still readable" in completed.stdout
+    pngs = {(mix, name): results / f"benchmark-{mix}-{name}.png"
+            for mix in MIXES for name in SCENARIOS if mix == MIXES[0] or name in ("ops", "storage", "capacity")}
+    assert sorted(results.glob("*.png")) == sorted(pngs.values())
+    for png in pngs.values():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png.stat().st_size > 10_000
 
@@ -150,12 +199,12 @@ def test_text_table_and_plots_are_written(run: tuple[subprocess.CompletedProcess
 def test_wrong_values_fail_the_run_loudly(tmp_path: Path) -> None:
     completed = benchmark(
         tmp_path, "--scenario", "ops", "--caches", "db-sqlite", "--rounds", "1", "--calls", "3",
-        "--extra-cache", f"wrong={__name__}.WrongValueCache",
+        "--values", "random", "--extra-cache", f"wrong={__name__}.WrongValueCache",
         "--extra-cache", "absent=no_such_module.Cache",
     )
     assert completed.returncode != 0
     assert "wrong results" in completed.stderr and "wrong get hit" in completed.stderr
-    data = json.loads((tmp_path / "benchmark.json").read_text())
+    data = json.loads((tmp_path / "benchmark-random.json").read_text())
     assert "no_such_module" in data["skipped"]["absent"]
     verdicts = {(e["cache"], e["operation"]): e["correct"] for e in data["scenarios"]["ops"]["results"]}
     assert not verdicts["wrong", "get hit"] and not verdicts["wrong", "get_many hit"]
@@ -166,3 +215,140 @@ def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
     completed = benchmark(tmp_path, "--scenario", "ops,speed")
     assert completed.returncode != 0
     assert "unknown scenario(s) speed" in completed.stderr
+
+
+def test_unknown_value_mix_is_refused(tmp_path: Path) -> None:
+    completed = benchmark(tmp_path, "--scenario", "ops", "--values", "realistic,lorem")
+    assert completed.returncode != 0
+    assert "unknown value mix 'lorem'" in completed.stderr
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--capacity-mb", "8"), ("--capacity-fill", "0"), ("--storage-entries", "0")])
+def test_sizes_the_scenarios_cannot_use_are_refused(tmp_path: Path, option: str, value: str) -> None:
+    completed = benchmark(tmp_path, "--scenario", "storage", option, value)
+    assert completed.returncode != 0
+    assert option in completed.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+# --- storage and capacity, on the servers ---------------------------------------------------
+
+def storage_of(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["cache"]: e for e in results["scenarios"]["storage"]["results"]}
+
+
+def test_storage_counts_every_entry_of_every_cache(runs: dict[str, dict[str, Any]]) -> None:
+    expected = set(TABLE_CACHES) | {"kv-memcached", "pymemcache"}
+    for results in runs.values():
+        storage = results["scenarios"]["storage"]
+        assert storage["entries"] == STORAGE_ENTRIES and storage["payload_bytes"] > 0
+        assert set(storage_of(results)) == expected
+        for entry in storage["results"]:
+            assert entry["entries"] == STORAGE_ENTRIES and entry["stored_bytes"] > 0
+            on_mariadb = entry["cache"] in TABLE_CACHES and entry["cache"] != "db-sqlite"
+            assert (entry["data_length"] is not None) == on_mariadb
+
+
+def test_storage_figures_are_what_each_cache_stores(runs: dict[str, dict[str, Any]]) -> None:
+    random_bytes, realistic = storage_of(runs["random"]), storage_of(runs["realistic"])
+    # Random bytes do not compress: the bytes kept are the payload plus the key, the
+    # pickle's few bytes and, in memcached, the item header; base64 text adds a third.
+    for cache in ("kv-mysql-innodb", "kv-mysql-myisam", "django-mysql"):
+        assert 1.0 < random_bytes[cache]["vs_payload"] < 1.15
+    for cache in ("kv-memcached", "pymemcache"):
+        assert 1.0 < random_bytes[cache]["vs_payload"] < 1.3
+    for cache in ("db-mariadb", "db-sqlite"):
+        assert 1.33 < random_bytes[cache]["vs_payload"] < 1.5
+    # On the realistic mix compression shows: ours compresses everything worth it,
+    # django-mysql from 5000 bytes on, PyMemcacheCache never.
+    assert realistic["kv-mysql-innodb"]["vs_payload"] < realistic["django-mysql"]["vs_payload"] < 1
+    assert realistic["kv-memcached"]["vs_payload"] < 0.7 < 1 < realistic["pymemcache"]["vs_payload"]
+    assert realistic["kv-memcached"]["peer"] == "pymemcache"
+    assert realistic["kv-memcached"]["vs_peer"] == pytest.approx(
+        realistic["kv-memcached"]["stored_bytes"] / realistic["pymemcache"]["stored_bytes"], rel=1e-3)
+
+
+def test_capacity_overflows_a_small_node_and_counts_what_it_kept(runs: dict[str, dict[str, Any]]) -> None:
+    kept = {}
+    for mix, results in runs.items():
+        capacity = results["scenarios"]["capacity"]
+        assert capacity["memory_mb"] == CAPACITY_MB
+        written_bytes = capacity["written"] * capacity["mean_value_bytes"]
+        assert written_bytes == pytest.approx(CAPACITY_FILL * CAPACITY_MB * 2**20, rel=0.01)
+        entries = {e["client"]: e for e in capacity["results"]}
+        assert set(entries) == {"kv-memcached", "pymemcache"}
+        for entry in entries.values():
+            assert entry["written"] == capacity["written"] and entry["refused"] == 0
+            assert 0 < entry["kept"] < entry["written"] and entry["evictions"] > 0
+            assert entry["node_bytes"] <= CAPACITY_MB * 2**20
+        kept[mix] = {client: entry["kept"] for client, entry in entries.items()}
+    # Incompressible values: the same entries fit; compressible ones: ours keeps more.
+    assert kept["random"]["kv-memcached"] == pytest.approx(kept["random"]["pymemcache"], rel=0.1)
+    assert kept["realistic"]["kv-memcached"] > 1.2 * kept["realistic"]["pymemcache"]
+
+
+# --- the value mixes, without servers ---------------------------------------------------------
+
+def test_mixes_are_the_same_for_a_seed_and_differ_between_seeds() -> None:
+    for mix in value_mixes.MIXES:
+        first, again = (value_mixes.make_values(7, 60, mix, 4096) for _ in range(2))
+        assert first == again
+        other = value_mixes.make_values(8, 60, mix, 4096)
+        assert other.entries != first.entries and other.large != first.large
+
+
+def test_each_kind_has_its_share_and_stays_in_its_size_range() -> None:
+    for mix in value_mixes.MIXES.values():
+        values = value_mixes.make_values(3, 200, mix.name, 0)
+        counts = {share.kind: values.kinds.count(share.kind) for share in mix.shares}
+        assert counts == {share.kind: round(share.percent * 2) for share in mix.shares}
+        shares = {share.kind: share for share in mix.shares}
+        for value, kind in zip(values.entries, values.kinds):
+            size, share = payloads.payload_size(value), shares[kind]
+            if kind == "scalar":
+                assert isinstance(value, (int, str)) and size <= share.max_bytes
+            else:
+                assert share.min_bytes <= size <= share.max_bytes, (mix.name, kind, size)
+        types = {kind: {type(v) for v, k in zip(values.entries, values.kinds) if k == kind}
+                 for kind in counts}
+        assert types.get("html", {str}) == {str} and types.get("json", {str}) == {str}
+        assert types.get("rows", {list}) == {list} and types.get("bytes", {bytes}) == {bytes}
+
+
+def test_heavy_and_small_mixes_have_their_stated_sizes() -> None:
+    heavy = value_mixes.describe(value_mixes.make_values(1234, 256, "heavy", 0), 1234)
+    assert 5.0 * 1024 < heavy["mean_bytes"] < 5.8 * 1024
+    means = {kind["kind"]: kind["mean_bytes"] for kind in heavy["kinds"]}
+    assert 10 * 1024 < means["html"] < 11.5 * 1024 and 4.5 * 1024 < means["json"] < 5.5 * 1024
+    assert 2.6 * 1024 < means["rows"] < 3.4 * 1024 and 1.3 * 1024 < means["bytes"] < 1.7 * 1024
+    small = value_mixes.make_values(1234, 256, "small", 0)
+    assert max(map(payloads.payload_size, small.entries)) <= 3 * 1024
+
+
+def test_rows_are_what_queryset_values_gives() -> None:
+    rows = payloads.row_list(random.Random(1), 2048)
+    assert len(rows) > 5 and all(isinstance(row, dict) for row in rows)
+    kinds = {type(value) for row in rows for value in row.values()}
+    assert {int, str, bool, Decimal, datetime.datetime, type(None)} <= kinds
+    assert all(row["created_at"].tzinfo is not None for row in rows)
+    json.loads(payloads.json_response(random.Random(1), 3000, 4000))  # valid JSON text
+
+
+@pytest.mark.parametrize("kind, size, low, high", [
+    # Rendered HTML: ~2.6x at 1 KB with zlib-6 (measured on real pages), 3-5x larger.
+    ("html", 1024, 2.2, 3.0), ("html", 4096, 3.2, 5.0),
+    ("json", 1024, 1.6, 2.6), ("json", 4096, 2.2, 3.5),
+    # Pickled query results: ~1.6x at 1 KB, up to ~2.5x for larger ones.
+    ("rows", 1024, 1.4, 1.9), ("rows", 4096, 1.7, 2.5),
+])
+def test_text_compresses_like_real_data_not_like_a_template_loop(kind: str, size: int, low: float,
+                                                                 high: float) -> None:
+    assert low <= value_mixes.reference_ratios(1234)[kind][value_mixes.size_label(size)] <= high
+
+
+def test_random_mix_is_incompressible_and_the_original_values() -> None:
+    values = value_mixes.make_values(1234, 256, "random", 0).entries
+    assert payloads.compression_ratio(values) < 1.0
+    rng = random.Random(1234)  # how the benchmark drew its values before it had mixes
+    assert values == tuple(rng.randbytes(rng.randint(1, 3072)) for _ in range(256))

@@ -25,6 +25,9 @@ TIMEOUT = 900  # leftovers of a crashed run expire on their own
 TABLE_FAMILIES = ("db", "kv-mysql", "django-mysql")
 MEMCACHED_FAMILIES = ("kv-memcached", "pymemcache")
 NODE_COUNTS = (1, 4, 8)
+#: Ours, and the cache it is compared with where the figure is not a time (bytes, entries).
+PEERS = {"kv-mysql-innodb": "django-mysql", "kv-mysql-myisam": "django-mysql",
+         "kv-memcached": "pymemcache"}
 
 KV_MYSQL = "django_kvcache.backends.mysql.MySQLCache"
 KV_MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
@@ -169,3 +172,19 @@ def node_count_needed(patterns: Iterable[str] | None) -> int:
         if any(fnmatch.fnmatch(f"{family}-{count}", pattern) for pattern in patterns)
     ]
     return max(wanted, default=0)
+
+
+def memcached_families(specs: Iterable[CacheSpec]) -> list[str]:
+    """The memcached clients ("kv-memcached", "pymemcache") among ``specs``."""
+    present = {spec.family for spec in specs}
+    return [family for family in MEMCACHED_FAMILIES if family in present]
+
+
+def add_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str = "cache") -> None:
+    """``vs_peer``: this cache's ``metric`` over its peer's (django-mysql, PyMemcacheCache)."""
+    by_subject = {entry[subject]: entry[metric] for entry in results}
+    for entry in results:
+        peer = PEERS.get(entry[subject])
+        base = by_subject.get(peer)
+        entry["peer"] = peer if base else None
+        entry["vs_peer"] = round(entry[metric] / base, 3) if base else None

@@ -9,7 +9,11 @@ from django.core.cache.backends.base import BaseCache
 from tqdm import tqdm
 
 from kvcache_bench.caches import CacheSpec
+from kvcache_bench.data import DEFAULT_MIX, Values
 from kvcache_bench.storage import WrittenKeys
+
+
+MIN_CAPACITY_MB = 16
 
 
 @dataclass(frozen=True)
@@ -18,9 +22,8 @@ class Parameters:
     calls: int = 50  # calls per cache and operation in each round
     warmup_rounds: int = 1
     batch: int = 20  # keys per *_many call
-    value_min: int = 1
-    value_max: int = 3072
-    value_count: int = 256
+    values: str = DEFAULT_MIX  # the value mix (kvcache_bench.data.MIXES) of ops, storage, capacity
+    value_count: int = 256  # distinct values of the mix that ops cycles through
     large_size: int = 32 * 1024
     seed: int = 1234
     rows: tuple[int, ...] = (1_000, 10_000, 100_000)
@@ -30,12 +33,27 @@ class Parameters:
     node_calls: int = 300
     workers: tuple[int, ...] = (1, 2, 4, 8)
     iterations: int = 150  # mixed-workload iterations per concurrent worker
+    storage_entries: int = 1000  # entries of the mix written to measure bytes stored
+    capacity_mb: int = 32  # memory (-m) of the memcached node the capacity scenario fills
+    capacity_fill: float = 4.0  # bytes of values written into it, as a multiple of its memory
+
+    def problem(self) -> str | None:
+        """Why these sizes cannot run, naming the option; None when they can."""
+        if self.capacity_mb < MIN_CAPACITY_MB:
+            return (f"--capacity-mb must be at least {MIN_CAPACITY_MB}: memcached gives every slab "
+                    f"class a page, so a smaller node holds more than its -m")
+        if self.capacity_fill <= 0:
+            return "--capacity-fill must be above 0"
+        if self.storage_entries < 1:
+            return "--storage-entries must be at least 1"
+        return None
 
     @classmethod
     def quick(cls) -> Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
-                   node_calls=60, workers=(1, 4), iterations=30)
+                   node_calls=60, workers=(1, 4), iterations=30, storage_entries=200,
+                   capacity_mb=16, capacity_fill=2.5)
 
 
 @dataclass
@@ -50,6 +68,7 @@ class Context:
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     instances: dict[str, BaseCache] = field(default_factory=dict)
+    values: Values | None = None  # the mix's values, generated once per mix
 
     def cache(self, spec: CacheSpec) -> BaseCache:
         """One instance per cache for the main thread, built on first use."""

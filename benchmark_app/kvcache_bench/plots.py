@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib import ticker  # noqa: E402
+
+from kvcache_bench.data import FILLER_LABEL, FIXED_LABEL  # noqa: E402
 
 #: One hue per family, darker for more nodes; our backends solid, the others dashed.
 CACHE_COLORS = {
@@ -51,11 +54,11 @@ def _log_axis(axes: Any, which: str) -> None:
 def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
-               "concurrency": concurrency_lines}
+               "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars}
     written = []
     for name, scenario in results["scenarios"].items():
         if scenario["results"]:
-            path = folder / f"benchmark-{name}.png"
+            path = folder / f"benchmark-{results['values']['name']}-{name}.png"
             figure = writers[name](scenario, results)
             figure.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(figure)
@@ -63,9 +66,12 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     return written
 
 
-def _title(figure: Any, text: str, results: dict[str, Any]) -> None:
+def _title(figure: Any, text: str, results: dict[str, Any], values: str | None = None) -> None:
+    """The figure's title, the machine, and the values it used: the mix's, unless
+    ``values`` says the scenario used others."""
     machine = results["machine"]
-    figure.suptitle(f"{text}\n{machine['cpu']}, {machine['cores']} cores, {machine['date_utc']}",
+    values = values or textwrap.fill(results["values"]["label"], 110)
+    figure.suptitle(f"{text}\n{values}\n{machine['cpu']}, {machine['cores']} cores, {machine['date_utc']}",
                     fontsize=10)
 
 
@@ -85,11 +91,13 @@ def ops_bars(ops: dict[str, Any], results: dict[str, Any]) -> Any:
         whiskers = [max(e["p95_us"] - e["median_us"], 0) for e in entries]
         axis.barh(caches, medians, xerr=[[0] * len(entries), whiskers], color=colors,
                   error_kw={"elinewidth": 0.8, "capsize": 2})
+        axis.barh(caches, [e.get("cpu_us") or 0 for e in entries], height=0.3, color="black", alpha=0.45,
+                  edgecolor="white", linewidth=0.8)
         _log_axis(axis, "x")
         axis.invert_yaxis()
         axis.set_title(operation, fontsize=9)
         axis.tick_params(labelsize=7)
-        axis.set_xlabel("µs per call (median, whisker p95)", fontsize=7)
+        axis.set_xlabel("µs per call (median, whisker p95; thin dark bar: client CPU)", fontsize=7)
     for axis in list(axes.flat)[len(operations):]:
         axis.axis("off")
     _title(figure, "ops: time per call (lower is better, log scale)", results)
@@ -141,7 +149,7 @@ def rows_scaling(rows: dict[str, Any], results: dict[str, Any]) -> Any:
     axes[2].invert_yaxis()
     axes[2].set_xlabel("ms")
     axes[2].set_title(f"one cull() of a {sizes[-1]:,}-row table", fontsize=10)
-    _title(figure, "rows: cost per call as the table grows", results)
+    _title(figure, "rows: cost per call as the table grows", results, values=FILLER_LABEL)
     return figure
 
 
@@ -157,7 +165,7 @@ def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any]) -> Any:
             if floor is not None:
                 axis.axhline(floor, linestyle=":", color="grey", label=f"{client} (1 node)")
         axis.legend(fontsize=8)
-    _title(figure, "nodes: memcached clients as the node count grows", results)
+    _title(figure, "nodes: memcached clients as the node count grows", results, values=FILLER_LABEL)
     return figure
 
 
@@ -169,5 +177,31 @@ def concurrency_lines(concurrency: dict[str, Any], results: dict[str, Any]) -> A
         series = _series(entries, "cache", "workers", workers, "ops_per_s", mode=mode)
         _line_chart(axis, workers, series, f"{mode}", "operations per second", mode)
     _legend_outside(axes[1])
-    _title(figure, "concurrency: mixed workload throughput (higher is better)", results)
+    _title(figure, "concurrency: mixed workload throughput (higher is better)", results, values=FIXED_LABEL)
     return figure
+
+
+def _bars(entries: list[dict[str, Any]], subject: str, metric: str, xlabel: str, text: str,
+          results: dict[str, Any]) -> Any:
+    names = [e[subject] for e in entries]
+    figure, axis = plt.subplots(figsize=(10, 2.4 + 0.35 * len(names)), layout="constrained")
+    axis.barh(names, [e[metric] for e in entries], color=[color_of(name) for name in names])
+    for index, entry in enumerate(entries):
+        label = f" {entry[metric]:,.0f}" + (f"  ({entry['vs_peer']:.2f}x {entry['peer']})" if entry["peer"] else "")
+        axis.text(entry[metric], index, label, va="center", fontsize=8)
+    axis.invert_yaxis()
+    axis.margins(x=0.3)
+    axis.set_xlabel(xlabel)
+    _title(figure, text, results)
+    return figure
+
+
+def storage_bars(storage: dict[str, Any], results: dict[str, Any]) -> Any:
+    return _bars(storage["results"], "cache", "bytes_per_entry", "bytes per entry",
+                 f"storage: bytes kept per entry ({storage['entries']:,} entries; lower is better)", results)
+
+
+def capacity_bars(capacity: dict[str, Any], results: dict[str, Any]) -> Any:
+    return _bars(capacity["results"], "client", "kept", "entries still readable",
+                 f"capacity: entries kept by a {capacity['memory_mb']} MiB memcached node after "
+                 f"{capacity['written']:,} writes (higher is better)", results)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from kvcache_bench.data import FILLER_LABEL, FIXED_LABEL
+
 OPS_COLUMNS_PER_TABLE = 6
 #: The fields that say *what* was measured in each scenario; every other field is a figure.
 IDENTITY = {
@@ -13,7 +15,14 @@ IDENTITY = {
     "rows": ("cache", "operation", "rows"),
     "nodes": ("client", "operation", "nodes"),
     "concurrency": ("cache", "mode", "workers"),
+    "storage": ("cache",),
+    "capacity": ("client",),
 }
+
+
+def with_mix(path: Path, mix: str) -> Path:
+    """``results/benchmark.json`` -> ``results/benchmark-realistic.json``."""
+    return path.with_name(f"{path.stem}-{mix}{path.suffix}")
 
 
 def micros(value: float | None) -> str:
@@ -32,22 +41,30 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join([line(header), line(["-" * width for width in widths]), *map(line, rows)])
 
 
-def ops_text(ops: dict[str, Any], reference: str | None) -> str:
-    cells: dict[tuple[str, str], str] = {}
-    caches: list[str] = []
+def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
+    wall: dict[tuple[str, str], str] = {}
+    cpu: dict[tuple[str, str], str] = {}
     for entry in ops["results"]:
-        if entry["cache"] not in caches:
-            caches.append(entry["cache"])
         ratio = entry.get("ratio")
         cell = micros(entry["median_us"]) + (f" {ratio:.2f}x" if ratio is not None else "")
-        cells[entry["cache"], entry["operation"]] = cell + ("" if entry["correct"] else " WRONG")
-    operations = ops["operations"]
-    parts = [f"ops: median per call, and speed-up over {reference or 'nothing (no DatabaseCache ran)'}"
-             " (its median / this median: above 1x is faster)"]
-    for start in range(0, len(operations), OPS_COLUMNS_PER_TABLE):
-        chunk = operations[start:start + OPS_COLUMNS_PER_TABLE]
-        parts.append(table(["cache", *chunk], ([cache, *(cells[cache, op] for op in chunk)] for cache in caches)))
-    return "\n\n".join(parts)
+        wall[entry["cache"], entry["operation"]] = cell + ("" if entry["correct"] else " WRONG")
+        cpu[entry["cache"], entry["operation"]] = micros(entry.get("cpu_us"))
+    caches = list(dict.fromkeys(entry["cache"] for entry in ops["results"]))
+    return "\n\n".join([
+        f"ops, {mix} values: median per call, and speed-up over "
+        f"{reference or 'nothing (no DatabaseCache ran)'} (its median / this median: above 1x is faster)",
+        *_blocks(ops["operations"], caches, wall),
+        f"ops, {mix} values: CPU time of the benchmark process per call (mean; the client's work "
+        "only, the servers' CPU is not included)",
+        *_blocks(ops["operations"], caches, cpu),
+    ])
+
+
+def _blocks(operations: Sequence[str], caches: Sequence[str], cells: dict[tuple[str, str], str]) -> list[str]:
+    """One table per six operations: a row per cache."""
+    return [table(["cache", *chunk], ([cache, *(cells[cache, op] for op in chunk)] for cache in caches))
+            for chunk in (operations[start:start + OPS_COLUMNS_PER_TABLE]
+                          for start in range(0, len(operations), OPS_COLUMNS_PER_TABLE))]
 
 
 def rows_text(rows: dict[str, Any]) -> str:
@@ -62,7 +79,7 @@ def rows_text(rows: dict[str, Any]) -> str:
         lines.append([cache, *cells, f"{cull['duration_ms']:.0f}ms" if cull else "-"])
     header = ["cache", *(f"{op}@{size:,}" for op in ("set", "get") for size in sizes),
               f"cull@{sizes[-1]:,}"]
-    return "rows: median per call with the table already holding N rows\n\n" + table(header, lines)
+    return f"rows: median per call with the table already holding N rows ({FILLER_LABEL})\n\n" + table(header, lines)
 
 
 def nodes_text(nodes: dict[str, Any]) -> str:
@@ -72,29 +89,62 @@ def nodes_text(nodes: dict[str, Any]) -> str:
     lines = [[client, *(micros(by_key[client, op, n]["median_us"]) if (client, op, n) in by_key else "-"
                         for op in ("get", "get_many") for n in counts)] for client in clients]
     header = ["client", *(f"{op}@{n}" for op in ("get", "get_many") for n in counts)]
-    return (f"nodes: median per call over N memcached nodes (get_many of {nodes['keys']} keys)\n\n"
-            + table(header, lines))
+    return (f"nodes: median per call over N memcached nodes (get_many of {nodes['keys']} keys; "
+            f"{FILLER_LABEL})\n\n" + table(header, lines))
 
 
 def concurrency_text(concurrency: dict[str, Any]) -> str:
     lines = [[e["cache"], e["mode"], e["workers"], f"{e['ops_per_s']:,.0f}", e["lost_incr"],
               e["extra_add_winners"], e["errors"]] for e in concurrency["results"]]
     header = ["cache", "mode", "workers", "ops/s", "lost incr", "extra add winners", "errors"]
-    return "concurrency: mixed workload (get, set, incr, add) per worker\n\n" + table(header, lines)
+    return f"concurrency: mixed workload (get, set, incr, add) per worker ({FIXED_LABEL})\n\n" + table(header, lines)
 
 
-TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text}
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def storage_text(storage: dict[str, Any], mix: str = "") -> str:
+    lines = [[e["cache"], f"{e['bytes_per_entry']:,.0f}", _ratio(e["vs_payload"]),
+              _ratio(e["vs_peer"]) + (f" {e['peer']}" if e["peer"] else ""),
+              "-" if e.get("data_length") is None else f"{e['data_length'] / e['entries']:,.0f}"]
+             for e in storage["results"]]
+    header = ["cache", "bytes/entry", "x payload", "x peer", "table data/entry"]
+    return (f"storage, {mix} values: bytes kept per entry after writing {storage['entries']:,} entries "
+            f"({storage['payload_bytes'] / storage['entries']:,.0f} B of payload each); tables: "
+            "key + value columns, memcached: the node's bytes stat\n\n" + table(header, lines))
+
+
+def capacity_text(capacity: dict[str, Any], mix: str = "") -> str:
+    lines = [[e["client"], f"{e['kept']:,}", f"{e['kept_percent']:.1f}%",
+              _ratio(e["vs_peer"]) + (f" {e['peer']}" if e["peer"] else ""), f"{e['evictions']:,}",
+              f"{e['refused']:,}"] for e in capacity["results"]]
+    header = ["client", "entries kept", "of written", "x peer", "evictions", "refused"]
+    return (f"capacity, {mix} values: entries still readable after writing {capacity['written']:,} "
+            f"(mean {capacity['mean_value_bytes']:,.0f} B) into a {capacity['memory_mb']} MiB "
+            "memcached node\n\n" + table(header, lines))
+
+
+TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
+        "storage": storage_text, "capacity": capacity_text}
+#: The scenarios whose text names the value mix (the others use random filler).
+MIX_TEXT = {"ops", "storage", "capacity"}
 
 
 def text(results: dict[str, Any]) -> str:
-    machine = results["machine"]
+    machine, values = results["machine"], results["values"]
     parts = [f"django-kvcache benchmark, {machine['date_utc']}: {machine['cpu']}, "
              f"{machine['cores']} cores, Python {machine['python']}, Django {machine['django']}, "
-             f"MariaDB {machine['mariadb']}, memcached {machine['memcached']}"]
+             f"MariaDB {machine['mariadb']}, memcached {machine['memcached']}\n{values['label']}"]
     for name, note in results["skipped"].items():
         parts.append(f"skipped {name}: {note}")
     for name, scenario in results["scenarios"].items():
-        parts.append(ops_text(scenario, results["reference"]) if name == "ops" else TEXT[name](scenario))
+        if name == "ops":
+            parts.append(ops_text(scenario, results["reference"], values["name"]))
+        elif name in MIX_TEXT:
+            parts.append(TEXT[name](scenario, values["name"]))
+        else:
+            parts.append(TEXT[name](scenario))
     parts.extend(f"NOTE: {note}" for note in results["notes"])
     parts.extend(f"FAILED: {failure}" for failure in results["failures"])
     return "\n\n".join(parts) + "\n"
@@ -109,6 +159,13 @@ def csv_rows(results: dict[str, Any]) -> Iterable[list[Any]]:
     """Long format: scenario, subject, operation, setting, metric, value."""
     for field, value in _flatten(results["machine"]):
         yield ["machine", "", "", "", field, value]
+    values = results["values"]
+    for field, value in _flatten({k: v for k, v in values.items() if k != "kinds"}):
+        yield ["values", "", "", "", field, value]
+    for kind in values["kinds"]:
+        for field, value in kind.items():
+            if field != "kind":
+                yield ["values", kind["kind"], "", "", field, value]
     for field, value in results["parameters"].items():
         yield ["parameters", "", "", "", field, value]
     for name, scenario in results["scenarios"].items():

@@ -2,7 +2,8 @@
 
 ``scripts/services.py up`` runs 4 nodes by default; the 8-node caches need 4 more, which
 the benchmark starts on free loopback ports with the same command line as the shared
-ones, and stops when it ends.
+ones, and stops when it ends. The storage and capacity scenarios start a node of their
+own per cache (``dedicated_node``), so nothing else writes where they count bytes.
 """
 from __future__ import annotations
 
@@ -67,18 +68,58 @@ def memcached_cluster(size: int) -> Iterator[tuple[list[str], str | None]]:
                 note = f"could not start extra memcached nodes: {exc}"
         yield nodes, note
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=10)
+        _stop(processes)
 
 
-def _start_node(helpers: dict[str, Any]) -> tuple[str, subprocess.Popen]:
+@contextlib.contextmanager
+def dedicated_node(memory_mb: int) -> Iterator[str]:
+    """A fresh memcached node of ``memory_mb`` MiB (``-m``) that only the caller uses.
+
+    Raises RuntimeError when it cannot be started.
+    """
+    try:
+        address, process = _start_node(services(), memory_mb)
+    except (OSError, SystemExit) as exc:
+        raise RuntimeError(f"could not start a memcached node: {exc}") from exc
+    try:
+        yield address
+    finally:
+        _stop([process])
+
+
+def node_stats(address: str) -> dict[str, int]:
+    """The node's numeric ``stats`` (``bytes``, ``curr_items``, ``evictions``...)."""
+    host, port = address.rsplit(":", 1)
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"stats\r\n")
+        while not reply.endswith(b"END\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"memcached on {address} closed the connection during stats")
+            reply += chunk
+    stats = {}
+    for line in reply.decode().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "STAT" and parts[2].isdigit():
+            stats[parts[1]] = int(parts[2])
+    return stats
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(timeout=10)
+
+
+def _start_node(helpers: dict[str, Any], memory_mb: int | None = None) -> tuple[str, subprocess.Popen]:
     host = helpers["HOST"]
     port = _free_port(host)
-    process = subprocess.Popen(
-        helpers["memcached_argv"](port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    argv = list(helpers["memcached_argv"](port))
+    if memory_mb is not None:  # same command line as the shared nodes but for its memory
+        argv[argv.index("-m") + 1] = str(memory_mb)
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"{host}:{port}"
     deadline = time.monotonic() + 10
     while not memcached_answers(address):

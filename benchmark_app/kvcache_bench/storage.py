@@ -55,6 +55,32 @@ def count_rows(spec: CacheSpec) -> int:
         return cursor.fetchone()[0]
 
 
+#: The key and value columns: the same names in DatabaseCache's, django-mysql's and our tables.
+KEY_COLUMN, VALUE_COLUMN = "cache_key", "value"
+
+
+def table_usage(spec: CacheSpec) -> dict[str, int | None]:
+    """Rows, bytes in the key and value columns, and (MySQL) the table's data and index
+    length from information_schema after ``ANALYZE TABLE`` refreshed them."""
+    connection = connections[spec.database]
+    table = connection.ops.quote_name(spec.table)
+    cast = "CAST({} AS BLOB)" if connection.vendor == "sqlite" else "{}"  # SQLite counts characters
+    lengths = " + ".join(f"LENGTH({cast.format(connection.ops.quote_name(column))})"
+                         for column in (KEY_COLUMN, VALUE_COLUMN))
+    usage: dict[str, int | None] = {"data_length": None, "index_length": None}
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*), COALESCE(SUM({lengths}), 0) FROM {table}")
+        rows, column_bytes = cursor.fetchone()
+        usage.update(rows=rows, column_bytes=int(column_bytes))
+        if connection.vendor == "mysql":
+            cursor.execute(f"ANALYZE TABLE {table}")
+            cursor.fetchall()
+            cursor.execute("SELECT DATA_LENGTH, INDEX_LENGTH FROM information_schema.TABLES "
+                           "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", [spec.table])
+            usage["data_length"], usage["index_length"] = cursor.fetchone()
+    return usage
+
+
 def bulk_load(spec: CacheSpec, cache: BaseCache, items: Mapping[str, Any]) -> None:
     """Write many entries fast: multi-row INSERTs for DatabaseCache (its ``set_many``
     is one ``set`` with a ``COUNT(*)`` per key), the cache's own ``set_many`` otherwise."""

@@ -19,13 +19,14 @@ from typing import Any, Callable
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.context import Context
+from kvcache_bench.data import FIXED_VALUE
 from kvcache_bench.timing import rotated
 
 OPERATIONS_PER_ITERATION = 4
 HOT_KEYS = 20
 OWN_KEYS = 10
 BARRIER_TIMEOUT = 120.0
-VALUE = b"v" * 200
+VALUE = FIXED_VALUE
 
 _process_barrier: Any = None  # set in each pool process by _start_process
 

@@ -10,9 +10,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvcache_bench.caches import MEMCACHED_FAMILIES, memcached_spec
+from kvcache_bench.caches import memcached_families, memcached_spec
 from kvcache_bench.context import Context
-from kvcache_bench.data import make_values
+from kvcache_bench.data import filler
 from kvcache_bench.checks import Call, mismatches
 from kvcache_bench.timing import rotated, summarize, time_calls
 
@@ -38,18 +38,19 @@ def run(context: Context) -> dict[str, Any]:
     counts = [n for n in sorted(p.nodes) if n <= available]
     for n in sorted(set(p.nodes) - set(counts)):
         context.notes.append(f"nodes: {n} nodes skipped, only {available} memcached nodes available")
-    families = [f for f in MEMCACHED_FAMILIES if any(s.family == f for s in context.caches)]
+    families = memcached_families(context.caches)
     if not counts or not families:
         context.notes.append("nodes: skipped, no memcached cache selected or no node available")
         return {"counts": counts, "keys": p.node_keys, "results": []}
     subjects = [_cache_subject(context, family, n) for family in families for n in counts]
     subjects.append(_floor_subject(context.memcached_nodes[0]))
-    values = make_values(p.seed, p.node_keys, 50, 200, 0).small
+    values = filler(p.seed, p.node_keys)
     items = {f"node.{context.token}.{index}": value for index, value in enumerate(values)}
     keys = list(items)
     rounds = max(1, min(p.rounds, p.node_calls))
     calls = max(1, p.node_calls // rounds)
     durations: dict[tuple[str, int, str], list[int]] = defaultdict(list)
+    cpu: dict[tuple[str, int, str], int] = defaultdict(int)
     try:
         for subject in subjects:
             subject.set_many(items)
@@ -61,9 +62,10 @@ def run(context: Context) -> dict[str, Any]:
                 for subject in rotated(subjects, round_index):
                     for operation, batch, method in (("get", gets, subject.get),
                                                      ("get_many", many, subject.get_many)):
-                        taken, results = time_calls(method, [call.argument for call in batch])
-                        durations[subject.client, subject.nodes, operation].extend(taken)
-                        wrong = mismatches(results, batch)
+                        timed = time_calls(method, [call.argument for call in batch])
+                        durations[subject.client, subject.nodes, operation].extend(timed.durations)
+                        cpu[subject.client, subject.nodes, operation] += timed.cpu_ns
+                        wrong = mismatches(timed.results, batch)
                         if wrong:
                             context.failures.append(f"nodes: {subject.client} on {subject.nodes} "
                                                     f"node(s) {operation}: {wrong[0]}")
@@ -72,7 +74,8 @@ def run(context: Context) -> dict[str, Any]:
         for subject in subjects:
             subject.delete_many(keys)
             subject.close()
-    results = [{"client": client, "nodes": n, "operation": operation, **summarize(taken)}
+    results = [{"client": client, "nodes": n, "operation": operation,
+                **summarize(taken, cpu[client, n, operation])}
                for (client, n, operation), taken in durations.items()]
     return {"counts": counts, "keys": p.node_keys, "results": results}
 

@@ -1,16 +1,19 @@
 """``ops``: the cost of each cache operation, hit and miss, per call.
 
 Each operation runs in rounds; within a round every cache does the same calls on fresh
-keys, in an order that rotates from round to round. Entries an operation needs (the
-hits) are written before its timed calls, without the clock running. Every result is
-checked after the round's timed calls, and so is what the cache holds afterwards.
+keys, in an order that rotates from round to round. The values come from the run's
+value mix (``--values``; the "large" operations use one 32 KiB HTML page), generated
+before anything is timed. Entries an operation needs (the hits) are written before its
+timed calls, without the clock running. Every result is checked after the round's timed
+calls, and so is what the cache holds afterwards. Besides each call's wall time, the
+process CPU time of the timed calls is kept (the client's work; not the servers').
 """
 from __future__ import annotations
 
 import itertools
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
@@ -18,7 +21,7 @@ from django.core.cache.backends.base import BaseCache
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
 from kvcache_bench.context import Context
-from kvcache_bench.data import Values, make_values
+from kvcache_bench.data import Values
 from kvcache_bench.storage import bulk_load
 from kvcache_bench.timing import rotated, summarize, time_calls
 
@@ -51,9 +54,9 @@ class Round:
         return [f"{self.label}.{index}" for index in range(count or self.calls)]
 
     def items(self, count: int | None = None) -> dict[str, Any]:
-        start = zlib.crc32(self.label.encode()) % len(self.values.small)  # stable across runs
-        small = itertools.cycle(self.values.small[start:] + self.values.small[:start])
-        return dict(zip(self.keys(count), small))
+        entries = self.values.entries
+        start = zlib.crc32(self.label.encode()) % len(entries)  # stable across runs
+        return dict(zip(self.keys(count), itertools.cycle(entries[start:] + entries[:start])))
 
     def batches(self) -> list[dict[str, Any]]:
         items = list(self.items(self.calls * self.batch).items())
@@ -175,31 +178,44 @@ OPERATIONS: tuple[Operation, ...] = (
 )
 
 
-def one_round(context: Context, spec: CacheSpec, operation: Operation,
-              r: Round) -> tuple[list[int], list[str], int]:
-    """Prepare, time and check one round; returns durations, problems and deviations."""
+@dataclass
+class Outcome:
+    """What one cache did with one operation over the rounds kept."""
+
+    durations: list[int] = field(default_factory=list)
+    cpu_ns: int = 0
+    problems: list[str] = field(default_factory=list)
+    deviations: int = 0
+
+
+def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round,
+              outcome: Outcome, kept: bool) -> None:
+    """Prepare, time and check one round; add its figures to ``outcome`` if ``kept``
+    (problems always count, warm-up included)."""
     cache = context.cache(spec)
     prepared = operation.prepare(r)
     if prepared.preload:
         bulk_load(spec, cache, prepared.preload)
-    durations, results = time_calls(lambda argument: operation.run(cache, argument),
-                                    [call.argument for call in prepared.calls])
+    timed = time_calls(lambda argument: operation.run(cache, argument),
+                       [call.argument for call in prepared.calls])
     known = KNOWN_DEVIATIONS.get((spec.family, operation.name))
-    problems = mismatches(results, prepared.calls, known) + stored_mismatches(cache, prepared.stored)
+    outcome.problems += mismatches(timed.results, prepared.calls, known)
+    outcome.problems += stored_mismatches(cache, prepared.stored)
+    outcome.deviations += deviations(timed.results, prepared.calls, known)
+    if kept:
+        outcome.durations += timed.durations
+        outcome.cpu_ns += timed.cpu_ns
     # Drop the round's entries: tables stay small (their growth is the rows scenario's
     # subject) and so do the shared memcached nodes.
     written = list(dict.fromkeys([*prepared.preload, *prepared.stored]))
     if written:  # django-mysql's delete_many([]) is an SQL syntax error
         cache.delete_many(written)
-    return durations, problems, deviations(results, prepared.calls, known)
 
 
 def run(context: Context) -> dict[str, Any]:
     p = context.parameters
-    values = make_values(p.seed, p.value_count, p.value_min, p.value_max, p.large_size)
-    durations: dict[tuple[str, str], list[int]] = defaultdict(list)
-    problems: dict[tuple[str, str], list[str]] = defaultdict(list)
-    deviated: dict[tuple[str, str], int] = defaultdict(int)
+    values = context.values
+    outcomes: dict[tuple[str, str], Outcome] = defaultdict(Outcome)
     rounds = range(-p.warmup_rounds, p.rounds)  # negative rounds: warm-up, checked, not kept
     total = len(rounds) * len(OPERATIONS) * len(context.caches)
     with context.progress("ops", total) as bar:
@@ -207,13 +223,10 @@ def run(context: Context) -> dict[str, Any]:
             for op_index, operation in enumerate(OPERATIONS):
                 r = Round(f"{operation.name.replace(' ', '_')}.{round_index}", p.calls, p.batch, values)
                 for spec in rotated(context.caches, round_index + op_index):
-                    taken, wrong, deviating = one_round(context, spec, operation, r)
-                    if round_index >= 0:
-                        durations[spec.name, operation.name].extend(taken)
-                    problems[spec.name, operation.name].extend(wrong)
-                    deviated[spec.name, operation.name] += deviating
+                    one_round(context, spec, operation, r, outcomes[spec.name, operation.name],
+                              kept=round_index >= 0)
                     bar.update()
-    results = _results(context, durations, problems, deviated)
+    results = _results(context, outcomes)
     add_ratios(results, context.reference)
     return {"operations": [op.name for op in OPERATIONS], "results": results}
 
@@ -229,19 +242,20 @@ def add_ratios(results: list[dict[str, Any]], reference: str | None) -> None:
         entry["ratio"] = round(base / entry["median_us"], 3) if base and entry["median_us"] else None
 
 
-def _results(context: Context, durations: dict, problems: dict, deviated: dict) -> list[dict[str, Any]]:
+def _results(context: Context, outcomes: dict[tuple[str, str], Outcome]) -> list[dict[str, Any]]:
     results = []
     for spec in context.caches:
         for operation in OPERATIONS:
-            if deviated[spec.name, operation.name]:
+            outcome = outcomes[spec.name, operation.name]
+            if outcome.deviations:
                 reason = KNOWN_DEVIATIONS[spec.family, operation.name][1]
                 context.notes.append(f"ops: {spec.name} {operation.name}: {reason} (accepted)")
-            wrong = problems[spec.name, operation.name]
+            wrong = outcome.problems
             if wrong:
                 shown = "; ".join(wrong[:MAX_REPORTED_MISMATCHES])
                 context.failures.append(
                     f"ops: {spec.name} {operation.name}: {len(wrong)} wrong result(s): {shown}")
             results.append({"cache": spec.name, "operation": operation.name,
                             "correct": not wrong, "wrong_results": len(wrong),
-                            **summarize(durations[spec.name, operation.name])})
+                            **summarize(outcome.durations, outcome.cpu_ns)})
     return results

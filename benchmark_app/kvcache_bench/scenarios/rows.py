@@ -13,7 +13,7 @@ from typing import Any
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.context import Context
-from kvcache_bench.data import make_values
+from kvcache_bench import data
 from kvcache_bench.checks import Call, mismatches
 from kvcache_bench.storage import bulk_load, count_rows, cull_once
 from kvcache_bench.timing import rotated, summarize, time_calls
@@ -25,7 +25,7 @@ def run(context: Context) -> dict[str, Any]:
     p = context.parameters
     specs = [spec for spec in context.caches if spec.table is not None]
     sizes = sorted(p.rows)
-    filler = make_values(p.seed, FILLER_VALUES, 50, 200, 0).small
+    filler = data.filler(p.seed, FILLER_VALUES)
     rounds = max(1, min(p.rounds, p.row_calls))
     calls = max(1, p.row_calls // rounds)
     results: list[dict[str, Any]] = []
@@ -69,12 +69,12 @@ def _timed(context: Context, spec: CacheSpec, operation: str, calls: list[Call],
     cache = context.cache(spec)
     method = cache.set if operation == "set" else cache.get
     run = (lambda item: method(*item)) if operation == "set" else method
-    durations, results = time_calls(run, [call.argument for call in calls])
-    wrong = mismatches(results, calls)
+    timed = time_calls(run, [call.argument for call in calls])
+    wrong = mismatches(timed.results, calls)
     if wrong:
         context.failures.append(f"rows: {spec.name} {operation} at {size:,} rows: "
                                 f"{len(wrong)} wrong result(s): {wrong[0]}")
-    return durations
+    return timed.durations
 
 
 def _cull(context: Context, spec: CacheSpec, size: int) -> dict[str, Any]:

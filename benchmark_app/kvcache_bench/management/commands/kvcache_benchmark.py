@@ -13,7 +13,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from kvcache_bench import report
 from kvcache_bench.context import Parameters
-from kvcache_bench.run import SCENARIOS, benchmark
+from kvcache_bench.data import DEFAULT_MIX, MIXES
+from kvcache_bench.run import MIX_SCENARIOS, SCENARIOS, benchmark
 
 PROJECT_ROOT = Path(__file__).resolve().parents[4]
 
@@ -36,6 +37,9 @@ class Command(BaseCommand):
                             help="comma-separated cache names or patterns, e.g. 'db-*,kv-*'")
         parser.add_argument("--extra-cache", action="append", default=[], metavar="NAME=BACKEND[@LOCATION]",
                             help="also benchmark this backend class in the ops scenario")
+        parser.add_argument("--values", type=_names, dest="mixes",  # the last one given counts
+                            help=f"comma-separated value mixes from {', '.join(MIXES)} (default "
+                                 f"{DEFAULT_MIX}); {', '.join(MIX_SCENARIOS)} run once per mix")
         parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes")
         parser.add_argument("--rounds", type=int, help="timed rounds per operation")
         parser.add_argument("--calls", type=int, help="calls per cache, operation and round")
@@ -45,10 +49,18 @@ class Command(BaseCommand):
         parser.add_argument("--workers", type=_numbers, help="concurrent workers, e.g. 1,2,4,8")
         parser.add_argument("--iterations", type=int, help="mixed-workload iterations per worker")
         parser.add_argument("--seed", type=int)
+        parser.add_argument("--storage-entries", type=int, dest="storage_entries",
+                            help="entries written per cache in the storage scenario (1000)")
+        parser.add_argument("--capacity-mb", type=int, dest="capacity_mb",
+                            help="memory (-m) of the memcached node capacity fills (32)")
+        parser.add_argument("--capacity-fill", type=float, dest="capacity_fill",
+                            help="bytes written into that node, as a multiple of its memory (4)")
         parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results",
-                            help="folder for benchmark.json, benchmark.csv and the plots")
-        parser.add_argument("--json", type=Path, help="JSON path (default RESULTS/benchmark.json)")
-        parser.add_argument("--csv", type=Path, help="CSV path (default RESULTS/benchmark.csv)")
+                            help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots")
+        parser.add_argument("--json", type=Path,
+                            help="JSON path, the mix name added (default RESULTS/benchmark.json)")
+        parser.add_argument("--csv", type=Path,
+                            help="CSV path, the mix name added (default RESULTS/benchmark.csv)")
         parser.add_argument("--plot", type=Path, help="folder for the PNG plots (default RESULTS)")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -58,16 +70,22 @@ class Command(BaseCommand):
         if unknown:
             raise CommandError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
         parameters = self.parameters(options)
+        problem = parameters.problem()
+        if problem:
+            raise CommandError(problem)
+        mixes = list(dict.fromkeys(options["mixes"] or [DEFAULT_MIX]))
         try:
-            results = benchmark(parameters, [s for s in SCENARIOS if s in scenarios],
-                                options["caches"], options["extra_cache"],
-                                show_progress=not options["no_progress"])
+            runs = benchmark(parameters, mixes, [s for s in SCENARIOS if s in scenarios],
+                             options["caches"], options["extra_cache"],
+                             show_progress=not options["no_progress"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
-        results["command"] = " ".join(sys.argv)
-        self.write_outputs(results, options)
-        if results["failures"]:
-            raise CommandError("wrong results:\n" + "\n".join(results["failures"]))
+        for results in runs:
+            results["command"] = " ".join(sys.argv)
+            self.write_outputs(results, options)
+        failures = [failure for results in runs for failure in results["failures"]]
+        if failures:
+            raise CommandError("wrong results:\n" + "\n".join(failures))
 
     @staticmethod
     def parameters(options: dict[str, Any]) -> Parameters:
@@ -77,9 +95,10 @@ class Command(BaseCommand):
         return dataclasses.replace(parameters, **overrides)
 
     def write_outputs(self, results: dict[str, Any], options: dict[str, Any]) -> None:
-        folder = options["results"]
-        json_path = options["json"] or folder / "benchmark.json"
-        csv_path = options["csv"] or folder / "benchmark.csv"
+        """The files of one mix, each named after it: benchmark-realistic.json..."""
+        folder, mix = options["results"], results["values"]["name"]
+        json_path = report.with_mix(options["json"] or folder / "benchmark.json", mix)
+        csv_path = report.with_mix(options["csv"] or folder / "benchmark.csv", mix)
         plot_dir = options["plot"] or folder
         report.write_json(json_path, results)
         report.write_csv(csv_path, results)
