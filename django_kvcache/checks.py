@@ -1,9 +1,14 @@
 """System checks for the MySQLCache entries of ``CACHES``.
 
 * ``kvcache.E001`` the cache's database is not MySQL/MariaDB;
-* ``kvcache.E002`` the cache cannot be created (an invalid LOCATION or OPTIONS value);
-* ``kvcache.W001`` the table is missing (only with ``check --database``, or during
-  ``migrate``: like Django's own database checks it needs a connection).
+* ``kvcache.W001`` the table is missing in the cache's own database. Like Django's own
+  database checks it needs a connection, so it runs only when the checks are given
+  databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
+  alias (``OPTIONS["DATABASE"]`` or the router's) is checked, whichever alias was named.
+
+An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
+every cache in CACHES before these run, so ``check`` (and every command that runs the
+checks) stops with the cache's ``ImproperlyConfigured``, which names the option.
 """
 from __future__ import annotations
 
@@ -11,16 +16,9 @@ from typing import Any, Iterable
 
 from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from django_kvcache.mysql.maintenance import is_mysql_cache
-
-
-def _mysql_cache_aliases() -> list[str]:
-    from django.conf import settings
-
-    return [alias for alias in settings.CACHES if is_mysql_cache(alias)]
+from django_kvcache.backends.mysql import mysql_cache_aliases
 
 
 @register(Tags.caches)
@@ -28,13 +26,8 @@ def check_mysql_caches(
     app_configs: Iterable[Any] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
-    for alias in _mysql_cache_aliases():
-        try:
-            cache = caches[alias]
-        except ImproperlyConfigured as exc:
-            messages.append(Error(f"CACHES[{alias!r}]: {exc}", id="kvcache.E002"))
-            continue
-        database = cache.db_alias(write=True)
+    for alias in mysql_cache_aliases():
+        database = caches[alias].db_alias(write=True)
         vendor = connections[database].vendor
         if vendor != "mysql":
             messages.append(
@@ -55,17 +48,14 @@ def check_mysql_cache_tables(
     databases: Iterable[str] | None = None,
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    if not databases:
+    if not databases:  # no database access unless the caller allows it
         return []
     messages: list[CheckMessage] = []
-    for alias in _mysql_cache_aliases():
-        try:
-            cache = caches[alias]
-        except ImproperlyConfigured:
-            continue  # reported by check_mysql_caches
+    for alias in mysql_cache_aliases():
+        cache = caches[alias]
         database = cache.db_alias(write=True)
-        if database not in databases or connections[database].vendor != "mysql":
-            continue
+        if connections[database].vendor != "mysql":
+            continue  # kvcache.E001
         if not cache.table_exists():
             messages.append(
                 Warning(

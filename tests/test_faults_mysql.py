@@ -17,8 +17,16 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
+from django.conf import settings
+
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql.server import DISCONNECTED, forget_server, server_info
+from django_kvcache.mysql.server import (
+    DISCONNECTED,
+    PACKET_HEADROOM,
+    forget_server,
+    server_info,
+)
+from tests.lost_reply_proxy import LostReplyProxy
 
 ALIAS = "kvcache_faults"
 TABLE = "kvcache_faults"
@@ -61,7 +69,11 @@ def make_cache(**options: Any) -> MySQLCache:
 
 def statements(run: Callable[[], Any]) -> tuple[Any, list[str]]:
     """What ``run`` returned, and the statements it sent (without session set-up)."""
-    with CaptureQueriesContext(connections[ALIAS]) as captured:
+    return statements_on(ALIAS, run)
+
+
+def statements_on(alias: str, run: Callable[[], Any]) -> tuple[Any, list[str]]:
+    with CaptureQueriesContext(connections[alias]) as captured:
         result = run()
     return result, [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
 
@@ -92,7 +104,9 @@ def test_first_operation_after_a_server_restart_succeeds(own_server, name):
     operation, expected, after = OPERATIONS[name]
     result, sent = statements(lambda: operation(cache))
     assert result == expected
-    assert len(sent) == 2  # the one that met the dead connection, and the retry
+    # The one that met the dead connection, and the retry; add and incr, which must not
+    # run twice, notice the closed connection before sending.
+    assert len(sent) == (1 if name in ("add", "incr") else 2)
     assert cache.get_many(["key", "n", "new"]) == after  # committed data survived
 
 
@@ -192,6 +206,8 @@ def test_a_value_over_max_allowed_packet_is_refused_clearly_and_the_connection_s
         assert cache.set_many({"small": 1, "huge": too_big}) == ["huge"]
     refusals = [r.getMessage() for r in caplog.records if "max_allowed_packet" in r.getMessage()]
     assert len(refusals) == 3 and all("big" in m or "other" in m or "huge" in m for m in refusals)
+    limit = small_packet - PACKET_HEADROOM
+    assert all(f"the limit of {limit} bytes" in message for message in refusals)
 
     assert connections[ALIAS].connection is connection  # never dropped by the server
     assert cache.get_many(["big", "other", "small", "huge", "near"]) == {
@@ -282,3 +298,87 @@ def test_hostile_table_names_are_quoted_identifiers(table):
                 cursor.execute(cache.drop_table_sql())
             finally:
                 cursor.execute("DROP TABLE canary")  # fails if anything had dropped it
+
+
+# --- a reply lost after the server ran the statement ---------------------------------------------
+
+PROXIED = "kvcache_lost_reply"
+
+
+@pytest.fixture
+def lost_reply_proxy(django_db_setup, django_db_blocker) -> Iterator[LostReplyProxy]:
+    """The shared server's test database behind a proxy that can lose one reply."""
+    proxy = LostReplyProxy(settings.MYSQL["HOST"], int(settings.MYSQL["PORT"]))
+    entry = {
+        **connections[DEFAULT_DB_ALIAS].settings_dict,
+        "HOST": "127.0.0.1",
+        "PORT": str(proxy.port),
+        "TEST": {},
+    }
+    register_alias(PROXIED, entry)
+    try:
+        with django_db_blocker.unblock():
+            yield proxy
+            MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED}}).clear()
+    finally:
+        unregister_alias(PROXIED)
+        proxy.stop()
+
+
+def proxied_cache() -> MySQLCache:
+    cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED, "CULL_PROBABILITY": 0}})
+    if not cache.table_exists():
+        cache.create_table()
+    cache.clear()
+    return cache
+
+
+def test_an_incr_whose_reply_is_lost_is_not_applied_twice(lost_reply_proxy, caplog):
+    cache = proxied_cache()
+    cache.set("lost-reply-counter", 10)
+    lost_reply_proxy.drop_reply_to(b"lost-reply-counter")
+    with pytest.raises(OperationalError) as raised, caplog.at_level(logging.WARNING):
+        cache.incr("lost-reply-counter")
+    assert lost_reply_proxy.replies_lost == 1
+    assert raised.value.args[0] == 2013  # the caller learns that the outcome is unknown
+    assert "Not retried after error 2013" in caplog.text
+    assert cache.get("lost-reply-counter") == 11  # applied once, by the server
+    assert cache.incr("lost-reply-counter") == 12  # the next call reconnects
+
+
+def test_an_add_whose_reply_is_lost_never_reports_its_own_insert_as_not_added(
+    lost_reply_proxy,
+):
+    cache = proxied_cache()
+    cache.get("warm-up")
+    lost_reply_proxy.drop_reply_to(b"lost-reply-added")
+    try:
+        added = cache.add("lost-reply-added", "mine")
+    except OperationalError as exc:
+        added = exc.args[0]
+    assert lost_reply_proxy.replies_lost == 1
+    assert added == 2013  # never False: the row the server inserted is this call's own
+    assert cache.get("lost-reply-added") == "mine"
+
+
+@pytest.mark.parametrize(
+    "operation, expected, after",
+    [
+        (lambda c: c.set("lost-reply-key", 2), None, 2),
+        (lambda c: c.set_many({"lost-reply-key": 2}), [], 2),
+        (lambda c: c.get("lost-reply-key"), 1, 1),
+        (lambda c: c.touch("lost-reply-key", 60), True, 1),
+        (lambda c: c.delete_many(["lost-reply-key"]), None, None),
+    ],
+)
+def test_idempotent_statements_whose_reply_is_lost_are_retried(
+    lost_reply_proxy, operation, expected, after
+):
+    cache = proxied_cache()
+    cache.set("lost-reply-key", 1)
+    lost_reply_proxy.drop_reply_to(b"lost-reply-key")
+    result, sent = statements_on(PROXIED, lambda: operation(cache))
+    assert lost_reply_proxy.replies_lost == 1
+    assert result == expected
+    assert len(sent) == 2  # the one whose reply was lost, and the retry
+    assert cache.get("lost-reply-key") == after

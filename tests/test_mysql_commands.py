@@ -6,12 +6,13 @@ from io import StringIO
 
 import pytest
 from django.core.cache import caches
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.db import connections
 from django.test import override_settings
 
 from django_kvcache.checks import check_mysql_cache_tables, check_mysql_caches
-from django_kvcache.mysql.maintenance import cull_all, python_literal
+from django_kvcache.maintenance import cull_all, python_literal
 from tests.mysql_support import BACKEND, drop_table, insert_row, sql
 
 TABLES = ["kvcache_cmd_a", "kvcache_cmd_b"]
@@ -116,15 +117,38 @@ def test_missing_table_warns_with_the_command_to_run():
     assert check_mysql_cache_tables(databases=["default"]) == []
 
 
-def test_invalid_options_are_errors():
+@pytest.mark.django_db(transaction=True, databases=["default", "cache"])
+def test_missing_table_of_a_cache_on_its_own_alias_warns_whichever_database_is_checked():
+    on_cache_alias = {
+        **CACHES,
+        "mysql_c": {"BACKEND": BACKEND, "LOCATION": "kvcache_cmd_c",
+                    "OPTIONS": {"DATABASE": "cache"}},
+    }
+    drop_table("kvcache_cmd_c", alias="cache")
+    with override_settings(CACHES=on_cache_alias):
+        messages = check_mysql_cache_tables(databases=["default"])
+    assert check_ids(messages) == ["kvcache.W001"] * 3
+    assert "'mysql_c'" in messages[2].msg and "'cache'" in messages[2].msg
+
+
+def test_invalid_options_stop_the_check_command_naming_the_option():
+    """What docs/mysql.rst promises: Django's own cache checks build every cache first."""
     broken = {
         **CACHES,
         "broken": {"BACKEND": BACKEND, "LOCATION": "t", "OPTIONS": {"CULL_PROBABILITY": 5}},
     }
     with override_settings(CACHES=broken):
-        messages = check_mysql_caches()
-    assert check_ids(messages) == ["kvcache.E002"]
-    assert "CULL_PROBABILITY" in messages[0].msg
+        with pytest.raises(ImproperlyConfigured, match="CULL_PROBABILITY"):
+            call_command("check", stdout=StringIO(), stderr=StringIO())
+
+
+def test_commands_are_silent_at_verbosity_0():
+    assert command("kvcache_createtable", "--verbosity", "0") == ""
+    assert tables() == set(TABLES)
+    assert command("kvcache_createtable", "--verbosity", "0") == ""
+    caches["mysql_b"].set_many({f"k{i}": i for i in range(5)})
+    assert command("kvcache_cull", "--verbosity", "0") == ""
+    assert sql(f"SELECT COUNT(*) FROM `{TABLES[1]}`") == [(2 - 2 // 3,)]
 
 
 @pytest.fixture

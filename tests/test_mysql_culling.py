@@ -196,3 +196,31 @@ def test_statements_use_the_index_meant_for_them(cache):
     assert index_used(statements.get_many(2), (now, ":1:k1-1", ":1:k2-2")) == "PRIMARY"
     assert index_used(statements.keys_with_prefix, (":1:k1-1%", now)) == "PRIMARY"
     assert index_used(statements.incr, (1, ":1:k1-1", now)) == "PRIMARY"
+
+
+@pytest.mark.parametrize(
+    "max_entries, cull_frequency, survivors",
+    [
+        (-1, 3, 1),  # Django's tests force a cull this way: every cull empties the table
+        (-1, 0, 1),
+        (-7, 1, 1),
+        (4, -2, 5),  # a negative frequency keeps no more than MAX_ENTRIES (+ the new one)
+    ],
+)
+def test_culling_numbers_set_on_a_live_cache_build_valid_sql(
+    mysql_tables, max_entries, cull_frequency, survivors
+):
+    cache = culling_cache(max_entries=100, cull_frequency=3, probability=1)
+    cache.set_many({f"old{i}": i for i in range(6)})
+    cache._max_entries, cache._cull_frequency = max_entries, cull_frequency
+    cache.set("new", "value")  # culls first, then writes
+    assert cache.get("new") == "value"
+    assert len(live_keys()) == survivors
+
+
+def test_max_entries_beyond_what_offset_takes_is_never_reached(mysql_tables):
+    cache = culling_cache(max_entries=100, cull_frequency=3)
+    cache.set_many({f"old{i}": i for i in range(6)})
+    cache._max_entries = 2**70
+    assert cache.cull() == 0
+    assert len(live_keys()) == 6

@@ -376,7 +376,7 @@ def test_many_keys_in_one_statement(cache):
         (TABLE, {"ENGINE": "InnoDB; DROP TABLE x"}, "ENGINE"),
         (TABLE, {"DATABASE": "nowhere"}, "DATABASE"),
         (TABLE, {"MAX_ENTRIES": -1}, "MAX_ENTRIES"),
-        (TABLE, {"CULL_FREQUENCY": "3"}, "CULL_FREQUENCY"),
+        (TABLE, {"CULL_FREQUENCY": "three"}, "CULL_FREQUENCY"),
         (TABLE, {"TABLE": "x"}, "TABLE"),
         ("evil`name", {}, "LOCATION"),
         ("", {}, "LOCATION"),

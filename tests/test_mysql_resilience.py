@@ -5,13 +5,16 @@ import logging
 import multiprocessing
 import os
 import random
+import select
 import time
 from contextlib import contextmanager
 
 import MySQLdb
 import pytest
 from django.conf import settings
+from django.core.cache import caches
 from django.db import OperationalError, ProgrammingError, connections, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
@@ -145,6 +148,10 @@ def kill(alias: str) -> None:
         killer.cursor().execute("KILL CONNECTION %s", (thread_id,))
     finally:
         killer.close()
+    # The server closes the socket right after KILL returns; wait (bounded) until that
+    # reached the client, so the test does not race the server's close.
+    fd = connections[alias].connection.fileno()
+    assert select.select([fd], [], [], 10)[0], "the killed connection was never closed"
 
 
 def attempts(captured: CaptureQueriesContext) -> list[str]:
@@ -153,23 +160,27 @@ def attempts(captured: CaptureQueriesContext) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "operation, expected",
+    "operation, expected, sent",
     [
-        (lambda c: c.get("key"), "value"),
-        (lambda c: c.set("other", 1), None),
-        (lambda c: c.add("fresh", 1), True),
-        (lambda c: c.incr("n", 2), 3),
-        (lambda c: c.get_many(["key", "n"]), {"key": "value", "n": 1}),
-        (lambda c: c.delete("key"), True),
-        (lambda c: c.keys_with_prefix("k"), ["key"]),
+        (lambda c: c.get("key"), "value", 2),
+        (lambda c: c.set("other", 1), None, 2),
+        (lambda c: c.get_many(["key", "n"]), {"key": "value", "n": 1}, 2),
+        (lambda c: c.delete("key"), True, 2),
+        (lambda c: c.keys_with_prefix("k"), ["key"], 2),
+        # Never sent twice: the closed connection is noticed before sending.
+        (lambda c: c.add("fresh", 1), True, 1),
+        (lambda c: c.incr("n", 2), 3, 1),
     ],
 )
-def test_an_operation_after_a_dropped_connection_is_retried_once(shared, operation, expected):
+def test_an_operation_after_a_dropped_connection_is_retried_once(
+    shared, operation, expected, sent
+):
     shared.set_many({"key": "value", "n": 1})
     kill("default")
     with CaptureQueriesContext(connections["default"]) as captured:
         assert operation(shared) == expected
-    assert len(attempts(captured)) == 2  # the one that met the dead connection, and the retry
+    # 2: the one that met the dead connection, and the retry
+    assert len(attempts(captured)) == sent
 
 
 def test_a_large_write_on_a_dropped_connection_reads_the_packet_limit_again(shared):
@@ -258,3 +269,23 @@ def test_a_statement_that_timed_out_on_a_lock_is_retried_once(shared):
     assert raised.value.args[0] == 1205
     assert len(attempts(captured)) == 2
     assert shared.get("key") == 1
+
+
+def test_a_missing_table_names_the_cache_and_the_command_that_creates_it(mysql_tables):
+    missing = {"BACKEND": "django_kvcache.backends.mysql.MySQLCache",
+               "LOCATION": "kvcache_no_such_table"}
+    with override_settings(CACHES={"default": missing, "other": {**missing, "LOCATION": "x"}}):
+        with pytest.raises(ProgrammingError) as raised:
+            caches["default"].set("key", 1)
+    message = str(raised.value)
+    assert "'kvcache_no_such_table'" in message and "cache 'default'" in message
+    assert "database 'default'" in message
+    assert "manage.py kvcache_createtable default'" in message
+    assert raised.value.__cause__.args[0] == 1146  # the server's error, chained
+
+
+def test_a_missing_table_of_a_cache_outside_caches_names_its_backend(mysql_tables):
+    with pytest.raises(ProgrammingError) as raised:
+        MySQLCache("kvcache_no_such_table", {}).get("key")
+    assert "django_kvcache.backends.mysql.MySQLCache" in str(raised.value)
+    assert "cache.create_table()" in str(raised.value)

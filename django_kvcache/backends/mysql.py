@@ -18,11 +18,17 @@ import re
 import time
 from functools import partial
 from operator import attrgetter, methodcaller
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
-from django.core.cache.backends.base import DEFAULT_TIMEOUT, MEMCACHE_MAX_KEY_LENGTH
-from django.db import DatabaseError, OperationalError, connections, router
+from django.conf import settings
+from django.core.cache.backends.base import (
+    DEFAULT_TIMEOUT,
+    MEMCACHE_MAX_KEY_LENGTH,
+    default_key_func,
+)
+from django.db import DatabaseError, OperationalError, ProgrammingError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.utils.module_loading import import_string
 
 from django_kvcache.base import MISSING, KVCache, delegate_to_sync
 from django_kvcache.codec import INT64_MAX, INT64_MIN
@@ -34,8 +40,9 @@ from django_kvcache.mysql.config import (
     check_table,
     router_model,
 )
-from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
+from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.server import (
+    PACKET_HEADROOM,
     error_code,
     in_transaction,
     is_lock_conflict,
@@ -51,7 +58,7 @@ from django_kvcache.mysql.sql import (
     drop_table_sql,
 )
 
-logger = logging.getLogger("django_kvcache")
+logger = logging.getLogger(__name__)
 
 #: Escaped size of the largest stored key (250 four-byte characters, every byte escaped).
 KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
@@ -67,12 +74,15 @@ KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 BAD_NUMBER = frozenset({1292, 1366})
 #: "BIGINT value is out of range": an increment past the signed 64-bit range.
 OUT_OF_RANGE = 1690
+#: "Table ... doesn't exist".
+NO_SUCH_TABLE = 1146
 FOREVER_SECONDS = FOREVER // 1000
 
 fetchone = methodcaller("fetchone")
 fetchall = methodcaller("fetchall")
 rowcount = attrgetter("rowcount")
 lastrowid = attrgetter("lastrowid")
+T = TypeVar("T")
 
 
 def update_outcome(cursor: Any) -> tuple[int, int, int]:
@@ -101,6 +111,13 @@ def needs_budget(rows: list[tuple[Any, str, bytes, int]]) -> bool:
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+class CacheTableMissing(ProgrammingError):
+    """A MySQLCache's table does not exist; the message names the command that creates it.
+
+    The server's error (1146) is chained as ``__cause__``.
+    """
 
 
 class MySQLCache(KVCache):
@@ -144,6 +161,44 @@ class MySQLCache(KVCache):
     def _writer(self) -> tuple[BaseDatabaseWrapper, Statements]:
         return self._db(self.db_alias(write=True))
 
+    def _run(
+        self,
+        connection: BaseDatabaseWrapper,
+        statement: str,
+        params: Any,
+        read: Callable[[Any], T],
+        idempotent: bool = True,
+    ) -> T:
+        """``run()``; a missing table becomes an error that says how to create it."""
+        try:
+            return run(connection, statement, params, read, idempotent)
+        except ProgrammingError as exc:
+            if error_code(exc) != NO_SUCH_TABLE:
+                raise
+            raise CacheTableMissing(self._missing_table_message(connection.alias)) from exc
+
+    def _missing_table_message(self, database: str) -> str:
+        aliases = self.configured_aliases()
+        if aliases:
+            owner = "cache " + ", ".join(repr(alias) for alias in aliases)
+            fix = f"'manage.py kvcache_createtable {' '.join(aliases)}'"
+        else:  # built outside CACHES
+            owner = f"a {self.backend_name}"
+            fix = "cache.create_table()"
+        return (
+            f"The table {self.table!r} of {owner} does not exist in database {database!r}. "
+            f"Create it with {fix}."
+        )
+
+    def configured_aliases(self) -> list[str]:
+        """The CACHES aliases configured with this cache's table and database."""
+        return [
+            alias
+            for alias in mysql_cache_aliases()
+            if settings.CACHES[alias].get("LOCATION") == self.table
+            and (settings.CACHES[alias].get("OPTIONS") or {}).get("DATABASE") == self.database
+        ]
+
     # --- keys and timeouts -----------------------------------------------------------
 
     def validate_key(self, key: str) -> None:
@@ -175,7 +230,7 @@ class MySQLCache(KVCache):
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         key = self.make_and_validate_key(key, version)
         connection, sql = self._reader()
-        row = run(connection, sql.get, (key, now_ms()), fetchone)
+        row = self._run(connection, sql.get, (key, now_ms()), fetchone)
         if row is None:
             return default
         value = self.decode(row[0], row[1], key)
@@ -184,7 +239,7 @@ class MySQLCache(KVCache):
     def has_key(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
         connection, sql = self._reader()
-        return run(connection, sql.has_key, (key, now_ms()), fetchone) is not None
+        return self._run(connection, sql.has_key, (key, now_ms()), fetchone) is not None
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
         key_map = self.make_keys(keys, version)
@@ -194,7 +249,7 @@ class MySQLCache(KVCache):
         now = now_ms()
         found = {}
         for chunk in self._key_chunks(connection, list(key_map)):
-            rows = run(connection, sql.get_many(len(chunk)), [now, *chunk], fetchall)
+            rows = self._run(connection, sql.get_many(len(chunk)), [now, *chunk], fetchall)
             for stored, data, flags in rows:
                 value = self.decode(data, flags, stored)
                 if value is not MISSING:
@@ -210,14 +265,14 @@ class MySQLCache(KVCache):
         expires = self._expires(timeout)
         connection, sql = self._writer()
         if expires is None:
-            run(connection, sql.delete, (key,), rowcount)
+            self._run(connection, sql.delete, (key,), rowcount)
             return
         data, flags = self.codec.encode(value)
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
-            run(connection, sql.delete, (key,), rowcount)  # never leave an older value
+            self._run(connection, sql.delete, (key,), rowcount)  # never leave an older value
             return
         self._maybe_cull(connection, sql)
-        run(connection, sql.set, (key, data, flags, expires), rowcount)
+        self._run(connection, sql.set, (key, data, flags, expires), rowcount)
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -227,13 +282,13 @@ class MySQLCache(KVCache):
         connection, sql = self._writer()
         now = now_ms()
         if expires is None:  # nothing is stored; "added" when no live entry was there
-            return run(connection, sql.has_key, (key, now), fetchone) is None
+            return self._run(connection, sql.has_key, (key, now), fetchone) is None
         data, flags = self.codec.encode(value)
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             return False
         self._maybe_cull(connection, sql)
         params = (key, data, flags, expires, now, now, now)
-        return run(connection, sql.add, params, lastrowid) == 0
+        return self._run(connection, sql.add, params, lastrowid, idempotent=False) == 0
 
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -247,7 +302,8 @@ class MySQLCache(KVCache):
         # Every key and value is checked and encoded before anything is written, so a bad
         # key or an unpicklable value leaves the whole batch unwritten.
         rows = [
-            (key, self.make_and_validate_key(key, version), *self.codec.encode(value)) for key, value in data.items()
+            (key, self.make_and_validate_key(key, version), *self.codec.encode(value))
+            for key, value in data.items()
         ]
         connection, sql = self._writer()
         self._maybe_cull(connection, sql)
@@ -272,16 +328,16 @@ class MySQLCache(KVCache):
         for caller_key, key, blob, flags in rows:
             size_of_row = row_size(blob)
             if size_of_row > budget:
-                self._too_large(caller_key, blob)
+                self._too_large(caller_key, size_of_row, budget)
                 failed.append(caller_key)
                 continue
             if size + size_of_row > budget:
-                run(connection, sql.set_many(len(params) // 4), params, rowcount)
+                self._run(connection, sql.set_many(len(params) // 4), params, rowcount)
                 params, size = [], 0
             params += (key, blob, flags, expires)
             size += size_of_row
         if params:
-            run(connection, sql.set_many(len(params) // 4), params, rowcount)
+            self._run(connection, sql.set_many(len(params) // 4), params, rowcount)
         return failed
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
@@ -289,8 +345,8 @@ class MySQLCache(KVCache):
         expires = self._expires(timeout)
         connection, sql = self._writer()
         if expires is None:
-            return run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
-        return run(connection, sql.touch, (expires, key, now_ms()), rowcount) > 0
+            return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+        return self._run(connection, sql.touch, (expires, key, now_ms()), rowcount) > 0
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         """Add ``delta`` atomically in one UPDATE; the entry keeps its expiry.
@@ -310,7 +366,9 @@ class MySQLCache(KVCache):
         else:  # overflows every stored value
             raise self._incr_error(connection, sql, key, delta, now)
         try:
-            matched, changed, value = run(connection, statement, params, update_outcome)
+            matched, changed, value = self._run(
+                connection, statement, params, update_outcome, idempotent=False
+            )
         except DatabaseError as exc:
             if error_code(exc) == OUT_OF_RANGE:
                 raise self._incr_error(connection, sql, key, delta, now) from None
@@ -329,7 +387,7 @@ class MySQLCache(KVCache):
         self, connection: BaseDatabaseWrapper, sql: Statements, key: str, delta: int, now: int
     ) -> Exception:
         """Why the UPDATE did not apply to a row (only ever run after a failed incr)."""
-        row = run(connection, sql.incr_failure, (key, now), fetchone)
+        row = self._run(connection, sql.incr_failure, (key, now), fetchone)
         if row is None:
             return ValueError(f"Key '{key}' not found")
         is_integer, data = row
@@ -350,7 +408,7 @@ class MySQLCache(KVCache):
     def delete(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
         connection, sql = self._writer()
-        return run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+        return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
         stored = list(self.make_keys(keys, version))
@@ -358,12 +416,27 @@ class MySQLCache(KVCache):
             return
         connection, sql = self._writer()
         for chunk in self._key_chunks(connection, stored):
-            run(connection, sql.delete_keys(len(chunk)), chunk, rowcount)
+            self._run(connection, sql.delete_keys(len(chunk)), chunk, rowcount)
 
     def clear(self) -> None:
+        """Delete this cache's entries: those under its KEY_PREFIX (every version) when it
+        has one and the default KEY_FUNCTION, else every row of the table."""
         # DELETE, not TRUNCATE: TRUNCATE commits the caller's open transaction.
         connection, sql = self._writer()
-        run(connection, sql.clear, (), rowcount)
+        pattern = self._own_keys_pattern()
+        if pattern is None:
+            self._run(connection, sql.clear, (), rowcount)
+        else:
+            self._run(connection, sql.clear_prefix, (pattern,), rowcount)
+
+    def _own_keys_pattern(self) -> str | None:
+        """A LIKE pattern matching every stored key of this cache and no key under another
+        prefix; ``None`` when there is none (no KEY_PREFIX, another KEY_FUNCTION, or a
+        prefix longer than the readable head a digested long key keeps)."""
+        if not self.key_prefix or self.key_func is not default_key_func:
+            return None
+        head = f"{self.key_prefix}:"
+        return like_prefix(head) if len(head) <= DIGEST_HEAD_LENGTH else None
 
     # --- prefix operations (primary key order) ---------------------------------------
 
@@ -395,7 +468,7 @@ class MySQLCache(KVCache):
             raise TypeError(f"prefix must be a string, got {prefix!r}")
         connection, sql = self._writer() if statement.startswith("delete") else self._reader()
         pattern = like_prefix(self.make_key(prefix, version=version))
-        return run(connection, getattr(sql, statement), (pattern, now_ms()), read)
+        return self._run(connection, getattr(sql, statement), (pattern, now_ms()), read)
 
     @staticmethod
     def _caller_key(stored: str, head: str) -> str:
@@ -408,7 +481,7 @@ class MySQLCache(KVCache):
         holds more than MAX_ENTRIES. Returns the number of rows deleted."""
         connection, sql = self._writer()
         return culling.Cull(
-            partial(run, connection),
+            partial(self._run, connection),
             sql,
             self._max_entries,
             self._cull_frequency,
@@ -420,7 +493,7 @@ class MySQLCache(KVCache):
         if not self.cull_probability or random.random() >= self.cull_probability:
             return
         cull = culling.Cull(
-            partial(run, connection),
+            partial(self._run, connection),
             sql,
             self._max_entries,
             self._cull_frequency,
@@ -439,23 +512,27 @@ class MySQLCache(KVCache):
 
     # --- table management ------------------------------------------------------------
 
-    def create_table_sql(self) -> str:
-        connection = connections[self.db_alias(write=True)]
+    # ``database`` defaults to the cache's own (write) alias; the tables of test databases
+    # are made through the alias being set up, which a TEST MIRROR alias is not yet.
+
+    def create_table_sql(self, database: str | None = None) -> str:
+        connection = connections[database or self.db_alias(write=True)]
         mariadb = server_info(connection).mariadb
         return create_table_sql(self.table, connection.ops.quote_name, mariadb, self.engine)
 
-    def drop_table_sql(self) -> str:
-        return drop_table_sql(self.table, connections[self.db_alias(write=True)].ops.quote_name)
+    def drop_table_sql(self, database: str | None = None) -> str:
+        connection = connections[database or self.db_alias(write=True)]
+        return drop_table_sql(self.table, connection.ops.quote_name)
 
-    def create_table(self) -> str:
+    def create_table(self, database: str | None = None) -> str:
         """Create the table if it is missing; returns the statement it ran."""
-        statement = self.create_table_sql()
-        with connections[self.db_alias(write=True)].cursor() as cursor:
+        statement = self.create_table_sql(database)
+        with connections[database or self.db_alias(write=True)].cursor() as cursor:
             cursor.execute(statement)
         return statement
 
-    def table_exists(self) -> bool:
-        connection = connections[self.db_alias(write=True)]
+    def table_exists(self, database: str | None = None) -> bool:
+        connection = connections[database or self.db_alias(write=True)]
         with connection.cursor() as cursor:
             return self.table in connection.introspection.table_names(cursor)
 
@@ -471,20 +548,38 @@ class MySQLCache(KVCache):
             yield keys[start : start + per_statement]
 
     def _fits(self, connection: BaseDatabaseWrapper, data: bytes, key: str) -> bool:
-        if row_size(data) <= statement_budget(connection):
+        size, budget = row_size(data), statement_budget(connection)
+        if size <= budget:
             return True
-        self._too_large(key, data)
+        self._too_large(key, size, budget)
         return False
 
-    def _too_large(self, key: Any, data: bytes) -> None:
+    def _too_large(self, key: Any, size: int, budget: int) -> None:
         logger.warning(
-            "Not caching %r in %s: %d bytes do not fit the server's max_allowed_packet",
+            "Not caching %r in %s: its row takes %d bytes in a statement (escaped, with the "
+            "key), over the limit of %d bytes (the connection's max_allowed_packet minus %d)",
             key,
             self.backend_name,
-            len(data),
+            size,
+            budget,
+            PACKET_HEADROOM,
         )
 
     akeys_with_prefix = delegate_to_sync("keys_with_prefix")
     aget_with_prefix = delegate_to_sync("get_with_prefix")
     adelete_with_prefix = delegate_to_sync("delete_with_prefix")
     acull = delegate_to_sync("cull")
+
+
+def is_mysql_cache(alias: str) -> bool:
+    """Whether ``CACHES[alias]`` is a MySQLCache (or a subclass), without building it."""
+    try:
+        backend = import_string(settings.CACHES[alias]["BACKEND"])
+    except (KeyError, ImportError):
+        return False
+    return isinstance(backend, type) and issubclass(backend, MySQLCache)
+
+
+def mysql_cache_aliases() -> list[str]:
+    """The aliases of every MySQLCache in ``CACHES``, in settings order."""
+    return [alias for alias in settings.CACHES if is_mysql_cache(alias)]

@@ -5,6 +5,13 @@
    entries closest to expiry are evicted until ``MAX_ENTRIES - MAX_ENTRIES // CULL_FREQUENCY``
    remain (``CULL_FREQUENCY`` 0 or 1, and ``MAX_ENTRIES`` 0, empty the table).
 
+OPTIONS refuses negative numbers, but Django's own tests set ``cache._max_entries = -1``
+on a live cache to force a cull. Django's backends then find the cache always over its
+limit, which ``MAX_ENTRIES`` 0 means here: negative numbers count as 0, numbers past what
+the server parses in ``OFFSET`` as that maximum, and no eviction keeps more than
+``MAX_ENTRIES`` (a negative ``CULL_FREQUENCY`` would ask for more), so every number
+builds valid SQL.
+
 Each statement touches at most ``MAX_ENTRIES`` index entries or one batch of rows, so the
 cost does not grow with the table. Every DELETE is bounded by ``LIMIT`` so no single
 statement holds locks on a large part of the table.
@@ -32,6 +39,8 @@ WRITE_PATH_BATCHES = 10
 #: large the table. The price: a large cache may overshoot MAX_ENTRIES between checks by
 #: about ``MAX_ENTRIES / (LIMIT_CHECK_ENTRIES * CULL_PROBABILITY)`` new keys at worst.
 LIMIT_CHECK_ENTRIES = 1000
+#: The largest number MySQL and MariaDB parse in ``LIMIT``/``OFFSET`` (BIGINT UNSIGNED).
+MAX_OFFSET = 2**64 - 1
 
 Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
 rowcount = attrgetter("rowcount")
@@ -56,7 +65,7 @@ class Cull:
     ) -> None:
         self.execute = execute
         self.sql = sql
-        self.max_entries = max_entries
+        self.max_entries = min(max(max_entries, 0), MAX_OFFSET)
         self.cull_frequency = cull_frequency
         self.batches_left = max_batches if max_batches is not None else float("inf")
         self.check_limit = check_limit
@@ -74,7 +83,7 @@ class Cull:
     def entries_to_keep(self) -> int:
         if self.cull_frequency == 0:  # Django's meaning: clear the whole cache
             return 0
-        return self.max_entries - self.max_entries // self.cull_frequency
+        return min(self.max_entries - self.max_entries // self.cull_frequency, self.max_entries)
 
     def evict(self) -> int:
         keep = self.entries_to_keep()

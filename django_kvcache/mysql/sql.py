@@ -129,6 +129,7 @@ class Statements:
             f"WHERE `cache_key` = %s AND {live}"
         )
         self.clear = f"DELETE FROM {t}"
+        self.clear_prefix = f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}'"
         self.select_many = (
             f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
         )

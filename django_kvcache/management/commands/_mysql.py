@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql.maintenance import UnknownCache, mysql_caches
+from django_kvcache.maintenance import UnknownCache, mysql_caches
 
 
 class MySQLCacheCommand(BaseCommand):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
-from django_kvcache.mysql.maintenance import create_tables
+from django_kvcache.maintenance import create_tables
 
 
 class Command(MySQLCacheCommand):
@@ -16,13 +16,14 @@ class Command(MySQLCacheCommand):
             "--dry-run", action="store_true", help="Print the SQL instead of running it."
         )
 
-    def handle(self, *args: Any, aliases: list[str], dry_run: bool, **options: Any) -> None:
+    def handle(
+        self, *args: Any, aliases: list[str], dry_run: bool, verbosity: int, **options: Any
+    ) -> None:
         aliases = list(self.selected_caches(aliases))
         created = create_tables(aliases, dry_run=dry_run) if aliases else {}
         for alias in aliases:
-            if alias not in created:
-                self.stdout.write(f"{alias}: table exists")
-            elif dry_run:
+            if dry_run and alias in created:  # the SQL asked for: printed at any verbosity
                 self.stdout.write(f"-- {alias}\n{created[alias]};")
-            else:
-                self.stdout.write(f"{alias}: created table")
+            elif verbosity >= 1:
+                done = "created table" if alias in created else "table exists"
+                self.stdout.write(f"{alias}: {done}")

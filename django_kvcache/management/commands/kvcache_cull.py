@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
-from django_kvcache.mysql.maintenance import cull_all
+from django_kvcache.maintenance import cull_all
 
 
 class Command(MySQLCacheCommand):
@@ -13,7 +13,8 @@ class Command(MySQLCacheCommand):
         "prints the rows deleted per cache."
     )
 
-    def handle(self, *args: Any, aliases: list[str], **options: Any) -> None:
+    def handle(self, *args: Any, aliases: list[str], verbosity: int, **options: Any) -> None:
         aliases = list(self.selected_caches(aliases))
         for alias, deleted in (cull_all(aliases) if aliases else {}).items():
-            self.stdout.write(f"{alias}: {deleted} rows deleted")
+            if verbosity >= 1:
+                self.stdout.write(f"{alias}: {deleted} rows deleted")

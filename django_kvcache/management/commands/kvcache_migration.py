@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
-from django_kvcache.mysql.maintenance import migration_source
+from django_kvcache.maintenance import migration_source
 
 
 class Command(MySQLCacheCommand):

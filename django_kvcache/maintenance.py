@@ -3,39 +3,36 @@
 The management commands are thin wrappers around these functions; ``cull_all`` is also
 meant to be called from a periodic task (Celery beat, RQ scheduler...)::
 
-    from django_kvcache.mysql.maintenance import cull_all
+    from django_kvcache.maintenance import cull_all
 
     @app.task
     def cull_caches():
         return cull_all()
+
+It lives above the backend (the helper package ``django_kvcache.mysql`` never imports it).
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from django.conf import settings
 from django.core.cache import caches
-from django.utils.module_loading import import_string
+from django.db import connections
 
-from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
+
+logger = logging.getLogger(__name__)
 
 
 class UnknownCache(LookupError):
     """An alias that is not in ``CACHES`` or is not a MySQLCache."""
 
 
-def is_mysql_cache(alias: str) -> bool:
-    try:
-        backend = import_string(settings.CACHES[alias]["BACKEND"])
-    except (KeyError, ImportError):
-        return False
-    return isinstance(backend, type) and issubclass(backend, MySQLCache)
-
-
 def mysql_caches(aliases: Iterable[str] | None = None) -> dict[str, MySQLCache]:
     """``{alias: cache}`` for the given aliases, or for every MySQLCache in CACHES."""
     if not aliases:
-        aliases = [alias for alias in settings.CACHES if is_mysql_cache(alias)]
+        aliases = mysql_cache_aliases()
     found = {}
     for alias in aliases:
         if alias not in settings.CACHES:
@@ -54,6 +51,35 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
             continue
         done[alias] = cache.create_table_sql() if dry_run else cache.create_table()
     return done
+
+
+def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
+    """Create the missing tables of the caches that live in ``database``; returns
+    ``{alias: SQL}`` as ``create_tables``.
+
+    Django's test runner calls ``createcachetable --database <alias>`` for each test
+    database it creates, and not for a ``TEST["MIRROR"]`` alias, which at that moment
+    still points at the real database. So a cache whose alias is ``database``, or mirrors
+    it in tests, gets its table through ``database``'s connection.
+    """
+    if connections[database].vendor != "mysql":
+        return {}
+    done = {}
+    for alias, cache in mysql_caches().items():
+        if database not in own_databases(cache) or cache.table_exists(database):
+            continue
+        done[alias] = cache.create_table_sql(database)
+        if not dry_run:
+            cache.create_table(database)
+            logger.info("Created table %r of cache %r in database %r", cache.table, alias, database)
+    return done
+
+
+def own_databases(cache: MySQLCache) -> set[str]:
+    """The cache's (write) database alias, and the alias it mirrors in tests, if any."""
+    alias = cache.db_alias(write=True)
+    mirror = (connections.settings[alias].get("TEST") or {}).get("MIRROR")
+    return {alias, mirror} - {None}
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:

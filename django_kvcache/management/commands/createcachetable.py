@@ -1,0 +1,31 @@
+"""Django's ``createcachetable``, which also creates the MySQLCache tables of its database.
+
+Django's test runner runs ``createcachetable --database <alias>`` for every test database
+it creates, so ``manage.py test`` gets these tables as it gets ``DatabaseCache``'s. Apps
+in INSTALLED_APPS override Django's own commands of the same name.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.commands import createcachetable
+
+from django_kvcache.maintenance import create_tables_in
+
+
+class Command(createcachetable.Command):
+    help = (
+        "Creates the tables of Django's database cache and of django-kvcache's MySQLCache "
+        "in the given database."
+    )
+
+    def handle(self, *tablenames: str, **options: Any) -> None:
+        super().handle(*tablenames, **options)
+        if tablenames:  # Django's legacy form names DatabaseCache tables only
+            return
+        created = create_tables_in(options["database"], dry_run=options["dry_run"])
+        for alias, statement in created.items():
+            if options["dry_run"]:
+                self.stdout.write(f"{statement};")
+            elif options["verbosity"] >= 2:
+                self.stdout.write(f"Cache table of '{alias}' created.")
