@@ -273,14 +273,20 @@ class Codec:
                 return compressed, flags | self.compressor.flag, len(data) - len(compressed)
         return data, flags, 0
 
+    def decompressed(self, data: bytes, flags: int) -> tuple[bytes, int]:
+        """A stored entry's serialized bytes and flags, without its compression."""
+        compressed = flags & self.compressed_mask
+        if not compressed:
+            return data, flags
+        # A KeyError (two compression bits at once) is a corrupt entry like any other.
+        return self.decompressors[compressed](data), flags ^ compressed
+
     def decode(self, data: bytes, flags: int) -> Any:
         try:
             if flags == FLAG_INTEGER or flags == FLAG_LONG:
                 return int(data)
-            compressed = flags & self.compressed_mask
-            if compressed:  # a KeyError (two compression bits) is a corrupt entry too
-                data = self.decompressors[compressed](data)
-                flags ^= compressed
+            if flags & self.compressed_mask:
+                data, flags = self.decompressed(data, flags)
             if flags == self.serializer.flag:
                 return self.serializer.loads(data)
             if flags == FLAG_BYTES:

@@ -474,6 +474,17 @@ class MySQLCache(KVCache):
     def _caller_key(stored: str, head: str) -> str:
         return stored[len(head) :] if stored.startswith(head) else stored
 
+    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``.
+
+        For training a compression dictionary (``kvcache_train_dictionary``); it scans
+        the table, so it is no request-path call.
+        """
+        connection, sql = self._reader()
+        return [(bytes(data), flags) for data, flags in self._run(
+            connection, sql.sample, (now_ms(), count), fetchall
+        )]
+
     # --- culling ---------------------------------------------------------------------
 
     def cull(self, max_batches: int | None = None) -> int:

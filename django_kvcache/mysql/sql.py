@@ -141,6 +141,8 @@ class Statements:
             f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {like} ORDER BY `cache_key`"
         )
         self.delete_with_prefix = f"DELETE FROM {t} WHERE {like}"
+        # For training a compression dictionary: a scan, kept out of the request path.
+        self.sample = f"SELECT `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
 
         # Culling walks the expiry index (whose entries end with the primary key).
         self.delete_expired = f"DELETE FROM {t} WHERE `expires` <= %s ORDER BY `expires` LIMIT %s"

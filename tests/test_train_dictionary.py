@@ -1,0 +1,95 @@
+"""manage.py kvcache_train_dictionary on a real MySQLCache: samples live entries, writes a
+dictionary that makes the cache's own values smaller, and refuses what it cannot use."""
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+from django.core.cache import caches
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+from django_kvcache.codec import Codec
+from django_kvcache.zstd import zstd_module
+from tests.mysql_support import BACKEND, drop_table, ensure_table
+from tests.test_zstd import ZSTD, api_response
+
+pytestmark = [
+    pytest.mark.skipif(zstd_module() is None, reason="zstd not installed (extra 'zstd')"),
+    pytest.mark.django_db(transaction=True),
+]
+TABLE = "kvcache_train_test"
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "sampled": {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABILITY": 0}},
+}
+
+
+@pytest.fixture
+def sampled():
+    with override_settings(CACHES=CACHES):
+        cache = caches["sampled"]
+        ensure_table(cache)
+        yield cache
+        drop_table(TABLE)
+
+
+def fill(cache, count, seed=1):
+    rng = random.Random(seed)
+    cache.set_many({f"api:{n}": [api_response(rng) for _ in range(3)] for n in range(count)})
+    cache.set_many({f"counter:{n}": n for n in range(20)})  # integers are no samples
+
+
+def train(tmp_path, *args, **options):
+    out, err = io.StringIO(), io.StringIO()
+    call_command("kvcache_train_dictionary", *args, stdout=out, stderr=err, **options)
+    return out.getvalue(), err.getvalue()
+
+
+def test_a_dictionary_from_live_entries_shrinks_the_cache_s_values(sampled, tmp_path):
+    fill(sampled, 300)
+    path = tmp_path / "site.zstd"
+    out, _ = train(tmp_path, "sampled", output=path, samples=1000, size=4096)
+    assert "trained on 240 entries" in out
+    assert "On 60 other entries" in out and "zstd-3 + dictionary" in out
+    dictionary = zstd_module().ZstdDict(path.read_bytes())
+    assert f"zstd dictionary {dictionary.dict_id}" in out
+
+    value = [api_response(random.Random(7)) for _ in range(3)]
+    without = Codec.from_options({"COMPRESSOR": ZSTD}).encode(value)[0]
+    with_dictionary = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+    assert len(with_dictionary.encode(value)[0]) < 0.7 * len(without)
+
+
+def test_entries_compressed_with_an_unknown_dictionary_are_skipped_and_counted(sampled, tmp_path):
+    fill(sampled, 100)
+    first = tmp_path / "first.zstd"
+    train(tmp_path, "sampled", output=first, samples=100, size=2048)
+    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(first), "CULL_PROBABILITY": 0}
+    with override_settings(CACHES={**CACHES, "writer": {**CACHES["sampled"], "OPTIONS": options}}):
+        rng = random.Random(3)
+        caches["writer"].set("written-with-first", [api_response(rng) for _ in range(3)])
+    _, err = train(tmp_path, "sampled", output=tmp_path / "second.zstd", samples=200)
+    assert "Skipped 1 entries this cache cannot decompress" in err
+
+
+def test_silent_at_verbosity_0(sampled, tmp_path):
+    fill(sampled, 50)
+    assert train(tmp_path, "sampled", output=tmp_path / "d", samples=50, verbosity=0)[0] == ""
+
+
+@pytest.mark.parametrize(
+    "alias, message",
+    [("nowhere", "No cache named 'nowhere'"), ("default", "not a django-kvcache cache")],
+)
+def test_caches_it_cannot_sample_are_refused(sampled, tmp_path, alias, message):
+    with pytest.raises(CommandError, match=message):
+        train(tmp_path, alias, output=tmp_path / "d")
+
+
+def test_too_few_entries_is_a_clear_error(sampled, tmp_path):
+    fill(sampled, 5)
+    with pytest.raises(CommandError, match="gave 5 usable entries; at least 10"):
+        train(tmp_path, "sampled", output=tmp_path / "d")
+    assert not (tmp_path / "d").exists()
