@@ -36,6 +36,12 @@ def delegate_to_sync(name: str) -> Callable[..., Any]:
     return method
 
 
+def check_delta(delta: Any) -> None:
+    """``incr``/``decr`` count in integers: a bool or float delta is a mistake, not 1 or 1.5."""
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise TypeError(f"delta must be an integer, got {delta!r}")
+
+
 class KVCache(BaseCache):
     """Base class of the kvcache backends.
 
@@ -110,6 +116,10 @@ class KVCache(BaseCache):
         except CorruptValue as exc:
             logger.warning("Ignoring corrupt cache entry %r in %s: %s", key, self.backend_name, exc)
             return MISSING
+
+    def decr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        check_delta(delta)  # before negating: -True would pass as -1
+        return self.incr(key, -delta, version=version)
 
     # --- async: every method delegates to its sync counterpart -----------------------
 

@@ -30,7 +30,7 @@ from django.db import DatabaseError, OperationalError, ProgrammingError, connect
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.module_loading import import_string
 
-from django_kvcache.base import MISSING, KVCache, delegate_to_sync
+from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import INT64_MAX, INT64_MIN
 from django_kvcache.mysql import culling
 from django_kvcache.mysql.config import (
@@ -354,8 +354,7 @@ class MySQLCache(KVCache):
         Raises ``ValueError`` for a missing key, ``TypeError`` for a value that is not an
         integer, and ``OverflowError`` (value unchanged) past the signed 64-bit range.
         """
-        if isinstance(delta, bool) or not isinstance(delta, int):
-            raise TypeError(f"delta must be an integer, got {delta!r}")
+        check_delta(delta)
         key = self.make_and_validate_key(key, version)
         connection, sql = self._writer()
         now = now_ms()
