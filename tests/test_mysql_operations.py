@@ -497,3 +497,17 @@ def test_the_packet_limit_is_read_once_per_connection_and_only_for_large_stateme
     assert limit_reads(lambda: cache.set("big", big)) == 1
     assert cache.get("big") == big
     cache.clear()
+
+
+def test_metrics_count_what_compression_saves(cache):
+    before = cache.metrics()
+    text = "compressible text " * 200
+    cache.set("text", text)
+    cache.set_many({"a": text, "b": 7})
+    after = cache.metrics()
+    serialized = len(cache.codec.serializer.dumps(text))
+    assert after["values_encoded"] - before["values_encoded"] == 3
+    saved = after["bytes_saved"] - before["bytes_saved"]
+    assert 0 < saved < 2 * serialized
+    stored = after["bytes_encoded"] - before["bytes_encoded"]
+    assert stored + saved == 2 * serialized + len(b"7")

@@ -16,6 +16,7 @@ import logging
 import random
 import re
 import time
+from dataclasses import asdict, dataclass
 from functools import partial
 from operator import attrgetter, methodcaller
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
@@ -120,6 +121,19 @@ class CacheTableMissing(ProgrammingError):
     """
 
 
+@dataclass
+class TableStats:
+    """Process-wide counters of one table, shared by every instance (plain ints: cheap,
+    and exact enough under the GIL for monitoring)."""
+
+    values_encoded: int = 0  # values written (or refused as too large) since start
+    bytes_encoded: int = 0  # their size as stored
+    bytes_saved: int = 0  # what compression took off that
+
+
+_stats: dict[str, TableStats] = {}
+
+
 class MySQLCache(KVCache):
     """Django cache backend storing entries in a MySQL/MariaDB table (LOCATION)."""
 
@@ -135,6 +149,7 @@ class MySQLCache(KVCache):
         )
         self.cache_model_class = router_model(self.table)
         self._statements: dict[str, Statements] = {}
+        self.stats = _stats.setdefault(self.table, TableStats())
 
     # --- connections -----------------------------------------------------------------
 
@@ -267,7 +282,7 @@ class MySQLCache(KVCache):
         if expires is None:
             self._run(connection, sql.delete, (key,), rowcount)
             return
-        data, flags = self.codec.encode(value)
+        data, flags = self._encode(value)
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             self._run(connection, sql.delete, (key,), rowcount)  # never leave an older value
             return
@@ -283,12 +298,20 @@ class MySQLCache(KVCache):
         now = now_ms()
         if expires is None:  # nothing is stored; "added" when no live entry was there
             return self._run(connection, sql.has_key, (key, now), fetchone) is None
-        data, flags = self.codec.encode(value)
+        data, flags = self._encode(value)
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             return False
         self._maybe_cull(connection, sql)
         params = (key, data, flags, expires, now, now, now)
         return self._run(connection, sql.add, params, lastrowid, idempotent=False) == 0
+
+    def _encode(self, value: Any) -> tuple[bytes, int]:
+        data, flags, saved = self.codec.encode_measured(value)
+        stats = self.stats
+        stats.values_encoded += 1
+        stats.bytes_encoded += len(data)
+        stats.bytes_saved += saved
+        return data, flags
 
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -302,7 +325,7 @@ class MySQLCache(KVCache):
         # Every key and value is checked and encoded before anything is written, so a bad
         # key or an unpicklable value leaves the whole batch unwritten.
         rows = [
-            (key, self.make_and_validate_key(key, version), *self.codec.encode(value))
+            (key, self.make_and_validate_key(key, version), *self._encode(value))
             for key, value in data.items()
         ]
         connection, sql = self._writer()
@@ -472,6 +495,11 @@ class MySQLCache(KVCache):
     @staticmethod
     def _caller_key(stored: str, head: str) -> str:
         return stored[len(head) :] if stored.startswith(head) else stored
+
+    def metrics(self) -> dict[str, int]:
+        """This process's counters for the table: values written, their stored bytes and
+        the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized size)."""
+        return asdict(self.stats)
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
         """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``.
