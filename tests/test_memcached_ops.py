@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import socket
 import threading
 import time
 from contextlib import ExitStack
 
 import pytest
-from django.core.cache.backends.base import InvalidCacheKey
+from django.core.cache.backends.base import InvalidCacheKey, memcache_key_warnings
 from pymemcache.client.base import Client
 from pymemcache.serde import compressed_serde
 
 from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
 from django_kvcache.memcached import ValueTooLarge, protocol
-from tests.servers import memcached_node
+from tests.servers import MemcachedNode, memcached_node
 
 THIRTY_DAYS = 30 * 24 * 3600
 ITEM_SIZE_MAX = 1024 * 1024
@@ -49,7 +52,7 @@ def cache(make_cache):
 def raw_client(cache, key):
     """A plain pymemcache client on the node that owns ``key`` (a backend key)."""
     node = cache._node(key)
-    return Client(node.address.server, allow_unicode_keys=True, default_noreply=False)
+    return Client(node.pool.address.server, allow_unicode_keys=True, default_noreply=False)
 
 
 # --- keys ---------------------------------------------------------------------------------
@@ -59,13 +62,30 @@ def test_key_length_counts_utf8_bytes(cache):
     ascii_key = "k" * (250 - len(":1:"))
     cache.set(ascii_key, "fits")
     assert cache.get(ascii_key) == "fits"
-    with pytest.raises(InvalidCacheKey, match="250 bytes"):
+    with pytest.raises(InvalidCacheKey, match=r"\(longer than 250\)"):
         cache.set(ascii_key + "k", "too long")
     # 124 characters pass Django's character count but are 251 bytes with ":1:".
-    with pytest.raises(InvalidCacheKey, match="250 bytes"):
+    with pytest.raises(InvalidCacheKey, match=r"\(longer than 250\)"):
         cache.get("é" * 124)
     cache.set("é" * 123, "fits")  # 249 bytes
     assert cache.get("é" * 123) == "fits"
+
+
+@pytest.mark.parametrize("key", ["k" * 251, "with space", "nul\x00"])
+def test_key_errors_are_djangos_messages_word_for_word(cache, key):
+    with pytest.raises(InvalidCacheKey) as refused:
+        cache.validate_key(key)
+    assert str(refused.value) == next(memcache_key_warnings(key))
+
+
+def test_key_too_long_in_bytes_only_gets_djangos_wording(cache):
+    key = ":1:" + "é" * 124  # Django's check passes it: it counts characters
+    assert list(memcache_key_warnings(key)) == []
+    with pytest.raises(InvalidCacheKey) as refused:
+        cache.validate_key(key)
+    assert str(refused.value) == (
+        f"Cache key will cause errors if used with memcached: {key!r} (longer than 250)"
+    )
 
 
 def test_key_prefix_and_version_count_towards_the_limit(make_cache):
@@ -129,35 +149,7 @@ def meta_ttl(cache, key):
         node.pool.checkin(client)
 
 
-# --- incr / decr --------------------------------------------------------------------------
-
-
-def test_decr_stops_at_zero_like_memcached(cache):
-    cache.set("n", 3)
-    assert cache.decr("n", 5) == 0
-    assert cache.get("n") == 0
-
-
-def test_negative_values_count_exactly(cache):
-    cache.set("n", -5)
-    assert cache.incr("n", 2) == -3
-    assert cache.decr("n", 10) == -13
-    assert cache.incr("n", 20) == 7
-    assert cache.get("n") == 7
-    assert cache.incr("n", -2) == 5  # a negative delta decrements
-
-
-def test_counting_past_64_bits(cache):
-    cache.set("n", 2**64 - 2)  # beyond int64: stored pickled, counted in Python
-    assert cache.incr("n") == 2**64 - 1
-    cache.set("m", 5)
-    assert cache.incr("m", 2**70) == 2**70 + 5
-
-
-def test_cas_counting_keeps_the_expiry_time(cache):
-    cache.set("n", -1, timeout=100)
-    cache.incr("n", 5)
-    assert 0 < meta_ttl(cache, ":1:n") <= 100
+# --- incr / decr (the results both backends share are in tests/test_counters.py) --------
 
 
 def test_cas_counting_is_atomic_across_threads(cache):
@@ -171,25 +163,55 @@ def test_cas_counting_is_atomic_across_threads(cache):
     assert cache.get("n") == -1000 + 6 * 40
 
 
-@pytest.mark.parametrize("value", ["12", 3.5, [1], True])
-def test_incr_of_non_integers_raises_type_error(cache, value):
-    cache.set("v", value)
-    with pytest.raises(TypeError):
-        cache.incr("v")
-    assert cache.get("v") == value
-
-
-def test_incr_of_missing_key_raises_value_error(cache):
-    with pytest.raises(ValueError):
-        cache.incr("absent")
-    with pytest.raises(ValueError):
-        cache.decr("absent")
-
-
 def test_stored_integers_are_decimal_text_the_server_can_count(cache):
     cache.set("n", 41)
     assert raw_client(cache, ":1:n").get(":1:n") == b"41"
     assert cache.incr("n") == 42
+
+
+def test_overflowing_increments_are_undone_exactly_amid_other_counting(cache):
+    # Each incr(INT64_MAX) reaches the server and is undone; the threads counting by one
+    # meanwhile may be refused (OverflowError) but whatever succeeds must add up.
+    cache.set("n", 1000)
+    succeeded = {"incr": 0, "decr": 0}
+
+    def count(how, times):
+        for _ in range(times):
+            try:
+                getattr(cache, how)("n")
+            except OverflowError:
+                continue
+            succeeded[how] += 1  # one thread per kind: no lost updates here
+
+    wrongly_counted = []
+
+    def overflow(times):
+        for _ in range(times):
+            try:
+                wrongly_counted.append(cache.incr("n", INT64_MAX))
+            except OverflowError:
+                pass
+
+    threads = [
+        threading.Thread(target=overflow, args=(200,)),
+        threading.Thread(target=overflow, args=(200,)),
+        threading.Thread(target=count, args=("incr", 300)),
+        threading.Thread(target=count, args=("decr", 100)),  # the compare-and-swap path
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrongly_counted == []
+    assert cache.get("n") == 1000 + succeeded["incr"] - succeeded["decr"]
+    assert succeeded["incr"] > 0 and succeeded["decr"] > 0
+
+
+def test_incr_of_a_corrupt_integer_is_a_logged_miss(cache, caplog):
+    raw_client(cache, ":1:bad").set(":1:bad", b"-12abc", flags=FLAG_INTEGER)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"), pytest.raises(ValueError):
+        cache.incr("bad")
+    assert "corrupt" in caplog.text
 
 
 # --- refused values -----------------------------------------------------------------------
@@ -219,11 +241,125 @@ def test_compression_lets_large_values_fit(cache):
     assert cache.get("big") == value
 
 
-def test_set_many_reports_refused_keys_and_deletes_their_old_values(cache):
+def test_refused_add_leaves_the_live_entry_alone(cache):
+    cache.set("key", "old")
+    with pytest.raises(ValueTooLarge, match="too large"):
+        cache.add("key", os.urandom(2 * ITEM_SIZE_MAX))
+    assert cache.get("key") == "old"
+
+
+def test_set_many_reports_refused_keys_and_deletes_their_old_values(cache, caplog):
     cache.set_many({"small": "old", "big": "old"})
     big = os.urandom(2 * ITEM_SIZE_MAX)
-    assert cache.set_many({"small": "new", "big": big, "other": 1}) == ["big"]
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert cache.set_many({"small": "new", "big": big, "other": 1}) == ["big"]
     assert cache.get_many(["small", "big", "other"]) == {"small": "new", "other": 1}
+    assert ":1:big' not stored: SERVER_ERROR object too large" in caplog.text
+
+
+class DeleteBreaker:
+    """A TCP proxy in front of a memcached node; while ``armed`` it drops every connection
+    on which a ``delete`` arrives: a node that fails right after refusing a value."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.armed = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stopping = threading.Event()
+        self.acceptor = threading.Thread(target=self.accept, daemon=True)
+        self.acceptor.start()
+
+    def accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            client.settimeout(None)
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self.pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self.pump, args=(server, client, False), daemon=True).start()
+
+    def pump(self, source: socket.socket, target: socket.socket, from_client: bool) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data or (from_client and self.armed and data.startswith(b"delete ")):
+                    break
+                target.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, target):  # shutdown wakes the other pump's recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.acceptor.join(timeout=5)
+        self.listener.close()
+
+
+@pytest.fixture
+def delete_breaker(locations):
+    proxy = DeleteBreaker(locations[0])
+    yield proxy
+    proxy.close()
+
+
+def test_set_many_logs_a_failed_clean_up_delete_and_deletes_later(delete_breaker, caplog):
+    cache = MemcachedCache([delete_breaker.address], {})
+    cache.set("big", "old")
+    delete_breaker.armed = True
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        refused = cache.set_many({"small": "new", "big": os.urandom(2 * ITEM_SIZE_MAX)})
+    assert refused == ["big"]
+    assert "Could not delete 1 key(s) after a failed write" in caplog.text
+    assert "deleted when their node answers again" in caplog.text
+    assert cache.metrics()[delete_breaker.address]["outdated_keys"] == 1
+    delete_breaker.armed = False
+    assert cache.get_many(["small", "big"]) == {"small": "new"}  # "old" is deleted first
+    assert cache.metrics()[delete_breaker.address]["outdated_keys"] == 0
+    cache.clear()
+
+
+# --- logging of ignored failures ----------------------------------------------------------
+
+
+def test_a_dead_node_logs_a_few_lines_however_many_calls_fail(locations, caplog):
+    dead = MemcachedNode()  # a free port nothing listens on, until started below
+    retry = 0.2 + random.random() / 1000  # a health record of this test's own
+    cache = MemcachedCache(
+        [locations[0], dead.address],
+        {"OPTIONS": {"IGNORE_EXCEPTIONS": True, "RETRY_TIMEOUT": retry}},
+    )
+    key = next(
+        key for key in (f"k{i}" for i in range(1000))
+        if cache._home(cache.make_key(key)).name == dead.address
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="django_kvcache"):
+            for _ in range(500):
+                assert cache.get(key, "default") == "default"
+            assert cache.metrics()[dead.address]["ignored"] == 500
+            assert "Ignored memcached failure" in caplog.text
+            dead.start()
+            deadline = time.monotonic() + 10
+            while cache.metrics()[dead.address]["down"] and time.monotonic() < deadline:
+                cache.get(key)  # ignored until the retry time is up, then the probe
+                time.sleep(0.02)
+    finally:
+        dead.kill()
+    lines = [record.getMessage() for record in caplog.records]
+    # Our first line and end line, the health's "down" and "back up", maybe a summary.
+    assert len(lines) <= 5, lines
+    ignored = cache.metrics()[dead.address]["ignored"]
+    assert f"node {dead.address} answers again: {ignored} failure(s) ignored" in caplog.text
 
 
 # --- corrupt entries and other writers ----------------------------------------------------
@@ -243,14 +379,14 @@ def test_values_are_readable_by_pymemcache_compressed_serde_and_back(cache):
     value = {"text": "compressible " * 500}
     cache.set("shared", value)
     theirs = Client(
-        cache._node(":1:shared").address.server, serde=compressed_serde, default_noreply=False
+        cache._node(":1:shared").pool.address.server, serde=compressed_serde, default_noreply=False
     )
     assert theirs.get(":1:shared") == value
     theirs.set(":1:shared", ["from pymemcache"] * 300)
     assert cache.get("shared") == ["from pymemcache"] * 300
     theirs.close()
     text_writer = Client(
-        cache._node(":1:text").address.server, serde=compressed_serde, default_noreply=False
+        cache._node(":1:text").pool.address.server, serde=compressed_serde, default_noreply=False
     )
     text_writer.set(":1:text", "plain text")  # flag 16
     assert cache.get("text") == "plain text"
@@ -265,7 +401,7 @@ def test_set_many_puts_every_key_on_its_own_node(cache):
     cache.set_many(data)
     holders = {}
     for node in cache._nodes:
-        client = Client(node.address.server)
+        client = Client(node.pool.address.server)
         found = client.get_many([f":1:{key}" for key in data])
         client.close()
         for backend_key in found:

@@ -14,6 +14,7 @@ instances (pools, node health, counters, routing) lives in a process-wide
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -27,7 +28,9 @@ from django.core.exceptions import ImproperlyConfigured
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheClientError, MemcacheServerError
 
-from django_kvcache.base import MISSING, KVCache, delegate_to_sync, logger
+from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
+from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
+from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, ValueTooLarge
 from django_kvcache.memcached import fanout, protocol
 from django_kvcache.memcached.health import health_for
@@ -40,10 +43,25 @@ from django_kvcache.memcached.routing import (
     parse_location,
     parse_weights,
 )
+from django_kvcache.options import check_known, flag, integer, seconds
+from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
 CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
+
+logger = logging.getLogger(__name__)
+#: Failures ignored under IGNORE_EXCEPTIONS, per node: logged once, then summarized.
+ignored_failures = FailureLog(logger, "memcached")
+#: Values set_many's nodes refused (returned as failed keys, so never raised).
+refusals = FailureLog(logger, "memcached set_many")
+
+
+def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
+    ignored_failures.recovered(f"node {node}")
+
+
+node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
 
 
 class Cluster:
@@ -70,14 +88,14 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Cluster:
     """The process-wide cluster for these nodes and OPTIONS (checked here)."""
     settings = ConnectionSettings(
-        connect_timeout=_seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
-        io_timeout=_seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
-        max_size=_count(options, "MAX_POOL_SIZE", 64),
-        pool_timeout=_seconds(options, "POOL_TIMEOUT", 1.0),
+        connect_timeout=seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
+        io_timeout=seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
+        max_size=integer(options, "MAX_POOL_SIZE", 64),
+        pool_timeout=seconds(options, "POOL_TIMEOUT", 1.0),
         tls=_tls_context(options.get("TLS")),
     )
-    threshold = _count(options, "FAILURE_THRESHOLD", 2)
-    retry_timeout = _seconds(options, "RETRY_TIMEOUT", 10.0)
+    threshold = integer(options, "FAILURE_THRESHOLD", 2)
+    retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
     scheme = check_scheme(options.get("HASHING", "kvcache"))
     weights = parse_weights(options.get("WEIGHTS"), addresses)
     identity = (
@@ -121,8 +139,8 @@ class MemcachedCache(KVCache):
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
         super().__init__(params)
-        self.failover = _flag(self.options, "FAILOVER")
-        self.ignore_exceptions = _flag(self.options, "IGNORE_EXCEPTIONS")
+        self.failover = flag(self.options, "FAILOVER")
+        self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS")
         self.cluster = cluster = cluster_for(parse_location(server), self.options)
         self._nodes = cluster.nodes
         self._node_for_key = cluster.router.node_for
@@ -130,13 +148,17 @@ class MemcachedCache(KVCache):
     # --- keys and expiry --------------------------------------------------------------
 
     def validate_key(self, key: str) -> None:
-        """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters."""
+        """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
+
+        The messages are Django's own (``memcache_key_warnings``), word for word; only
+        the length is counted in bytes, where Django counts characters.
+        """
         if key.isascii() and len(key) <= MAX_KEY_BYTES and key.isprintable() and " " not in key:
             return  # the common case, in three C calls
         if len(key.encode()) > MAX_KEY_BYTES:
             raise InvalidCacheKey(
                 f"Cache key will cause errors if used with memcached: {key!r} "
-                f"(longer than {MAX_KEY_BYTES} bytes in UTF-8)"
+                f"(longer than {MAX_KEY_BYTES})"
             )
         if any(ord(char) < 33 or ord(char) == 127 for char in key):
             raise InvalidCacheKey(
@@ -173,13 +195,7 @@ class MemcachedCache(KVCache):
                 node = self._nodes[index]
                 if node.health.may_try():
                     return node
-        down.errors += 1
-        retry_in = max(0.0, down.health.down_until - time.monotonic())
-        raise NodeDown(
-            down.name,
-            f"marked down after {down.health.failures} consecutive failures; "
-            f"next try in {retry_in:.1f} s (RETRY_TIMEOUT)",
-        )
+        raise down.skipped()
 
     def _place(self, keys: Iterable[str]) -> Placement:
         """Keys by the node that serves them now; keys no node can take, with the errors."""
@@ -204,10 +220,11 @@ class MemcachedCache(KVCache):
     def _home(self, key: str) -> Node:
         return self._nodes[self._node_for_key(key)]
 
-    def _write(self, key: str, command: Any, *args: Any) -> Any:
-        """A single-key write on the key's node (or its failover node)."""
+    def _write(self, key: str, command: Any, *args: Any, sent: int = 0, saved: int = 0) -> Any:
+        """A single-key write on the key's node (or its failover node), which is credited
+        with ``sent`` and ``saved`` bytes."""
         try:
-            return self._node(key).call(command, key, *args)
+            return self._node(key).call(command, key, *args, sent=sent, saved=saved)
         except MemcachedError as exc:
             self._missed_write(key, exc)
             raise
@@ -236,7 +253,8 @@ class MemcachedCache(KVCache):
         """Raise ``error``, or with IGNORE_EXCEPTIONS log and count it, giving ``fallback``."""
         if not self.ignore_exceptions:
             raise error
-        logger.warning("Ignored memcached failure in %s: %s", self.backend_name, error)
+        # Logged once per episode and then summarized: a down node fails every call.
+        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason}")
         node = self.cluster.by_name.get(error.node)
         if node is not None:
             node.ignored += 1
@@ -247,15 +265,11 @@ class MemcachedCache(KVCache):
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         key = self.make_and_validate_key(key, version=version)
         try:
-            node = self._node(key)
-            found = node.call(protocol.get_one, key)
+            found = self._node(key).get(key)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
-            node.misses += 1
             return default
-        node.hits += 1
-        node.bytes_received += len(found[0])
         value = self.decode(found[0], found[1], key)
         return default if value is MISSING else value
 
@@ -263,48 +277,50 @@ class MemcachedCache(KVCache):
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
         key = self.make_and_validate_key(key, version=version)
-        self._store(Client.set, key, value, timeout)
+        self._store(protocol.set_one, key, value, timeout, replaces=True)
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
         key = self.make_and_validate_key(key, version=version)
-        return self._store(Client.add, key, value, timeout)
+        return self._store(protocol.add_one, key, value, timeout, replaces=False)
 
-    def _store(self, command: Any, key: str, value: Any, timeout: Any) -> bool:
+    def _store(self, command: Any, key: str, value: Any, timeout: Any, replaces: bool) -> bool:
+        """``set`` (``replaces``) or ``add``. A value the server refuses leaves no older
+        value behind for ``set``; for ``add`` the entry that is there stays."""
         data, flags, saved = self.codec.encode_measured(value)
         expire = self.expire_time(timeout)
         try:
-            stored = self._write(key, command, (data, flags), expire)
+            stored = self._write(
+                key, command, (data, flags), expire, sent=len(key) + len(data), saved=saved
+            )
         except MemcacheServerError as exc:  # too large, out of memory: refused, node fine
-            self._forget(key)
+            if replaces:
+                self._forget(key)
             refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc}")
             return self._failed(refused, False)
         except MemcachedError as exc:
             return self._failed(exc, False)
-        node = self._home(key)
-        node.bytes_sent += len(key) + len(data)
-        node.bytes_saved += saved
         return bool(stored)
 
     def _forget(self, key: str) -> None:
         """Delete a key whose new value was refused, so the old one is never read again."""
         try:
-            self._write(key, Client.delete)
+            self._write(key, protocol.delete_one)
         except MemcachedError as exc:  # remembered as outdated by _write
             logger.warning("Could not delete %r after a failed set: %s", key, exc)
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._write(key, Client.touch, self.expire_time(timeout)))
+            return bool(self._write(key, protocol.touch_one, self.expire_time(timeout)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._write(key, Client.delete))
+            return bool(self._write(key, protocol.delete_one))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -314,21 +330,25 @@ class MemcachedCache(KVCache):
     # --- counters ---------------------------------------------------------------------
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        """Atomic on the server for values >= 0; ``decr`` there stops at 0.
+        """Add ``delta`` (negative to subtract); the entry keeps its expiry time.
 
-        A value memcached cannot count with (stored negative, or beyond 64 bits) is
-        updated with a compare-and-swap loop instead, keeping its expiry time.
+        Signed 64-bit counters, the same as MySQLCache's (docs/guarantees.rst): results
+        below zero are stored; a result outside the range raises ``OverflowError`` and
+        leaves the value unchanged. A missing key raises ``ValueError``, a value that is
+        not an integer ``TypeError``.
+
+        A value >= 0 plus 0 <= delta <= INT64_MAX is one server ``incr``. Everything
+        else (negative deltas and values, deltas beyond 64 bits) is computed here and
+        written with compare-and-swap, which keeps the item's remaining lifetime.
         """
+        check_delta(delta)
         key = self.make_and_validate_key(key, version=version)
         # No IGNORE_EXCEPTIONS here: incr has no "unknown" answer, so failures always raise.
         try:
             node = self._node(key)
-            try:
-                if delta >= 0:
-                    value = node.call(Client.incr, key, delta, retry=False)
-                else:
-                    value = node.call(Client.decr, key, -delta, retry=False)
-            except MemcacheClientError:  # "non-numeric value" or "invalid numeric delta"
+            if 0 <= delta <= INT64_MAX:
+                value = self._incr_on_server(node, key, delta)
+            else:
                 value = self._add_with_cas(node, key, delta)
         except MemcachedError as exc:
             self._missed_write(key, exc)
@@ -337,10 +357,32 @@ class MemcachedCache(KVCache):
             raise ValueError(f"Key '{key}' not found")
         return value
 
-    def decr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        return self.incr(key, -delta, version=version)
+    def _incr_on_server(self, node: Node, key: str, delta: int) -> int | None:
+        """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
+
+        From a stored value v in [0, 2**64), the reply is v + delta, or v + delta - 2**64
+        when it wrapped, which is then below ``delta``. A wrapped reply or one above
+        INT64_MAX is undone by adding 2**64 - delta: modulo 2**64 that restores v exactly,
+        whatever other increments ran in between. Until the undo lands (one round trip)
+        other clients can read the out-of-range number, and their increments of the key
+        raise ``OverflowError`` too.
+        """
+        try:
+            value = node.call(protocol.incr_one, key, delta, retry=False)
+        except MemcacheClientError:  # "non-numeric value": a negative or non-integer value
+            return self._add_with_cas(node, key, delta)
+        if value is None or delta <= value <= INT64_MAX:
+            return value
+        if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
+            node.call(protocol.incr_one, key, 2**64 - delta, retry=False)
+        raise self._overflow(key, delta)
 
     def _add_with_cas(self, node: Node, key: str, delta: int) -> int | None:
+        """``incr`` computed here and stored only if the item did not change meanwhile.
+
+        Like MySQLCache, only values stored as integers count (a pickled int beyond 64
+        bits raises ``TypeError``); a corrupt one is a logged miss.
+        """
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
@@ -348,19 +390,31 @@ class MemcachedCache(KVCache):
             if found is None:
                 return None
             data, flags, ttl, cas = found
+            if flags not in (FLAG_INTEGER, FLAG_LONG):
+                raise TypeError(f"The value of key '{key}' is not an integer")
             value = self.decode(data, flags, key)
             if value is MISSING:
                 return None
-            if type(value) is not int:
-                raise TypeError(f"Cannot increment or decrement the non-integer value of {key!r}")
-            new_data, new_flags = self.codec.encode(value + delta)
+            result = value + delta
+            if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
+                raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
+            if ttl > THIRTY_DAYS:  # memcached reads longer times as Unix timestamps, on its
+                # own clock, which lags ours by up to 2 s: ours would stretch every update.
+                ttl += node.call(Client.stats)[b"time"]
+            new_data, new_flags = self.codec.encode(result)
             swapped = node.call(
                 protocol.meta_cas, encoded_key, new_data, new_flags, ttl, cas, retry=False
             )
             if swapped:
-                return value + delta
+                return result
             time.sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
+
+    @staticmethod
+    def _overflow(key: str, delta: int) -> OverflowError:
+        return OverflowError(
+            f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
+        )
 
     # --- many keys: one pipelined request per node, all nodes at once ------------------
 
@@ -376,9 +430,6 @@ class MemcachedCache(KVCache):
         for batch in batches:
             if batch.error is not None:
                 continue
-            node = batch.node
-            node.hits += len(batch.result)
-            node.misses += len(batch.keys) - len(batch.result)
             for key_bytes, (data, flags) in batch.result.items():
                 key = key_bytes.decode()
                 value = decode(data, flags, key)
@@ -398,19 +449,23 @@ class MemcachedCache(KVCache):
         batches = []
         for node, node_keys in placement.groups.items():
             encoded = []
+            node_saved = 0
             for key in node_keys:
                 payload, flags, saved = self.codec.encode_measured(data[key_map[key]])
-                node.bytes_saved += saved
+                node_saved += saved
                 encoded.append((payload, flags))
-            batches.append(fanout.set_batch(node, node_keys, encoded, expire))
+            batches.append(fanout.set_batch(node, node_keys, encoded, expire, node_saved))
         fanout.run(batches)
         failed = list(placement.stranded)
         refused: list[str] = []
         for batch in batches:
             if batch.error is not None:
                 failed.extend(batch.keys)
-            else:
-                refused.extend(k for k, line in zip(batch.keys, batch.result) if line != b"STORED")
+                continue
+            for key, line in zip(batch.keys, batch.result):
+                if line != b"STORED":  # too large, out of memory: the node is fine
+                    refused.append(key)
+                    refusals.failed(f"node {batch.node.name}", f"{key!r} not stored: {line.decode(errors='replace')}")
         if refused:
             self._delete_keys(refused)  # a failed set must not leave the old value behind
         self._missed_batch_writes(placement, batches)
@@ -421,6 +476,9 @@ class MemcachedCache(KVCache):
         self._delete_keys(list(self.make_keys(keys, version)), report=True)
 
     def _delete_keys(self, keys: list[str], report: bool = False) -> None:
+        """One delete request per node. Failures are raised like any call's if ``report``,
+        else (a clean-up after refused writes) logged; either way the keys that were not
+        deleted are remembered as outdated."""
         if not keys:
             return
         placement = self._place(keys)
@@ -429,6 +487,14 @@ class MemcachedCache(KVCache):
         self._missed_batch_writes(placement, batches)
         if report:
             self._report(placement, batches)
+            return
+        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        if errors:  # a clean-up delete (set_many): the keys are remembered as outdated
+            undeleted = len(placement.stranded) + sum(len(b.keys) for b in batches if b.error)
+            logger.warning(
+                "Could not delete %d key(s) after a failed write; they are deleted when "
+                "their node answers again: %s", undeleted, "; ".join(map(str, errors)),
+            )
 
     def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
         """After a multi-key call: raise (or log) what went wrong, once every node is done."""
@@ -487,34 +553,6 @@ class MemcachedCache(KVCache):
 # --- OPTIONS checks -------------------------------------------------------------------
 
 
-def _flag(options: Mapping[str, Any], name: str) -> bool:
-    value = options.get(name, False)
-    if not isinstance(value, bool):
-        raise ImproperlyConfigured(f"OPTIONS[{name!r}] must be True or False, got {value!r}")
-    return value
-
-
-def _seconds(
-    options: Mapping[str, Any], name: str, default: float, allow_none: bool = False
-) -> Any:
-    value = options.get(name, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ImproperlyConfigured(
-            f"OPTIONS[{name!r}] must be a positive number of seconds"
-            f"{' or None' if allow_none else ''}, got {value!r}"
-        )
-    return float(value)
-
-
-def _count(options: Mapping[str, Any], name: str, default: int) -> int:
-    value = options.get(name, default)
-    if type(value) is not int or value < 1:
-        raise ImproperlyConfigured(f"OPTIONS[{name!r}] must be a positive integer, got {value!r}")
-    return value
-
-
 def _tls_context(value: Any) -> ssl.SSLContext | None:
     """OPTIONS['TLS']: an ``ssl.SSLContext``, or a dict of ``ssl.create_default_context``
     arguments (``cafile``, ``capath``, ``cadata``) plus ``certfile``/``keyfile``.
@@ -524,16 +562,8 @@ def _tls_context(value: Any) -> ssl.SSLContext | None:
     """
     if value is None or isinstance(value, ssl.SSLContext):
         return value
-    if not isinstance(value, Mapping):
-        raise ImproperlyConfigured(
-            f"OPTIONS['TLS'] must be an ssl.SSLContext or a dict, got {value!r}"
-        )
     known = {"cafile", "capath", "cadata", "certfile", "keyfile"}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ImproperlyConfigured(
-            f"OPTIONS['TLS'] has unknown keys {unknown}; known: {sorted(known)}"
-        )
+    check_known(value, known, "OPTIONS['TLS'] (an ssl.SSLContext or a dict)")
     key = tuple(sorted((k, str(v)) for k, v in value.items()))
     if key not in _contexts:
         try:

@@ -1,8 +1,10 @@
 """Building blocks of :class:`django_kvcache.backends.memcached.MemcachedCache`.
 
 ``routing`` places keys on nodes, ``pool`` keeps connections, ``health`` tracks which
-nodes answer, ``node`` ties the three together per server, ``protocol`` speaks the text
-protocol for the batch paths and ``fanout`` runs them on every node at once.
+nodes answer, ``stale`` what a node missed or may still apply late, ``node`` ties them
+together per server (and owns every connection's lifecycle), ``protocol`` speaks the
+text protocol for the writes and batch paths and ``fanout`` runs batches on every node
+at once.
 """
 from __future__ import annotations
 

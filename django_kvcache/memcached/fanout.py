@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from pymemcache.client.base import Client
-
 from django_kvcache.memcached import MemcachedError
 from django_kvcache.memcached import protocol
-from django_kvcache.memcached.node import NODE_FAILURES, STALE_CONNECTION, Node
+from django_kvcache.memcached.node import NODE_FAILURES, Lease, Node
 from django_kvcache.memcached.protocol import ReplyReader, connected
 
 
@@ -26,26 +24,43 @@ class Batch:
     keys: list[str]
     request: bytes
     read: Callable[[ReplyReader], Any]
+    writes: bool  # a timed-out write may still land: its connection is settled, not closed
     result: Any = None
     error: MemcachedError | None = None
-    _client: Client | None = field(default=None, repr=False)
-    _reused: bool = field(default=False, repr=False)
+    _lease: Lease | None = field(default=None, repr=False)
 
 
-def run(batches: Sequence[Batch], retry: bool = True) -> None:
+def run(batches: Sequence[Batch]) -> None:
     """Send every batch's request, then read every reply; fills ``result``/``error``.
 
     A thread never waits for one node's connection while holding another's (two threads
     could each hold what the other waits for): batches whose pool is busy go in a later
     round, and a round where every pool is busy waits for a single pool only.
     """
+    for batch in batches:
+        batch.node.ops += len(batch.keys)  # once per call, whatever is retried
+    _run(batches, retry=True)
+
+
+def _run(batches: Sequence[Batch], retry: bool) -> None:
     pending = list(batches)
-    while pending:
-        claimed = [batch for batch in pending if _claim(batch, wait=False)]
-        if not claimed:
-            claimed = [pending[0]] if _claim(pending[0], wait=True) else []
-        pending = [b for b in pending if b._client is None and b.error is None]
-        _exchange(claimed, retry)
+    stale: list[Batch] = []
+    try:
+        while pending:
+            claimed = [batch for batch in pending if _claim(batch, wait=False)]
+            if not claimed and _claim(pending[0], wait=True):
+                claimed = [pending[0]]
+            pending = [b for b in pending if b._lease is None and b.error is None]
+            stale += _exchange(claimed, retry)
+    except BaseException as exc:
+        # Interrupted (even by KeyboardInterrupt): no connection stays checked out.
+        for batch in batches:
+            lease, batch._lease = batch._lease, None
+            if lease is not None:
+                lease.drop(exc)
+        raise
+    if stale:
+        _run(stale, retry=False)
 
 
 def _claim(batch: Batch, wait: bool) -> bool:
@@ -57,79 +72,61 @@ def _claim(batch: Batch, wait: bool) -> bool:
         return False
     if client is None:
         return False
-    batch._client, batch._reused = client, client.sock is not None
+    batch._lease = Lease(batch.node, client)
     return True
 
 
-def _exchange(batches: list[Batch], retry: bool) -> None:
-    sent: list[Batch] = []
+def _exchange(batches: list[Batch], retry: bool) -> list[Batch]:
+    """Send every request, then read every reply; the batches worth a retry."""
     stale: list[Batch] = []
-    for batch in batches:
-        if _send(batch, retry):
-            sent.append(batch)
-        elif batch.error is None:
-            stale.append(batch)
+    sent = [batch for batch in batches if _step(batch, _send, retry, stale)]
+    for batch in sent:
+        if _step(batch, _receive, retry, stale):
+            lease, batch._lease = batch._lease, None
+            assert lease is not None
+            lease.release()
+    return stale
+
+
+def _step(
+    batch: Batch, step: Callable[[Batch, Any], None], retry: bool, stale: list[Batch]
+) -> bool:
+    """One half of a batch's exchange; on a node failure its lease ends here."""
+    lease = batch._lease
+    assert lease is not None and lease.client is not None
     try:
-        for batch in sent:
-            if not _receive(batch, retry) and batch.error is None:
-                stale.append(batch)
-    finally:
-        for batch in sent:  # interrupted: replies left unread make a connection useless
-            if batch._client is not None:
-                batch.node.pool.discard(batch._client)
-                batch._client = None
-    if stale:
-        run(stale, retry=False)
-
-
-def _send(batch: Batch, retry: bool) -> bool:
-    """Send one request. False with no error: a stale pooled connection, worth a retry."""
-    node, client = batch.node, batch._client
-    assert client is not None
-    node.ops += len(batch.keys)
-    try:
-        if node.outdated.pending:
-            node.clean(client)
-        connected(client).sendall(batch.request)
-    except NODE_FAILURES as exc:
-        return _drop_connection(batch, client, exc, retry)
-    node.bytes_sent += len(batch.request)
-    return True
-
-
-def _drop_connection(batch: Batch, client: Any, exc: BaseException, retry: bool) -> bool:
-    """Discard the connection that failed; the node's failure counts unless a retry is due."""
-    batch._client = None
-    batch.node.pool.discard(client)
-    if not _stale(batch, exc, retry):
-        batch.error = batch.node.failure(exc)
-    return False
-
-
-def _receive(batch: Batch, retry: bool) -> bool:
-    """Read one reply. False with no error: a stale pooled connection, worth a retry."""
-    node, client = batch.node, batch._client
-    assert client is not None
-    reader = ReplyReader(client.sock)  # type: ignore[arg-type]
-    try:
-        batch.result = batch.read(reader)
-    except NODE_FAILURES as exc:
-        return _drop_connection(batch, client, exc, retry)
-    finally:
-        node.bytes_received += reader.received
-    batch._client = None
-    node.pool.checkin(client)
-    if node.health.failures:
-        node.health.succeeded()
-    return True
-
-
-def _stale(batch: Batch, exc: BaseException, retry: bool) -> bool:
-    """Whether ``exc`` is a pooled connection that went stale (server restarted)."""
-    if retry and batch._reused and isinstance(exc, STALE_CONNECTION):
-        batch.node.pool.close_idle()  # its neighbours in the pool are just as stale
+        step(batch, lease.client)
         return True
-    return False
+    except NODE_FAILURES as exc:
+        batch._lease = None
+        error = lease.fail(exc, retry)
+        if error is None:
+            stale.append(batch)
+        else:
+            batch.error = error
+        return False
+
+
+def _send(batch: Batch, client: Any) -> None:
+    node = batch.node
+    node.ready(client)
+    sock = connected(client)
+    if batch.writes:
+        protocol.send_write(sock, batch.request)
+    else:
+        sock.sendall(batch.request)
+    node.bytes_sent += len(batch.request)
+
+
+def _receive(batch: Batch, client: Any) -> None:
+    reader = ReplyReader(client.sock)
+    try:
+        if batch.writes:
+            batch.result = protocol.read_write_replies(reader, batch.read)
+        else:
+            batch.result = batch.read(reader)
+    finally:
+        batch.node.bytes_received += reader.received
 
 
 # --- the batches ----------------------------------------------------------------------
@@ -138,31 +135,44 @@ def _stale(batch: Batch, exc: BaseException, retry: bool) -> bool:
 def get_batch(node: Node, keys: list[str]) -> Batch:
     """``result``: ``{key bytes: (data, flags)}`` for the keys found."""
     ends = protocol.get_lines(len(keys))
-    return Batch(
-        node,
-        keys,
-        protocol.get_request([key.encode() for key in keys]),
-        lambda reader: protocol.read_values(reader, ends),
-    )
+
+    def read(reader: ReplyReader) -> dict[bytes, tuple[bytes, int]]:
+        found = protocol.read_values(reader, ends)
+        node.hits += len(found)
+        node.misses += len(keys) - len(found)
+        return found
+
+    return Batch(node, keys, protocol.get_request([key.encode() for key in keys]), read, False)
 
 
-def set_batch(node: Node, keys: list[str], encoded: list[tuple[bytes, int]], expire: int) -> Batch:
-    """``result``: one reply line per key (``STORED`` or the server's error)."""
+def set_batch(
+    node: Node, keys: list[str], encoded: list[tuple[bytes, int]], expire: int, saved: int
+) -> Batch:
+    """``result``: one reply line per key (``STORED`` or the server's error). ``saved``:
+    the bytes compression saved, credited to the node once it answered."""
     command = protocol.store_command
     request = b"".join(
         command(b"set", key.encode(), data, flags, expire)
         for key, (data, flags) in zip(keys, encoded)
     )
-    count = len(keys)
-    return Batch(node, keys, request, lambda reader: protocol.read_lines(reader, count))
+
+    def read(reader: ReplyReader) -> list[bytes]:
+        lines = protocol.read_lines(reader, len(keys))
+        node.bytes_saved += saved
+        return lines
+
+    return Batch(node, keys, request, read, True)
 
 
 def delete_batch(node: Node, keys: list[str]) -> Batch:
     """``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
     request = b"".join(b"delete %b\r\n" % key.encode() for key in keys)
-    count = len(keys)
-    return Batch(node, keys, request, lambda reader: protocol.read_lines(reader, count))
+    return Batch(node, keys, request, _status_lines(len(keys)), True)
 
 
 def flush_batch(node: Node) -> Batch:
-    return Batch(node, [], b"flush_all\r\n", lambda reader: protocol.read_lines(reader, 1))
+    return Batch(node, [], b"flush_all\r\n", _status_lines(1), True)
+
+
+def _status_lines(count: int) -> Callable[[ReplyReader], list[bytes]]:
+    return lambda reader: protocol.read_lines(reader, count)

@@ -12,9 +12,11 @@ import os
 import threading
 import time
 
+from django.dispatch import Signal
+
 from django_kvcache.signals import node_down, node_up
 
-logger = logging.getLogger("django_kvcache.memcached")
+logger = logging.getLogger(__name__)
 
 
 class NodeHealth:
@@ -52,7 +54,7 @@ class NodeHealth:
             self.down_until = 0.0
         if was_down:
             logger.warning("memcached node %s is back up", self.name)
-            node_up.send(sender=NodeHealth, node=self.name)
+            _notify("node_up", node_up, node=self.name)
 
     def failed(self, reason: str) -> None:
         with self.lock:
@@ -67,7 +69,18 @@ class NodeHealth:
             "memcached node %s is down after %d consecutive failures (%s); retrying in %s s",
             self.name, self.failures, reason, self.retry_timeout,
         )
-        node_down.send(sender=NodeHealth, node=self.name, reason=reason)
+        _notify("node_down", node_down, node=self.name, reason=reason)
+
+
+def _notify(name: str, signal: Signal, **arguments: str) -> None:
+    """Send ``signal`` to every receiver; one that raises is logged, never raised: the
+    request that noticed the change must not fail because of a listener."""
+    for receiver, response in signal.send_robust(sender=NodeHealth, **arguments):
+        if isinstance(response, Exception):
+            logger.error(
+                "%s receiver %r raised %s: %s", name, receiver,
+                type(response).__name__, response, exc_info=response,
+            )
 
 
 _registry: dict[tuple[str, int, float], NodeHealth] = {}

@@ -8,6 +8,10 @@ A pool is a LIFO list of pymemcache ``Client`` objects (each owns one socket). T
 and returning a connection is a plain ``list.pop``/``list.append`` (atomic under the
 GIL); the lock is only taken when the pool is empty or someone waits. A forked child
 forgets every connection inherited from its parent (they share the parent's sockets).
+
+No waiter is ever stranded next to an idle connection: ``checkin`` appends to ``idle``
+*then* looks at the queue, a waiter joins the queue *then* looks at ``idle`` (under the
+lock), so at least one of the two sees the other and hands the connection over.
 """
 from __future__ import annotations
 
@@ -87,40 +91,40 @@ class NodePool:
 
     def checkout(self) -> Client:
         if not self.queue:
-            try:
-                return self.idle.pop()
-            except IndexError:
-                pass
+            client = self._pop_idle()
+            if client is not None:
+                return client
         return self._checkout_slow()
 
     def try_checkout(self) -> Client | None:
         """A connection if one is free or may be opened now; None instead of waiting."""
         if not self.queue:
-            try:
-                return self.idle.pop()
-            except IndexError:
-                pass
+            client = self._pop_idle()
+            if client is not None:
+                return client
         with self.lock:
-            if self.idle and not self.queue:
-                return self.idle.pop()
+            if not self.queue:
+                client = self._pop_idle()
+                if client is not None:
+                    return client
             if self.size < self.settings.max_size:
                 self.size += 1
                 return self._new_client()
         return None
 
     def checkin(self, client: Client) -> None:
-        if self.queue:
-            with self.lock:
-                if self.queue:
-                    waiter = self.queue.popleft()
-                    waiter.client = client
-                    waiter.lock.release()
-                    return
         self.idle.append(client)
+        if self.queue:  # read after the append: see the module docstring
+            with self.lock:
+                self._hand_over_idle()
 
     def discard(self, client: Client) -> None:
         """Close a connection that failed; a waiting thread may open one in its place."""
         client.close()
+        self.free_slot()
+
+    def free_slot(self) -> None:
+        """Stop counting a connection that left the pool (closed, or kept by its node)."""
         with self.lock:
             if self.queue:
                 self.queue.popleft().lock.release()  # hands over the slot, not a client
@@ -135,17 +139,38 @@ class NodePool:
         for client in idle:
             client.close()
 
+    def _pop_idle(self) -> Client | None:
+        try:
+            return self.idle.pop()
+        except IndexError:  # another thread took the last one since we looked
+            return None
+
+    def _hand_over_idle(self) -> None:
+        """Give idle connections to waiters, first come first served (lock held)."""
+        while self.queue:
+            client = self._pop_idle()
+            if client is None:
+                return
+            waiter = self.queue.popleft()
+            waiter.client = client
+            waiter.lock.release()
+
     def _checkout_slow(self) -> Client:
         settings = self.settings
         with self.lock:
-            if self.idle:
-                return self.idle.pop()
+            if not self.queue:
+                client = self._pop_idle()
+                if client is not None:
+                    return client
             if self.size < settings.max_size:
                 self.size += 1
                 return self._new_client()
             waiter = _Waiter()
             self.queue.append(waiter)
             self.waits += 1
+            # Look again after queueing: a checkin that read the queue before our append
+            # has put its connection in ``idle`` by now (see the module docstring).
+            self._hand_over_idle()
         if not waiter.lock.acquire(timeout=settings.pool_timeout):
             with self.lock:
                 if waiter in self.queue:

@@ -3,20 +3,31 @@
 pymemcache sends one command and reads its reply; the batch paths need to write many
 commands (to many nodes) before reading any reply, so they build requests here and
 read replies with :class:`ReplyReader`.
+
+Every write is sent with our own loop (``send_write``), not ``sendall``: when it times
+out we know which part of the request never left, and raise ``WriteTimeout`` so the
+node can settle the connection (finish the request, then a fence) instead of closing it
+with a write that may still land.
 """
 from __future__ import annotations
 
 import socket
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 from pymemcache.client.base import Client
-from pymemcache.exceptions import MemcacheUnexpectedCloseError
+from pymemcache.exceptions import (
+    MemcacheClientError,
+    MemcacheServerError,
+    MemcacheUnexpectedCloseError,
+)
 
 #: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
 GET_KEYS_PER_LINE = 100
 #: Bytes asked of each ``recv``. Python allocates the full size before the call: 256 KiB
 #: costs an mmap'd buffer per call, 64 KiB does not. Larger blocks are received in place.
 RECV_SIZE = 64 * 1024
+
+T = TypeVar("T")
 
 
 def connected(client: Client) -> socket.socket:
@@ -28,6 +39,52 @@ def connected(client: Client) -> socket.socket:
 
 class ProtocolError(Exception):
     """A reply we cannot make sense of; the connection is closed after it."""
+
+
+#: What a socket raises when IO_TIMEOUT passes: Python's timeout, or the kernel's EAGAIN.
+TIMEOUTS = (socket.timeout, BlockingIOError)
+
+
+class WriteTimeout(TimeoutError):
+    """A write request timed out: the server may still apply it (a paused server reads
+    its socket buffers when it resumes). ``unsent`` is the part of the request that never
+    left ``sock``; ``Node.settle`` finishes the conversation before any clean-up."""
+
+    def __init__(self, sock: socket.socket, unsent: bytes) -> None:
+        super().__init__(f"write timed out with {len(unsent)} bytes unsent")
+        self.sock = sock
+        self.unsent = unsent
+
+
+def send_write(sock: socket.socket, request: bytes) -> None:
+    """``sendall`` of a write request that keeps count: on a timeout, ``WriteTimeout``."""
+    view = memoryview(request)
+    sent = 0
+    try:
+        while sent < len(view):
+            sent += sock.send(view[sent:])
+    except TIMEOUTS as exc:
+        raise WriteTimeout(sock, bytes(view[sent:])) from exc
+
+
+def read_write_replies(reader: ReplyReader, read: Callable[[ReplyReader], T]) -> T:
+    """``read(reader)`` of the replies to a write request; a timeout is a ``WriteTimeout``."""
+    try:
+        return read(reader)
+    except TIMEOUTS as exc:
+        raise WriteTimeout(reader.sock, b"") from exc
+
+
+#: Answered after everything sent before it on the connection, whatever memcached version.
+#: Write replies are status lines only, so the first line starting with ``VERSION `` is it.
+FENCE = b"version\r\n"
+
+
+def read_to_fence(sock: socket.socket) -> None:
+    """Read and drop replies up to the fence's; its timeout means the node still sleeps."""
+    reader = ReplyReader(sock)
+    while not reader.line().startswith(b"VERSION "):
+        pass
 
 
 class ReplyReader:
@@ -141,6 +198,61 @@ def store_command(name: bytes, key: bytes, data: bytes, flags: int, expire: int)
     return b"%b %b %d %d %d\r\n%b\r\n" % (name, key, flags, expire, len(data), data)
 
 
+# --- single-key writes: our own send loop, so a timeout knows what is still unsent -------
+
+
+def set_one(client: Client, key: str, value: tuple[bytes, int], expire: int) -> bool:
+    """``set`` of an encoded ``(data, flags)``; the signature of pymemcache's ``Client.set``."""
+    return _store_one(client, b"set", key, value, expire)
+
+
+def add_one(client: Client, key: str, value: tuple[bytes, int], expire: int) -> bool:
+    """``add``: False when the key exists."""
+    return _store_one(client, b"add", key, value, expire)
+
+
+def touch_one(client: Client, key: str, expire: int) -> bool:
+    """``touch``: False when the key is missing."""
+    return _write_one(client, b"touch %b %d\r\n" % (key.encode(), expire)) == b"TOUCHED"
+
+
+def delete_one(client: Client, key: str) -> bool:
+    """``delete``: False when the key is missing."""
+    return _write_one(client, b"delete %b\r\n" % key.encode()) == b"DELETED"
+
+
+def incr_one(client: Client, key: str, delta: int) -> int | None:
+    """``incr``: the new value, None when the key is missing (as ``Client.incr``);
+    ``MemcacheClientError`` for a value memcached cannot count with."""
+    line = _write_one(client, b"incr %b %d\r\n" % (key.encode(), delta))
+    if line == b"NOT_FOUND":
+        return None
+    if not line.isdigit():
+        raise ProtocolError(f"unexpected reply to incr: {line[:80]!r}")
+    return int(line)
+
+
+def _store_one(
+    client: Client, name: bytes, key: str, value: tuple[bytes, int], expire: int
+) -> bool:
+    data, flags = value
+    return _write_one(client, store_command(name, key.encode(), data, flags, expire)) == b"STORED"
+
+
+def _write_one(client: Client, request: bytes) -> bytes:
+    """Send one write command, return its status line; errors as pymemcache raises them."""
+    sock = connected(client)
+    send_write(sock, request)
+    line = read_write_replies(ReplyReader(sock), ReplyReader.line)
+    if line.startswith(b"SERVER_ERROR"):  # too large, out of memory: refused, node fine
+        raise MemcacheServerError(line[13:])
+    if line.startswith(b"CLIENT_ERROR"):
+        raise MemcacheClientError(line[13:])
+    if line == b"ERROR":
+        raise ProtocolError("memcached did not understand a command")
+    return line
+
+
 def read_lines(reader: ReplyReader, count: int) -> list[bytes]:
     """One status line per pipelined command (``STORED``, ``DELETED``, ``NOT_FOUND``...)."""
     lines = [reader.line() for _ in range(count)]
@@ -174,8 +286,8 @@ def meta_cas(
     """Store only if the item is unchanged since ``meta_get``; keeps its TTL."""
     sock = connected(client)
     ttl = 0 if ttl == -1 else max(ttl, 1)  # mg says -1 for "never expires"; ms wants 0
-    sock.sendall(b"ms %b %d T%d F%d C%d\r\n%b\r\n" % (key, len(data), ttl, flags, cas, data))
-    line = ReplyReader(sock).line()
+    send_write(sock, b"ms %b %d T%d F%d C%d\r\n%b\r\n" % (key, len(data), ttl, flags, cas, data))
+    line = read_write_replies(ReplyReader(sock), ReplyReader.line)
     if line == b"HD":
         return True
     if line in (b"EX", b"NF", b"NS"):

@@ -8,10 +8,16 @@ key is remembered for its node and deleted there before the node serves anything
 
 This covers the writes this process dropped; another process that dropped writes does
 the same when it next uses the node.
+
+A write that *timed out* may also still be applied: a paused node reads what waits in
+its socket buffers when it resumes, perhaps after the clean-up. So its connection is
+kept open (``LateWrites``) and settled first — the rest of its request and a fence are
+sent, and the fence's reply read — and only then are the outdated copies deleted.
 """
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import weakref
 from typing import Iterable
@@ -62,13 +68,51 @@ class OutdatedCopies:
             return b"flush_all\r\n", 1
         return b"".join(b"delete %b\r\n" % key.encode() for key in keys), len(keys)
 
+    def _after_fork(self) -> None:
+        self.lock = threading.Lock()
 
-_all: weakref.WeakSet[OutdatedCopies] = weakref.WeakSet()
+
+class LateWrites:
+    """Open connections whose write timed out, each with the part of its request that
+    was never sent; settled (by the node) before its outdated copies are cleaned."""
+
+    def __init__(self) -> None:
+        self.connections: list[tuple[socket.socket, bytes]] = []
+        self.pending = False  # read without the lock on every request: keep it a plain bool
+        self.lock = threading.Lock()  # guards the list; never held while talking
+        #: Held while a thread settles and cleans up, so no other thread cleans up before
+        #: the writes that thread took have landed.
+        self.repairing = threading.Lock()
+        _all.add(self)
+
+    def add(self, sock: socket.socket, unsent: bytes) -> None:
+        with self.lock:
+            self.connections.append((sock, unsent))
+            self.pending = True
+
+    def take(self) -> list[tuple[socket.socket, bytes]]:
+        """Every unsettled connection, now owned by the caller (``put_back`` the rest)."""
+        with self.lock:
+            taken, self.connections, self.pending = self.connections, [], False
+        return taken
+
+    def put_back(self, connections: list[tuple[socket.socket, bytes]]) -> None:
+        with self.lock:
+            self.connections[:0] = connections
+            self.pending = True
+
+    def _after_fork(self) -> None:
+        # The sockets are the parent's, which settles them: forget them, keep them open.
+        self.connections, self.pending = [], False
+        self.lock, self.repairing = threading.Lock(), threading.Lock()
+
+
+_all: weakref.WeakSet[OutdatedCopies | LateWrites] = weakref.WeakSet()
 
 
 def _new_locks_after_fork() -> None:
-    for copies in list(_all):
-        copies.lock = threading.Lock()
+    for record in list(_all):
+        record._after_fork()
 
 
 os.register_at_fork(after_in_child=_new_locks_after_fork)

@@ -1,0 +1,121 @@
+"""Logging of repeated failures that never floods the log.
+
+A cache that ignores its failures (``IGNORE_EXCEPTIONS``) may see thousands per second
+while a server is down. :class:`FailureLog` writes, per failing *source* (a server, a
+node: any name), one line when an episode starts, at most one summary per ``interval``
+while it lasts, and one line when the caller says the source answers again. Exact
+counts belong in the caller's metrics; this only decides what reaches the log.
+
+It knows nothing of any backend: the caller gives it a logger and a word for its kind
+of failure ("memcached", "MySQL").
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+#: Seconds between two summary lines of one source.
+DEFAULT_INTERVAL = 60.0
+
+
+@dataclass
+class Episode:
+    """A run of failures of one source."""
+
+    started: float
+    last_failure: float
+    last_line: float  # when this episode last wrote a line
+    last_error: str
+    total: int = 1
+    unreported: int = 0  # failures since the last line
+
+
+class FailureLog:
+    """One line per episode start, a summary per ``interval``, one line at the end.
+
+    An episode ends when :meth:`recovered` is called for its source, or silently after
+    ``interval`` seconds without a failure: the next failure then starts a new one
+    (after a summary of what the old one left unreported). Summaries are written when a
+    failure arrives, never by a timer, so a quiet source costs nothing.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        kind: str,
+        interval: float = DEFAULT_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.kind = kind
+        self.interval = interval
+        self.clock = clock
+        self.episodes: dict[str, Episode] = {}
+        self.lock = threading.Lock()
+        _instances.add(self)
+
+    def failed(self, source: str, error: object) -> None:
+        """Note one ignored failure of ``source``; log it if the rate allows."""
+        now = self.clock()
+        error_text = str(error)
+        lines: list[tuple] = []
+        with self.lock:  # decide under the lock, log outside it
+            episode = self.episodes.get(source)
+            if episode is not None and now - episode.last_failure >= self.interval:
+                self._summarize(lines, source, episode, until=episode.last_failure)  # quiet end
+                episode = None
+            if episode is None:
+                self.episodes[source] = Episode(now, now, now, error_text)
+                lines.append(self._first(source, error_text))
+            else:
+                episode.total += 1
+                episode.unreported += 1
+                episode.last_failure = now
+                episode.last_error = error_text
+                if now - episode.last_line >= self.interval:
+                    self._summarize(lines, source, episode, until=now)
+        for line in lines:
+            self.logger.warning(*line)
+
+    def recovered(self, source: str) -> None:
+        """``source`` answers again: close its episode, if one is open, with its total."""
+        now = self.clock()
+        with self.lock:
+            episode = self.episodes.pop(source, None)
+        if episode is not None:
+            self.logger.warning(
+                "%s %s answers again: %d failure(s) ignored in %.1f s (last: %s)",
+                self.kind, source, episode.total, now - episode.started, episode.last_error,
+            )
+
+    def _first(self, source: str, error_text: str) -> tuple:
+        return (
+            "Ignored %s failure on %s: %s (further failures there are summarized at most "
+            "every %g s)", self.kind, source, error_text, self.interval,
+        )
+
+    def _summarize(self, lines: list[tuple], source: str, episode: Episode, until: float) -> None:
+        """Add the summary of ``episode``'s unreported failures to ``lines``, if any."""
+        unreported, since = episode.unreported, episode.last_line
+        episode.unreported, episode.last_line = 0, until
+        if unreported:
+            lines.append((
+                "%d more %s failure(s) ignored on %s in %.1f s (last: %s)",
+                unreported, self.kind, source, until - since, episode.last_error,
+            ))
+
+
+_instances: weakref.WeakSet[FailureLog] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    for failure_log in list(_instances):
+        failure_log.lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
