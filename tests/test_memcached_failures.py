@@ -12,7 +12,7 @@ from pymemcache.client.base import Client
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeDown, NodeError
-from django_kvcache.memcached.health import NodeHealth
+from django_kvcache.health import NodeHealth
 from django_kvcache.signals import node_down, node_up
 from tests.test_faults_memcached import pause, resume
 

@@ -146,7 +146,7 @@ def test_a_raising_node_down_receiver_is_logged_and_the_call_falls_back(
     else:
         assert result == FALLBACKS[name]
     assert cache.cluster.by_name[dead.address].health.down
-    errors = [r for r in caplog.records if r.name == "django_kvcache.memcached.health"
+    errors = [r for r in caplog.records if r.name == "django_kvcache.health"
               and r.levelno == logging.ERROR and "node_down receiver" in r.getMessage()]
     assert len(errors) == 1 and "receiver bug" in errors[0].getMessage()
     assert_no_connection_checked_out(cache)

@@ -14,13 +14,8 @@ from pymemcache.client.murmur3 import murmur3_32
 from pymemcache.client.rendezvous import RendezvousHash
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached.routing import (
-    KvcacheRouter,
-    PymemcacheRouter,
-    make_router,
-    parse_location,
-    parse_weights,
-)
+from django_kvcache.memcached.routing import PymemcacheRouter, make_router, parse_location
+from django_kvcache.routing import KvcacheRouter, parse_weights
 
 NAMES = ["cache-a:11211", "cache-b:11211", "cache-c:11211"]
 NODES = parse_location(NAMES)
@@ -48,28 +43,28 @@ def owners(router, keys):
 
 @pytest.mark.parametrize("key, scores, winner, weighted_winner", VECTORS)
 def test_published_vectors(key, scores, winner, weighted_winner):
-    router = KvcacheRouter(NODES, [1.0, 1.0, 1.0])
+    router = KvcacheRouter(NAMES, [1.0, 1.0, 1.0])
     assert tuple(router.scores(key)) == scores
     assert router.names[router.node_for(key)] == winner
-    weighted = KvcacheRouter(NODES, [1.0, 1.0, 3.0])
+    weighted = KvcacheRouter(NAMES, [1.0, 1.0, 3.0])
     assert weighted.names[weighted.winner(key)] == weighted_winner
 
 
 def test_node_seeds_are_murmur3_of_the_name():
-    router = KvcacheRouter(NODES, [1.0, 1.0, 1.0])
+    router = KvcacheRouter(NAMES, [1.0, 1.0, 1.0])
     assert dict(zip(NAMES, router.seeds)) == NODE_SEEDS
 
 
 @pytest.mark.parametrize("key", [v[0] for v in VECTORS if v[0].isascii()])
 def test_vectors_match_an_independent_murmur3(key):
     # pymemcache's pure-Python murmur3 is a second implementation (for ASCII text).
-    router = KvcacheRouter(NODES, [1.0, 1.0, 1.0])
+    router = KvcacheRouter(NAMES, [1.0, 1.0, 1.0])
     expected = [murmur3_32(key, murmur3_32(name, 0)) for name in NAMES]
     assert router.scores(key) == expected
 
 
 def test_ranking_starts_with_the_winner_and_lists_every_node():
-    router = KvcacheRouter(NODES, [1.0, 1.0, 1.0])
+    router = KvcacheRouter(NAMES, [1.0, 1.0, 1.0])
     for key in keys(200):
         ranking = router.ranking(key)
         assert sorted(ranking) == [0, 1, 2]
@@ -78,18 +73,18 @@ def test_ranking_starts_with_the_winner_and_lists_every_node():
 
 def test_removing_a_node_moves_only_its_keys():
     names = [f"10.0.0.{i}:11211" for i in range(1, 9)]
-    before = owners(KvcacheRouter(parse_location(names), [1.0] * 8), keys(5000))
+    before = owners(KvcacheRouter(names, [1.0] * 8), keys(5000))
     removed = names[3]
-    after = owners(KvcacheRouter(parse_location(names[:3] + names[4:]), [1.0] * 7), keys(5000))
+    after = owners(KvcacheRouter(names[:3] + names[4:], [1.0] * 7), keys(5000))
     moved = {key for key in before if before[key] != after[key]}
     assert moved == {key for key, owner in before.items() if owner == removed}
 
 
 def test_adding_a_node_moves_about_one_share_of_keys():
     names = [f"10.0.0.{i}:11211" for i in range(1, 8)]
-    before = owners(KvcacheRouter(parse_location(names), [1.0] * 7), keys(8000))
+    before = owners(KvcacheRouter(names, [1.0] * 7), keys(8000))
     grown = names + ["10.0.0.8:11211"]
-    after = owners(KvcacheRouter(parse_location(grown), [1.0] * 8), keys(8000))
+    after = owners(KvcacheRouter(grown, [1.0] * 8), keys(8000))
     moved = [key for key in before if before[key] != after[key]]
     assert all(after[key] == "10.0.0.8:11211" for key in moved)  # only onto the new node
     assert 0.8 / 8 < len(moved) / 8000 < 1.2 / 8
@@ -97,14 +92,14 @@ def test_adding_a_node_moves_about_one_share_of_keys():
 
 def test_weights_shift_the_share_of_keys():
     names = ["a:1", "b:1", "c:1"]
-    router = KvcacheRouter(parse_location(names), [1.0, 1.0, 2.0])
+    router = KvcacheRouter(names, [1.0, 1.0, 2.0])
     share = Counter(owners(router, keys(9000)).values())
     assert 0.45 < share["c:1"] / 9000 < 0.55  # 2 / (1 + 1 + 2)
     assert 0.2 < share["a:1"] / 9000 < 0.3
 
 
 def test_route_memo_gives_the_same_answers_as_hashing():
-    router = KvcacheRouter(NODES, [1.0, 1.0, 1.0])
+    router = KvcacheRouter(NAMES, [1.0, 1.0, 1.0])
     first = [router.node_for(key) for key in keys(300)]
     assert [router.node_for(key) for key in keys(300)] == first
     assert first == [router.winner(key) for key in keys(300)]
@@ -168,7 +163,7 @@ def test_switching_from_pymemcachecache_finds_every_key():
 
 def test_default_scheme_places_keys_differently_from_pymemcache():
     # The two schemes are distinct: a sanity check that HASHING really switches.
-    kv = KvcacheRouter(NODES, [1.0] * 3)
+    kv = KvcacheRouter(NAMES, [1.0] * 3)
     pm = PymemcacheRouter(NODES, [1.0] * 3)
     assert [kv.winner(k) for k in keys(100)] != [pm.winner(k) for k in keys(100)]
 
@@ -197,9 +192,9 @@ def test_bad_location_is_improperly_configured(location):
 
 def test_weights_must_name_location_entries_and_be_positive():
     with pytest.raises(ImproperlyConfigured, match="WEIGHTS"):
-        parse_weights({"elsewhere:1": 2}, NODES)
+        parse_weights({"elsewhere:1": 2}, NAMES)
     with pytest.raises(ImproperlyConfigured, match="WEIGHTS"):
-        parse_weights({"cache-a:11211": 0}, NODES)
+        parse_weights({"cache-a:11211": 0}, NAMES)
     with pytest.raises(ImproperlyConfigured, match="WEIGHTS"):
-        parse_weights([2, 1, 1], NODES)
-    assert parse_weights({"cache-b:11211": 2}, NODES) == [1.0, 2.0, 1.0]
+        parse_weights([2, 1, 1], NAMES)
+    assert parse_weights({"cache-b:11211": 2}, NAMES) == [1.0, 2.0, 1.0]

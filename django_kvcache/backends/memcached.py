@@ -33,7 +33,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, ValueTooLarge
 from django_kvcache.memcached import fanout, protocol
-from django_kvcache.memcached.health import health_for
+from django_kvcache.health import health_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.pool import ConnectionSettings, pool_for
 from django_kvcache.memcached.routing import (
@@ -41,9 +41,9 @@ from django_kvcache.memcached.routing import (
     check_scheme,
     make_router,
     parse_location,
-    parse_weights,
 )
 from django_kvcache.options import check_known, flag, integer, seconds
+from django_kvcache.routing import parse_weights
 from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
@@ -97,7 +97,7 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
     threshold = integer(options, "FAILURE_THRESHOLD", 2)
     retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
     scheme = check_scheme(options.get("HASHING", "kvcache"))
-    weights = parse_weights(options.get("WEIGHTS"), addresses)
+    weights = parse_weights(options.get("WEIGHTS"), [address.name for address in addresses])
     identity = (
         tuple(a.name for a in addresses), scheme, tuple(weights), settings,
         threshold, retry_timeout,

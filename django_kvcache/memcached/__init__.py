@@ -1,7 +1,8 @@
 """Building blocks of :class:`django_kvcache.backends.memcached.MemcachedCache`.
 
-``routing`` places keys on nodes, ``pool`` keeps connections, ``health`` tracks which
-nodes answer, ``stale`` what a node missed or may still apply late, ``node`` ties them
+``routing`` parses LOCATION and places keys on nodes (with the shared
+:mod:`django_kvcache.routing`), ``pool`` keeps connections, the shared
+:mod:`django_kvcache.health` tracks which nodes answer, ``stale`` what a node missed or may still apply late, ``node`` ties them
 together per server (and owns every connection's lifecycle), ``protocol`` speaks the
 text protocol for the writes and batch paths and ``fanout`` runs batches on every node
 at once.

@@ -16,7 +16,7 @@ from pymemcache.exceptions import MemcacheUnexpectedCloseError, MemcacheUnknownE
 
 from django_kvcache.memcached import NodeDown, NodeError
 from django_kvcache.memcached import protocol
-from django_kvcache.memcached.health import NodeHealth
+from django_kvcache.health import NodeHealth
 from django_kvcache.memcached.pool import NodePool
 from django_kvcache.memcached.protocol import ProtocolError, ReplyReader, WriteTimeout, connected
 from django_kvcache.memcached.routing import NodeAddress

@@ -1,36 +1,25 @@
-"""Where keys live: LOCATION parsing and rendezvous (highest random weight) hashing.
+"""Where memcached keys live: LOCATION parsing and the two hashing schemes.
 
-Two schemes, both rendezvous hashing with MurmurHash3 x86_32 (mmh3, in C):
+``"kvcache"`` (default) is the rendezvous hashing of :mod:`django_kvcache.routing`.
 
-``"kvcache"`` (default)
-    ``score(node, key) = murmur3_32(utf8(key), seed=murmur3_32(utf8(node.name), 0))``.
-    The highest score wins; equal scores go to the node whose name is greater as UTF-8
-    bytes. With weights, ``score = -weight / ln((hash + 0.5) / 2**32)``, which orders
-    nodes exactly like the plain hash when every weight is equal.
-
-``"pymemcache"``
-    What pymemcache's ``HashClient`` (Django's ``PyMemcacheCache``) does:
-    ``murmur3_32("<host:port>-<key>", seed 0)`` where pymemcache's pure-Python murmur3
-    reads one character's low byte per character. We feed mmh3 the same bytes.
-
-Removing a node moves only that node's keys; adding one of N+1 moves about 1/(N+1).
+``"pymemcache"`` is what pymemcache's ``HashClient`` (Django's ``PyMemcacheCache``) does:
+``murmur3_32("<host:port>-<key>", seed 0)``, highest wins, where pymemcache's
+pure-Python murmur3 reads one character's low byte per character. We feed mmh3 the same
+bytes, so both clients put every key on the same node.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import mmh3
 from django.core.exceptions import ImproperlyConfigured
 
-from django_kvcache.options import check_known, is_number
+from django_kvcache.routing import KvcacheRouter, Router
 
 DEFAULT_PORT = 11211
 SCHEMES = ("kvcache", "pymemcache")
-#: Routing answers are remembered for this many keys, then forgotten all at once.
-ROUTE_MEMO_SIZE = 65536
 
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+)(?::(?P<port>\d{1,5}))?$")
 
@@ -98,108 +87,11 @@ def _parse_entry(entry: Any) -> NodeAddress:
     return NodeAddress(name=f"{match['host']}:{port}", host=match["host"], port=port)
 
 
-def parse_weights(weights: Any, nodes: Sequence[NodeAddress]) -> list[float]:
-    """OPTIONS['WEIGHTS'] (node name -> positive number) as one weight per node."""
-    if weights is None:
-        return [1.0] * len(nodes)
-    names = {node.name for node in nodes}
-    check_known(weights, names, "OPTIONS['WEIGHTS'] (server names of LOCATION)")
-    for name, weight in weights.items():
-        if not is_number(weight) or not weight > 0:
-            raise ImproperlyConfigured(
-                f"OPTIONS['WEIGHTS'][{name!r}] must be a positive number, got {weight!r}"
-            )
-    return [float(weights.get(node.name, 1.0)) for node in nodes]
-
-
-class Router:
-    """Rendezvous hashing over a fixed list of nodes; answers are node indexes."""
-
-    def __init__(self, nodes: Sequence[NodeAddress], weights: Sequence[float]) -> None:
-        self.names = [node.name for node in nodes]
-        self.weights = list(weights)
-        self.weighted = len(set(self.weights)) > 1
-        self.single = len(nodes) == 1
-        self._memo: dict[str, int] = {}
-
-    def node_for(self, key: str) -> int:
-        """The index of the node that owns ``key``."""
-        if self.single:
-            return 0
-        memo = self._memo
-        try:
-            return memo[key]
-        except KeyError:
-            pass
-        if len(memo) >= ROUTE_MEMO_SIZE:
-            memo.clear()  # a crude bound: cheaper than an LRU, and routing is deterministic
-        index = memo[key] = self.winner(key)
-        return index
-
-    def group(self, keys: Iterable[str]) -> dict[int, list[str]]:
-        """Keys grouped by the index of their node."""
-        if self.single:
-            return {0: list(keys)}
-        groups: dict[int, list[str]] = {}
-        remembered = self._memo.get
-        for key in keys:
-            index = remembered(key)
-            if index is None:
-                index = self.node_for(key)
-            try:
-                groups[index].append(key)
-            except KeyError:
-                groups[index] = [key]
-        return groups
-
-    def winner(self, key: str) -> int:
-        scores = self.scores(key)
-        best = max(scores)
-        if scores.count(best) == 1:
-            return scores.index(best)
-        return self.ranking(key)[0]  # a tie: let the tie-breaker decide
-
-    def ranking(self, key: str) -> list[int]:
-        """Every node index, best first: the failover order for ``key``."""
-        scores = self.scores(key)
-        return sorted(
-            range(len(scores)), key=lambda i: (scores[i], self._tie_breaker(i)), reverse=True
-        )
-
-    def scores(self, key: str) -> list[float]:
-        raise NotImplementedError
-
-    def _tie_breaker(self, index: int) -> Any:
-        raise NotImplementedError
-
-
-class KvcacheRouter(Router):
-    """The ``"kvcache"`` scheme (see the module docstring and docs/memcached.rst)."""
-
-    def __init__(self, nodes: Sequence[NodeAddress], weights: Sequence[float]) -> None:
-        super().__init__(nodes, weights)
-        self.seeds = [mmh3.hash(name.encode(), 0, False) for name in self.names]
-        self.name_bytes = [name.encode() for name in self.names]
-
-    def scores(self, key: str) -> list[float]:
-        data = key.encode()
-        hashes = [mmh3.hash(data, seed, False) for seed in self.seeds]
-        if not self.weighted:
-            return hashes
-        return [
-            -weight / math.log((hashed + 0.5) / 2**32)
-            for hashed, weight in zip(hashes, self.weights)
-        ]
-
-    def _tie_breaker(self, index: int) -> bytes:
-        return self.name_bytes[index]
-
-
 class PymemcacheRouter(Router):
     """The ``"pymemcache"`` scheme: the placement of pymemcache's ``HashClient``."""
 
     def __init__(self, nodes: Sequence[NodeAddress], weights: Sequence[float]) -> None:
-        super().__init__(nodes, weights)
+        super().__init__([node.name for node in nodes], weights)
         if self.weighted:
             raise ImproperlyConfigured(
                 "OPTIONS['WEIGHTS'] cannot be used with HASHING='pymemcache': "
@@ -235,5 +127,5 @@ def make_router(
     scheme: Any, nodes: Sequence[NodeAddress], weights: Sequence[float]
 ) -> Router:
     if check_scheme(scheme) == "kvcache":
-        return KvcacheRouter(nodes, weights)
+        return KvcacheRouter([node.name for node in nodes], weights)
     return PymemcacheRouter(nodes, weights)

@@ -1,5 +1,8 @@
 """Process-wide node health: which nodes answer, shared by every thread and backend.
 
+A node is anything a backend spreads its keys over and may lose: a memcached server, a
+MySQL shard. ``kind`` names it in the log ("memcached node", "MySQL shard").
+
 After ``threshold`` consecutive connection or timeout errors a node is *down* for
 ``retry_timeout`` seconds and nobody talks to it. When that time is up, the first
 caller re-arms the timer and becomes the single probe: its own request decides
@@ -20,8 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class NodeHealth:
-    def __init__(self, name: str, threshold: int, retry_timeout: float) -> None:
+    def __init__(
+        self, name: str, threshold: int, retry_timeout: float, kind: str = "memcached node"
+    ) -> None:
         self.name = name
+        self.kind = kind
         self.threshold = threshold
         self.retry_timeout = retry_timeout
         self.failures = 0  # consecutive
@@ -53,8 +59,8 @@ class NodeHealth:
             self.failures = 0
             self.down_until = 0.0
         if was_down:
-            logger.warning("memcached node %s is back up", self.name)
-            _notify("node_up", node_up, node=self.name)
+            logger.warning("%s %s is back up", self.kind, self.name)
+            _notify("node_up", node_up, node=self.name, kind=self.kind)
 
     def failed(self, reason: str) -> None:
         with self.lock:
@@ -66,10 +72,10 @@ class NodeHealth:
                 return
             self.down_until = time.monotonic() + self.retry_timeout
         logger.error(
-            "memcached node %s is down after %d consecutive failures (%s); retrying in %s s",
-            self.name, self.failures, reason, self.retry_timeout,
+            "%s %s is down after %d consecutive failures (%s); retrying in %s s",
+            self.kind, self.name, self.failures, reason, self.retry_timeout,
         )
-        _notify("node_down", node_down, node=self.name, reason=reason)
+        _notify("node_down", node_down, node=self.name, reason=reason, kind=self.kind)
 
 
 def _notify(name: str, signal: Signal, **arguments: str) -> None:
@@ -83,18 +89,20 @@ def _notify(name: str, signal: Signal, **arguments: str) -> None:
             )
 
 
-_registry: dict[tuple[str, int, float], NodeHealth] = {}
+_registry: dict[tuple[str, str, int, float], NodeHealth] = {}
 _registry_lock = threading.Lock()
 
 
-def health_for(name: str, threshold: int, retry_timeout: float) -> NodeHealth:
-    """The process-wide health record of a node (per failure policy)."""
-    key = (name, threshold, retry_timeout)
+def health_for(
+    name: str, threshold: int, retry_timeout: float, kind: str = "memcached node"
+) -> NodeHealth:
+    """The process-wide health record of a node (per kind and failure policy)."""
+    key = (kind, name, threshold, retry_timeout)
     try:
         return _registry[key]
     except KeyError:
         with _registry_lock:
-            return _registry.setdefault(key, NodeHealth(name, threshold, retry_timeout))
+            return _registry.setdefault(key, NodeHealth(name, threshold, retry_timeout, kind))
 
 
 def _new_locks_after_fork() -> None:
