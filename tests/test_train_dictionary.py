@@ -1,5 +1,6 @@
-"""manage.py kvcache_train_dictionary on a real MySQLCache: samples live entries, writes a
-dictionary that makes the cache's own values smaller, and refuses what it cannot use."""
+"""manage.py kvcache_train_dictionary on a real MySQLCache and a real memcached node:
+samples live entries, writes a dictionary that makes the cache's own values smaller, and
+refuses what it cannot use."""
 from __future__ import annotations
 
 import io
@@ -10,7 +11,7 @@ from django.core.cache import caches
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from django_kvcache.codec import Codec
+from django_kvcache.codec import FLAG_INTEGER, Codec
 from django_kvcache.zstd import zstd_module
 from tests.mysql_support import BACKEND, drop_table, ensure_table
 from tests.test_zstd import ZSTD, api_response
@@ -20,19 +21,26 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 TABLE = "kvcache_train_test"
-CACHES = {
-    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-    "sampled": {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABILITY": 0}},
-}
+MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
+MYSQL_CACHE = {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABILITY": 0}}
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 
-@pytest.fixture
-def sampled():
+@pytest.fixture(params=["mysql", "memcached"])
+def sampled(request, memcached_node_factory):
+    """The "sampled" cache: a MySQLCache table, or a memcached node of the test's own."""
+    if request.param == "memcached":
+        node = memcached_node_factory()
+        CACHES["sampled"] = {"BACKEND": MEMCACHED, "LOCATION": [node.address]}
+    else:
+        CACHES["sampled"] = MYSQL_CACHE
     with override_settings(CACHES=CACHES):
         cache = caches["sampled"]
-        ensure_table(cache)
+        if request.param == "mysql":
+            ensure_table(cache)
         yield cache
-        drop_table(TABLE)
+        if request.param == "mysql":
+            drop_table(TABLE)
 
 
 def fill(cache, count, seed=1):
@@ -66,7 +74,11 @@ def test_entries_compressed_with_an_unknown_dictionary_are_skipped_and_counted(s
     fill(sampled, 100)
     first = tmp_path / "first.zstd"
     train(tmp_path, "sampled", output=first, samples=100, size=2048)
-    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(first), "CULL_PROBABILITY": 0}
+    options = {
+        **CACHES["sampled"].get("OPTIONS", {}),
+        "COMPRESSOR": ZSTD,
+        "COMPRESS_DICTIONARY": str(first),
+    }
     with override_settings(CACHES={**CACHES, "writer": {**CACHES["sampled"], "OPTIONS": options}}):
         rng = random.Random(3)
         caches["writer"].set("written-with-first", [api_response(rng) for _ in range(3)])
@@ -93,3 +105,15 @@ def test_too_few_entries_is_a_clear_error(sampled, tmp_path):
     with pytest.raises(CommandError, match="gave 5 usable entries; at least 10"):
         train(tmp_path, "sampled", output=tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_sample_entries_picks_distinct_live_entries_at_random(sampled):
+    fill(sampled, 100)
+    values = sampled.get_many([f"api:{n}" for n in range(100)]).values()
+    stored = {sampled.codec.encode(value)[0] for value in values}
+    first, second = sampled.sample_entries(30), sampled.sample_entries(30)
+    assert len(first) == len(second) == 30
+    assert all(flags != FLAG_INTEGER or data.isdigit() for data, flags in first)
+    api_entries = [data for data, _ in first if data in stored]
+    assert len(set(api_entries)) == len(api_entries) > 10  # no entry twice
+    assert first != second  # a random pick, not the first 30 in storage order

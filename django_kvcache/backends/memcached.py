@@ -533,6 +533,26 @@ class MemcachedCache(KVCache):
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}
 
+    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+        """Up to ``count`` entries picked at random across the nodes, as stored:
+        ``(bytes, flags)``. For training a compression dictionary
+        (``kvcache_train_dictionary``): it lists every key of every node, so it is no
+        request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
+        per_node = -(-count // len(self._nodes))
+        batches = []
+        for node in self._nodes:
+            keys = node.call(protocol.sample_keys, per_node)
+            if keys:
+                batches.append(fanout.get_batch(node, keys))
+        fanout.run(batches)
+        entries: list[tuple[bytes, int]] = []
+        for batch in batches:
+            if batch.error is not None:
+                raise batch.error
+            entries.extend(batch.result.values())
+        random.shuffle(entries)
+        return entries[:count]
+
     def server_stats(self) -> dict[str, dict[str, Any]]:
         """memcached's ``stats`` of every node; ``{"error": ...}`` for a node that fails."""
         stats: dict[str, dict[str, Any]] = {}

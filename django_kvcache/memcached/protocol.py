@@ -11,8 +11,10 @@ with a write that may still land.
 """
 from __future__ import annotations
 
+import random
 import socket
 from typing import Callable, Iterable, TypeVar
+from urllib.parse import unquote
 
 from pymemcache.client.base import Client
 from pymemcache.exceptions import (
@@ -293,3 +295,37 @@ def meta_cas(
     if line in (b"EX", b"NF", b"NS"):
         return False
     raise ProtocolError(f"unexpected reply to ms: {line[:80]!r}")
+
+
+# --- maintenance --------------------------------------------------------------------
+
+
+def sample_keys(client: Client, count: int, rng: random.Random | None = None) -> list[str]:
+    """Up to ``count`` of the node's keys, picked at random (a reservoir sample) from
+    ``lru_crawler metadump all`` (memcached 1.4.31+). It walks every item on the node:
+    for maintenance commands, never the request path."""
+    rng = rng or random.Random()
+    sock = connected(client)
+    sock.sendall(b"lru_crawler metadump all\r\n")
+    sample: list[str] = []
+    seen = 0
+    pending = b""
+    while True:
+        chunk = sock.recv(RECV_SIZE)
+        if not chunk:
+            raise MemcacheUnexpectedCloseError()
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"key="):
+                if line.rstrip(b"\r") == b"END":
+                    return sample
+                raise ProtocolError(f"unexpected reply to lru_crawler metadump: {line[:80]!r}")
+            key = unquote(line[4:line.index(b" ")].decode())
+            seen += 1
+            if len(sample) < count:
+                sample.append(key)
+            elif (slot := rng.randrange(seen)) < count:
+                sample[slot] = key
+        if pending.rstrip(b"\r") == b"END":
+            return sample
