@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping
 from asgiref.sync import sync_to_async
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 
-from django_kvcache.codec import Codec, CorruptValue
+from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
 from django_kvcache.options import check_known, django_integer, timeout_setting
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ class KVCache(BaseCache):
         }
     )
     backend_options: frozenset[str] = frozenset()
+    #: COMPRESS_MIN_LENGTH when OPTIONS do not set it: each backend weighs what
+    #: compression saves (memory, disk) against what it costs (CPU on every read).
+    default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
 
     def __init__(self, params: Mapping[str, Any]) -> None:
         options = params.get("OPTIONS") or {}
@@ -70,7 +73,7 @@ class KVCache(BaseCache):
         timeout_setting(params.get("timeout", params.get("TIMEOUT", 300)))
         super().__init__(params)
         self.options: dict[str, Any] = dict(options)
-        self.codec = Codec.from_options(options)
+        self.codec = Codec.from_options(options, self.default_compress_min_length)
 
     # --- configuration ---------------------------------------------------------------
 

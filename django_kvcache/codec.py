@@ -236,10 +236,13 @@ class Codec:
             self.compressed_mask |= flag
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Codec:
+    def from_options(
+        cls, options: Mapping[str, Any], default_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
+    ) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
-        COMPRESS_MIN_LENGTH and COMPRESS_LEVEL."""
-        min_length = integer(options, "COMPRESS_MIN_LENGTH", DEFAULT_COMPRESS_MIN_LENGTH, 0)
+        COMPRESS_MIN_LENGTH (``default_min_length`` when absent: each backend's own) and
+        COMPRESS_LEVEL."""
+        min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
         compressor = _load_class(options, "COMPRESSOR", DEFAULT_COMPRESSOR)
         if options.get("COMPRESS_DICTIONARY") and not getattr(compressor, "dictionaries", None):
             raise ImproperlyConfigured(

@@ -35,7 +35,7 @@ ROWS = (100, 300)
 NODES = (1, 2)
 WORKERS = (1, 2)
 MIXES = ("realistic", "random")
-SCENARIOS = ["ops", "rows", "nodes", "concurrency", "storage", "capacity"]
+SCENARIOS = ["ops", "rows", "nodes", "concurrency", "storage", "capacity", "codec"]
 STORAGE_ENTRIES = 60
 CAPACITY_MB, CAPACITY_FILL = 16, 2.5
 OPERATIONS = {"set", "set large", "set_many", "get hit", "get miss", "get large", "get_many hit",
@@ -98,7 +98,7 @@ def test_every_requested_cache_ran_and_nothing_else(data: dict[str, Any]) -> Non
 
 def test_each_mix_reruns_the_scenarios_that_depend_on_the_values(runs: dict[str, dict[str, Any]]) -> None:
     random_run = runs["random"]
-    assert random_run["scenarios_run"] == ["ops", "storage", "capacity"]
+    assert random_run["scenarios_run"] == ["ops", "storage", "capacity", "codec"]
     assert random_run["failures"] == []
     for mix, results in runs.items():
         assert results["values"]["name"] == results["parameters"]["values"] == mix
@@ -188,8 +188,10 @@ def test_text_table_and_plots_are_written(run: tuple[subprocess.CompletedProcess
         assert f"values: {mix} (" in completed.stdout
         assert f"ops, {mix} values: median per call" in completed.stdout
         assert f"capacity, {mix} values: entries still readable" in completed.stdout
+        assert f"codec, {mix} values: CPU per value" in completed.stdout
     pngs = {(mix, name): results / f"benchmark-{mix}-{name}.png"
-            for mix in MIXES for name in SCENARIOS if mix == MIXES[0] or name in ("ops", "storage", "capacity")}
+            for mix in MIXES for name in SCENARIOS
+            if mix == MIXES[0] or name in ("ops", "storage", "capacity", "codec")}
     assert sorted(results.glob("*.png")) == sorted(pngs.values())
     for png in pngs.values():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -352,3 +354,22 @@ def test_random_mix_is_incompressible_and_the_original_values() -> None:
     assert payloads.compression_ratio(values) < 1.0
     rng = random.Random(1234)  # how the benchmark drew its values before it had mixes
     assert values == tuple(rng.randbytes(rng.randint(1, 3072)) for _ in range(256))
+
+
+def test_codec_weighs_each_compression_setting_against_django_mysql_s(
+    runs: dict[str, dict[str, Any]]
+) -> None:
+    realistic = {e["setting"]: e for e in runs["realistic"]["scenarios"]["codec"]["results"]}
+    assert {"django-mysql policy", "none", "zlib-1 from 400", "zstd-3 from 400",
+            "zstd-3 + dictionary from 400"} <= set(realistic)
+    assert realistic["none"]["vs_payload"] == 1.0
+    for entry in realistic.values():
+        assert entry["encode_us"] > 0 and entry["decode_us"] > 0
+    # Compressing small values shrinks them, and a trained dictionary shrinks them more.
+    assert realistic["zlib-1 from 400"]["vs_payload"] < 0.5
+    assert (realistic["zstd-3 + dictionary from 400"]["stored_bytes"]
+            < 0.9 * realistic["zstd-3 from 400"]["stored_bytes"])
+    # Random bytes come out of every setting as they went in: nothing to gain.
+    for entry in runs["random"]["scenarios"]["codec"]["results"]:
+        assert entry["vs_payload"] == 1.0
+

@@ -174,7 +174,7 @@ def test_training_needs_samples():
 def test_missing_dictionary_is_a_logged_miss_on_a_real_cache(dictionaries, caplog):
     from tests.mysql_support import drop_table, make_cache
 
-    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]}
+    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0], "COMPRESS_MIN_LENGTH": 400}
     writer = make_cache("kvcache_zstd_test", OPTIONS=options)
     try:
         writer.set("key", small_value())

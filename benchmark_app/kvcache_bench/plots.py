@@ -54,7 +54,8 @@ def _log_axis(axes: Any, which: str) -> None:
 def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
-               "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars}
+               "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
+               "codec": codec_tradeoff}
     written = []
     for name, scenario in results["scenarios"].items():
         if scenario["results"]:
@@ -205,3 +206,18 @@ def capacity_bars(capacity: dict[str, Any], results: dict[str, Any]) -> Any:
     return _bars(capacity["results"], "client", "kept", "entries still readable",
                  f"capacity: entries kept by a {capacity['memory_mb']} MiB memcached node after "
                  f"{capacity['written']:,} writes (higher is better)", results)
+
+
+def codec_tradeoff(codec: dict[str, Any], results: dict[str, Any]) -> Any:
+    """Bytes stored against CPU per value, encode and decode side by side."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 5), layout="constrained", sharey=True)
+    for axis, metric, label in ((axes[0], "encode_us", "encode"), (axes[1], "decode_us", "decode")):
+        for entry in codec["results"]:
+            axis.scatter(entry[metric], entry["vs_payload"], s=18)
+            axis.annotate(entry["setting"], (entry[metric], entry["vs_payload"]), fontsize=7,
+                          xytext=(3, 2), textcoords="offset points")
+        axis.set_xlabel(f"{label}: CPU µs per value")
+    axes[0].set_ylabel("bytes stored / serialized payload")
+    _title(figure, "codec: what compression costs and saves per value (no server; lower left "
+           "is better)", results)
+    return figure

@@ -17,6 +17,7 @@ IDENTITY = {
     "concurrency": ("cache", "mode", "workers"),
     "storage": ("cache",),
     "capacity": ("client",),
+    "codec": ("setting",),
 }
 
 
@@ -125,10 +126,20 @@ def capacity_text(capacity: dict[str, Any], mix: str = "") -> str:
             "memcached node\n\n" + table(header, lines))
 
 
+def codec_text(codec: dict[str, Any], mix: str = "") -> str:
+    lines = [[e["setting"], f"{e['encode_us']:.1f}", f"{e['decode_us']:.1f}",
+              f"{e['stored_bytes'] / codec['values']:,.0f}", _ratio(e["vs_payload"])]
+             for e in codec["results"]]
+    header = ["setting", "encode us", "decode us", "stored B/value", "x payload"]
+    return (f"codec, {mix} values: CPU per value (best of {codec['passes']} passes) and bytes "
+            f"stored for {codec['values']} values ({codec['payload_bytes'] / codec['values']:,.0f} B "
+            "serialized on average), no server\n\n" + table(header, lines))
+
+
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
-        "storage": storage_text, "capacity": capacity_text}
+        "storage": storage_text, "capacity": capacity_text, "codec": codec_text}
 #: The scenarios whose text names the value mix (the others use random filler).
-MIX_TEXT = {"ops", "storage", "capacity"}
+MIX_TEXT = {"ops", "storage", "capacity", "codec"}
 
 
 def text(results: dict[str, Any]) -> str:

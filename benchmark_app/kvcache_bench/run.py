@@ -10,10 +10,10 @@ from typing import Any, Sequence
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
-SCENARIOS = ("ops", "rows", "nodes", "concurrency", "storage", "capacity")
+SCENARIOS = ("ops", "rows", "nodes", "concurrency", "storage", "capacity", "codec")
 #: The scenarios whose figures depend on the values: run once per value mix. The others
 #: use small random filler and run with the first mix only.
-MIX_SCENARIOS = ("ops", "storage", "capacity")
+MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
 
 
 def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[str],
