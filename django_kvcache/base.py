@@ -5,12 +5,14 @@ Django's timeout rules, key building, corrupt-entry handling and the async metho
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 
+from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
 from django_kvcache.options import check_known, django_integer, timeout_setting
 
@@ -58,6 +60,8 @@ class KVCache(BaseCache):
             "COMPRESS_MIN_LENGTH",
             "COMPRESS_LEVEL",
             "COMPRESS_DICTIONARY",
+            "LEASE_TIMEOUT",
+            "STALE_TIMEOUT",
             "SIGNING_KEY",
         }
     )
@@ -74,6 +78,7 @@ class KVCache(BaseCache):
         super().__init__(params)
         self.options: dict[str, Any] = dict(options)
         self.codec = Codec.from_options(options, self.default_compress_min_length)
+        self.stampede = stampede.Policy.from_options(options)
 
     # --- configuration ---------------------------------------------------------------
 
@@ -120,6 +125,55 @@ class KVCache(BaseCache):
             logger.warning("Ignoring corrupt cache entry %r in %s: %s", key, self.backend_name, exc)
             return MISSING
 
+    def get_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """Django's ``get_or_set``; with LEASE_TIMEOUT, one caller computes a missing value
+        while the others wait for it or get the stale one (``django_kvcache.stampede``)."""
+        store = self._lease_store(key, timeout, version)
+        if store is None:
+            return super().get_or_set(key, default, timeout=timeout, version=version)
+        return stampede.run(self.stampede, store, default)
+
+    async def aget_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """``get_or_set`` for async code: a coroutine function as ``default`` is awaited."""
+        store = self._lease_store(key, timeout, version)
+        if store is None:
+            return await sync_to_async(self._get_or_set_awaiting, thread_sensitive=True)(
+                key, default, timeout, version
+            )
+        return await stampede.arun(self.stampede, store, default)
+
+    def _get_or_set_awaiting(self, key: Any, default: Any, timeout: Any, version: Any) -> Any:
+        """Django's get_or_set, run in the sync thread, with an async default awaited."""
+        if callable(default):
+            compute = default
+
+            def default() -> Any:
+                value = compute()
+                if inspect.isawaitable(value):
+                    awaitable = value
+
+                    async def wait() -> Any:
+                        return await awaitable
+
+                    value = async_to_sync(wait)()
+                return value
+
+        return super().get_or_set(key, default, timeout=timeout, version=version)
+
+    def _lease_store(self, key: Any, timeout: Any, version: Any) -> stampede.LeaseStore | None:
+        """The herd-protection primitive for ``key``; None when it is off (or the entry
+        would expire at once, where there is nothing to protect)."""
+        if self.stampede is None:
+            return None
+        seconds = self.timeout_seconds(timeout)
+        if seconds is not None and seconds <= 0:
+            return None
+        return stampede.AddLeaseStore(self, self.stampede, key, timeout, version)
+
     def decr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         check_delta(delta)  # before negating: -True would pass as -1
         return self.incr(key, -delta, version=version)
@@ -135,7 +189,6 @@ class KVCache(BaseCache):
     aset_many = delegate_to_sync("set_many")
     adelete_many = delegate_to_sync("delete_many")
     ahas_key = delegate_to_sync("has_key")
-    aget_or_set = delegate_to_sync("get_or_set")
     aincr = delegate_to_sync("incr")
     adecr = delegate_to_sync("decr")
     aincr_version = delegate_to_sync("incr_version")
