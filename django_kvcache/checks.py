@@ -1,10 +1,12 @@
 """System checks for the MySQLCache entries of ``CACHES``.
 
-* ``kvcache.E001`` the cache's database is not MySQL/MariaDB;
-* ``kvcache.W001`` the table is missing in the cache's own database. Like Django's own
-  database checks it needs a connection, so it runs only when the checks are given
+* ``kvcache.E001`` one of the cache's databases (a shard, or a shard's replica) is not
+  MySQL/MariaDB;
+* ``kvcache.W001`` the table is missing in one of the cache's own databases. Like Django's
+  own database checks it needs a connection, so it runs only when the checks are given
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
-  alias (``OPTIONS["DATABASE"]`` or the router's) is checked, whichever alias was named.
+  aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
+  checked, whichever alias was named.
 
 An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
 every cache in CACHES before these run, so ``check`` (and every command that runs the
@@ -18,7 +20,12 @@ from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
-from django_kvcache.backends.mysql import mysql_cache_aliases
+from django_kvcache.backends.mysql import MySQLCache, mysql_cache_aliases
+
+
+def all_databases(cache: MySQLCache) -> list[str]:
+    """Every alias the cache talks to: each shard's primary, then the replicas."""
+    return cache.database_aliases() + [shard.replica for shard in cache.shards if shard.replica]
 
 
 @register(Tags.caches)
@@ -27,15 +34,16 @@ def check_mysql_caches(
 ) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
     for alias in mysql_cache_aliases():
-        database = caches[alias].db_alias(write=True)
-        vendor = connections[database].vendor
-        if vendor != "mysql":
+        for database in all_databases(caches[alias]):
+            vendor = connections[database].vendor
+            if vendor == "mysql":
+                continue
             messages.append(
                 Error(
                     f"CACHES[{alias!r}] is a MySQLCache but its database {database!r} "
                     f"uses the {vendor!r} backend.",
-                    hint="Point OPTIONS['DATABASE'] (or your database router) at a MySQL "
-                    "or MariaDB connection.",
+                    hint="Point OPTIONS['DATABASE'] or OPTIONS['DATABASES'] (or your "
+                    "database router) at MySQL or MariaDB connections.",
                     id="kvcache.E001",
                 )
             )
@@ -53,10 +61,11 @@ def check_mysql_cache_tables(
     messages: list[CheckMessage] = []
     for alias in mysql_cache_aliases():
         cache = caches[alias]
-        database = cache.db_alias(write=True)
-        if connections[database].vendor != "mysql":
-            continue  # kvcache.E001
-        if not cache.table_exists():
+        for database in cache.database_aliases():
+            if connections[database].vendor != "mysql":
+                continue  # kvcache.E001
+            if cache.table_exists(database):
+                continue
             messages.append(
                 Warning(
                     f"The table {cache.table!r} of cache {alias!r} does not exist in "

@@ -44,12 +44,22 @@ def mysql_caches(aliases: Iterable[str] | None = None) -> dict[str, MySQLCache]:
 
 
 def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -> dict[str, str]:
-    """Create every missing table; returns ``{alias: SQL}`` of what was (or would be) run."""
+    """Create every missing table, on every shard of each cache; returns ``{alias: SQL}``
+    of what was (or would be) run, one statement per line preceded by a ``-- database``
+    comment when the cache has several shards."""
     done = {}
     for alias, cache in mysql_caches(aliases).items():
-        if cache.table_exists():
-            continue
-        done[alias] = cache.create_table_sql() if dry_run else cache.create_table()
+        sharded = len(cache.shards) > 1
+        statements = []
+        for database in cache.database_aliases():
+            if cache.table_exists(database):
+                continue
+            statement = cache.create_table_sql(database)
+            if not dry_run:
+                cache.create_table(database)
+            statements.append(f"-- database {database}\n{statement}" if sharded else statement)
+        if statements:
+            done[alias] = ";\n".join(statements)
     return done
 
 
@@ -76,10 +86,13 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
 
 
 def own_databases(cache: MySQLCache) -> set[str]:
-    """The cache's (write) database alias, and the alias it mirrors in tests, if any."""
-    alias = cache.db_alias(write=True)
-    mirror = (connections.settings[alias].get("TEST") or {}).get("MIRROR")
-    return {alias, mirror} - {None}
+    """The cache's (write) database aliases, one per shard, and the aliases they mirror
+    in tests, if any."""
+    owned: set[str] = set()
+    for alias in cache.database_aliases():
+        mirror = (connections.settings[alias].get("TEST") or {}).get("MIRROR")
+        owned |= {alias, mirror} - {None}
+    return owned
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
@@ -87,7 +100,7 @@ def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
     return {alias: cache.cull() for alias, cache in mysql_caches(aliases).items()}
 
 
-MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases})."""
+MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases}).{databases}"""
 from django.db import migrations
 
 
@@ -125,4 +138,15 @@ def migration_source(aliases: Iterable[str] | None = None) -> str:
         )
         for cache in tables.values()
     )
-    return MIGRATION_TEMPLATE.format(aliases=", ".join(selected), operations=operations)
+    return MIGRATION_TEMPLATE.format(
+        aliases=", ".join(selected), databases=databases_note(selected), operations=operations
+    )
+
+
+def databases_note(selected: dict[str, MySQLCache]) -> str:
+    """Where to apply the migration, when some cache lives on more than one database."""
+    databases = sorted({alias for cache in selected.values() for alias in cache.database_aliases()})
+    if not any(len(cache.shards) > 1 for cache in selected.values()):
+        return ""
+    commands = "".join(f"\n    manage.py migrate --database {alias}" for alias in databases)
+    return f"\n\nApply it on every shard:\n{commands}\n"

@@ -209,6 +209,12 @@ class AddLeaseStore:
             return Read(value, True, False)
         won = cache.add(self.lease_key, self.token, self.policy.lease_timeout, version=version)
         if won:
+            # A winner that stored and released between our get and our add: its value is
+            # fresh, and computing again would make two computations of one miss.
+            value = cache.get(self.key, MISSING, version=version)
+            if value is not MISSING:
+                self.release()
+                return Read(value, True, False)
             return Read(MISSING, False, True)
         stale = MISSING
         if self.policy.stale_timeout is not None:

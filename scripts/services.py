@@ -12,6 +12,9 @@ non-default ports, so a MariaDB on 3306 or a memcached on 11211 is never touched
 
 Settings (environment variables, all optional):
     KVCACHE_MYSQL_PORT        MariaDB port (default 23306)
+    KVCACHE_MYSQL_SHARD_PORTS ports of the extra MariaDB servers for the shard tests,
+                              comma-separated (default: the next two ports, 23307,23308;
+                              empty: none)
     KVCACHE_MEMCACHED_PORT    first memcached port (default 21211)
     KVCACHE_MEMCACHED_NODES   number of memcached processes (default 4)
     KVCACHE_RUNTIME_DIR       where state lives (default <project>/.runtime)
@@ -37,6 +40,16 @@ HOST = "127.0.0.1"
 MYSQL_PORT = int(os.environ.get("KVCACHE_MYSQL_PORT", "23306"))
 MYSQL_USER = "kvcache"
 MYSQL_DATABASE = "kvcache"
+MYSQL_SHARD_PORTS = [
+    int(port)
+    for port in os.environ.get(
+        "KVCACHE_MYSQL_SHARD_PORTS", f"{MYSQL_PORT + 1},{MYSQL_PORT + 2}"
+    ).split(",")
+    if port.strip()
+]
+#: InnoDB buffer pool of the main server, and of each (small, short-lived) shard server.
+BUFFER_POOL = "256M"
+SHARD_BUFFER_POOL = "64M"
 MEMCACHED_PORT = int(os.environ.get("KVCACHE_MEMCACHED_PORT", "21211"))
 MEMCACHED_NODES = int(os.environ.get("KVCACHE_MEMCACHED_NODES", "4"))
 START_TIMEOUT = 60.0
@@ -185,6 +198,7 @@ def stop(name: str) -> None:
 def socket_path(name: str) -> Path:
     path = RUNTIME / f"{name}.sock"
     if len(str(path)) < 100:  # unix socket paths are limited to ~107 bytes
+        RUNTIME.mkdir(parents=True, exist_ok=True)  # tests may start a server before `up`
         return path
     return Path(tempfile.gettempdir()) / f"kvcache-{name}.sock"
 
@@ -198,12 +212,18 @@ def mysql_answers(port: int = MYSQL_PORT) -> bool:
         return False
 
 
-def mariadb_argv(datadir: Path, port: int, name: str) -> list[str]:
+def mariadb_argv(
+    datadir: Path, port: int, name: str, buffer_pool: str = BUFFER_POOL
+) -> list[str]:
     """Command line of one loopback MariaDB, initialising `datadir` on first use.
 
     Also used by the tests for a second server they may restart.
     """
     user_args = ["--user=root"] if os.geteuid() == 0 else []
+    # A temporary directory of its own: servers set up at the same time in a shared /tmp
+    # have collided on their temporary tables' file names.
+    tmpdir = datadir.parent / f"{name}-tmp"
+    tmpdir.mkdir(parents=True, exist_ok=True)
     if not (datadir / "mysql").is_dir():
         log(f"initialising a MariaDB data directory in {datadir}")
         shutil.rmtree(datadir, ignore_errors=True)
@@ -211,7 +231,8 @@ def mariadb_argv(datadir: Path, port: int, name: str) -> list[str]:
         if install_db is None:
             sys.exit("services: mariadb-install-db not found; install mariadb-server")
         subprocess.run(
-            [install_db, "--no-defaults", f"--datadir={datadir}", "--skip-test-db",
+            [install_db, "--no-defaults", f"--datadir={datadir}", f"--tmpdir={tmpdir}",
+             "--skip-test-db",
              "--auth-root-authentication-method=normal", *user_args],
             check=True, stdout=subprocess.DEVNULL,
         )
@@ -228,11 +249,11 @@ def mariadb_argv(datadir: Path, port: int, name: str) -> list[str]:
     if mariadbd is None:
         sys.exit("services: mariadbd not found; install mariadb-server")
     return [
-        mariadbd, "--no-defaults", f"--datadir={datadir}", f"--port={port}",
+        mariadbd, "--no-defaults", f"--datadir={datadir}", f"--tmpdir={tmpdir}", f"--port={port}",
         f"--bind-address={HOST}", f"--socket={socket_path(name)}",
         f"--init-file={init_sql}", "--skip-name-resolve", "--skip-log-bin",
         "--character-set-server=utf8mb4", "--collation-server=utf8mb4_general_ci",
-        "--max-connections=500", "--innodb-buffer-pool-size=256M",
+        "--max-connections=500", f"--innodb-buffer-pool-size={buffer_pool}",
         # A throwaway server: durability is not worth an fsync per commit.
         "--innodb-flush-log-at-trx-commit=2", "--sync-binlog=0",
         *user_args,
@@ -240,14 +261,23 @@ def mariadb_argv(datadir: Path, port: int, name: str) -> list[str]:
 
 
 def mariadb_up() -> None:
-    if running_pid("mariadb") and mysql_answers():
-        log(f"MariaDB already running on {HOST}:{MYSQL_PORT}")
-        return
-    stop("mariadb")
-    ensure_port_free(MYSQL_PORT, "MariaDB", "KVCACHE_MYSQL_PORT")
-    pid = spawn("mariadb", mariadb_argv(RUNTIME / "mariadb-data", MYSQL_PORT, "mariadb"))
-    wait_until(mysql_answers, f"MariaDB on {HOST}:{MYSQL_PORT}", pid, "mariadb")
-    log(f"MariaDB started on {HOST}:{MYSQL_PORT} (pid {pid})")
+    """The main server, then the shard servers: all spawned before waiting for any."""
+    servers = [("mariadb", MYSQL_PORT, BUFFER_POOL, "KVCACHE_MYSQL_PORT")] + [
+        (f"mariadb-{port}", port, SHARD_BUFFER_POOL, "KVCACHE_MYSQL_SHARD_PORTS")
+        for port in MYSQL_SHARD_PORTS
+    ]
+    started = []
+    for name, port, buffer_pool, env_var in servers:
+        if running_pid(name) and mysql_answers(port):
+            log(f"MariaDB already running on {HOST}:{port}")
+            continue
+        stop(name)
+        ensure_port_free(port, "MariaDB", env_var)
+        argv = mariadb_argv(RUNTIME / f"{name}-data", port, name, buffer_pool)
+        started.append((name, port, spawn(name, argv)))
+    for name, port, pid in started:
+        wait_until(lambda: mysql_answers(port), f"MariaDB on {HOST}:{port}", pid, name)
+        log(f"MariaDB started on {HOST}:{port} (pid {pid})")
 
 
 # --- memcached ----------------------------------------------------------------------------
@@ -297,6 +327,7 @@ def environment() -> dict[str, str]:
         "KVCACHE_MYSQL_USER": MYSQL_USER,
         "KVCACHE_MYSQL_PASSWORD": "",
         "KVCACHE_MYSQL_DATABASE": MYSQL_DATABASE,
+        "KVCACHE_MYSQL_SHARD_PORTS": ",".join(map(str, MYSQL_SHARD_PORTS)),
         "KVCACHE_MEMCACHED": nodes,
     }
 

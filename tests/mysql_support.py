@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import pytest
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_kvcache.backends.mysql import MySQLCache, now_ms  # noqa: F401  (re-exported)
+from django_kvcache.mysql.server import forget_server
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
 TABLE = "kvcache_test"
@@ -53,6 +54,22 @@ def rows(table: str = TABLE) -> list[tuple]:
 def insert_row(key: str, value: bytes, flags: int, expires: int, table: str = TABLE) -> None:
     """A row written behind the backend's back (expired, corrupt...)."""
     sql(f"INSERT INTO `{table}` VALUES (%s, %s, %s, %s)", (key, value, flags, expires))
+
+
+def register_alias(alias: str, entry: dict[str, Any]) -> None:
+    """Add a DATABASES entry at run time, with the defaults Django fills in at start-up."""
+    connections.settings[alias] = connections.configure_settings({DEFAULT_DB_ALIAS: dict(entry)})[
+        DEFAULT_DB_ALIAS
+    ]
+
+
+def unregister_alias(alias: str) -> None:
+    for connection in connections.all(initialized_only=True):
+        if connection.alias == alias:  # this thread's; worker threads close their own
+            connection.close()
+            del connections[alias]
+    del connections.settings[alias]
+    forget_server(alias)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,12 @@ MYSQL_DATABASE = os.environ.get("KVCACHE_MYSQL_DATABASE", "kvcache")
 # One test database per pytest session, so two sessions on one server never drop each
 # other's; set in the environment so worker processes the tests start use the same one.
 TEST_DATABASE = os.environ.setdefault("KVCACHE_TEST_DATABASE", f"test_kvcache_{os.getpid()}")
+# The extra MariaDB servers `services.py up` starts for the shard tests.
+MYSQL_SHARD_PORTS = [
+    port
+    for port in os.environ.get("KVCACHE_MYSQL_SHARD_PORTS", "23307,23308").split(",")
+    if port.strip()
+]
 MEMCACHED_NODES = [
     node
     for node in os.environ.get(
@@ -52,7 +58,32 @@ DATABASES = {
         "OPTIONS": {"charset": "utf8mb4"},
         "TEST": {"MIRROR": "default"},
     },
+    # Three shards for OPTIONS["DATABASES"]: one on the main server (its own connection to
+    # the test database, as "cache"), one on each extra server (with its own test database).
+    "shard1": {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": MYSQL_DATABASE,
+        **MYSQL,
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {"MIRROR": "default"},
+    },
+    **{
+        f"shard{number}": {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": MYSQL_DATABASE,
+            **MYSQL,
+            "PORT": port,
+            "OPTIONS": {"charset": "utf8mb4"},
+            "TEST": {"NAME": TEST_DATABASE, "CHARSET": "utf8mb4"},
+        }
+        for number, port in enumerate(MYSQL_SHARD_PORTS, start=2)
+    },
 }
+# A "replica" of shard2 for the read-your-writes tests: a second connection to shard2's
+# test database (a real replica would lag; this one proves where reads are routed).
+if "shard2" in DATABASES:
+    DATABASES["shard2_replica"] = {**DATABASES["shard2"], "TEST": {"MIRROR": "shard2"}}
+SHARD_ALIASES = [alias for alias in DATABASES if alias.startswith("shard") and "_" not in alias]
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }

@@ -35,7 +35,7 @@ ROWS = (100, 300)
 NODES = (1, 2)
 WORKERS = (1, 2)
 MIXES = ("realistic", "random")
-SCENARIOS = ["ops", "rows", "nodes", "concurrency", "storage", "capacity", "codec"]
+SCENARIOS = ["ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec"]
 STORAGE_ENTRIES = 60
 CAPACITY_MB, CAPACITY_FILL = 16, 2.5
 OPERATIONS = {"set", "set large", "set_many", "get hit", "get miss", "get large", "get_many hit",
@@ -68,7 +68,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     completed = benchmark(
         results, "--caches", ",".join(REQUESTED), "--rounds", str(ROUNDS), "--calls", str(CALLS),
         "--rows", numbers(ROWS), "--nodes", numbers(NODES), "--workers", numbers(WORKERS),
-        "--iterations", "8", "--values", ",".join(MIXES), "--storage-entries", str(STORAGE_ENTRIES),
+        "--iterations", "8", "--callers", "6", "--values", ",".join(MIXES), "--storage-entries", str(STORAGE_ENTRIES),
         "--capacity-mb", str(CAPACITY_MB), "--capacity-fill", str(CAPACITY_FILL),
     )
     return completed, results
@@ -372,4 +372,20 @@ def test_codec_weighs_each_compression_setting_against_django_mysql_s(
     # Random bytes come out of every setting as they went in: nothing to gain.
     for entry in runs["random"]["scenarios"]["codec"]["results"]:
         assert entry["vs_payload"] == 1.0
+
+
+def test_stampede_computes_once_with_protection_and_once_per_caller_without(
+    data: dict[str, Any]
+) -> None:
+    results = data["scenarios"]["stampede"]["results"]
+    assert {(e["cache"], e["state"]) for e in results} == {
+        (cache, state) for cache in REQUESTED for state in ("fresh", "cold", "expired")}
+    for entry in results:
+        assert entry["answers_ok"], entry
+        if entry["state"] == "fresh":
+            assert entry["computations"] == 0
+        elif entry["cache"].startswith("kv-"):
+            assert entry["computations"] == 1, entry
+        else:  # Django's and django-mysql's get_or_set: every caller computes
+            assert entry["computations"] == entry["callers"], entry
 

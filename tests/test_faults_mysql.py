@@ -27,26 +27,11 @@ from django_kvcache.mysql.server import (
     server_info,
 )
 from tests.lost_reply_proxy import LostReplyProxy
+from tests.mysql_support import register_alias, unregister_alias
 
 ALIAS = "kvcache_faults"
 TABLE = "kvcache_faults"
 SMALL_PACKET = 1024 * 1024
-
-
-def register_alias(alias: str, entry: dict[str, Any]) -> None:
-    """Add a DATABASES entry at run time, with the defaults Django fills in at start-up."""
-    connections.settings[alias] = connections.configure_settings({DEFAULT_DB_ALIAS: dict(entry)})[
-        DEFAULT_DB_ALIAS
-    ]
-
-
-def unregister_alias(alias: str) -> None:
-    for connection in connections.all(initialized_only=True):
-        if connection.alias == alias:  # this thread's; worker threads close their own
-            connection.close()
-            del connections[alias]
-    del connections.settings[alias]
-    forget_server(alias)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ class Parameters:
     node_calls: int = 300
     workers: tuple[int, ...] = (1, 2, 4, 8)
     iterations: int = 150  # mixed-workload iterations per concurrent worker
+    callers: tuple[int, ...] = (8, 32, 128)  # callers at once on one key in stampede
     storage_entries: int = 1000  # entries of the mix written to measure bytes stored
     capacity_mb: int = 32  # memory (-m) of the memcached node the capacity scenario fills
     capacity_fill: float = 4.0  # bytes of values written into it, as a multiple of its memory
@@ -52,7 +53,7 @@ class Parameters:
     def quick(cls) -> Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
-                   node_calls=60, workers=(1, 4), iterations=30, storage_entries=200,
+                   node_calls=60, workers=(1, 4), iterations=30, callers=(8, 32), storage_entries=200,
                    capacity_mb=16, capacity_fill=2.5)
 
 

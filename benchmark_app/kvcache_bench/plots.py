@@ -55,7 +55,8 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
                "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
-               "codec": codec_tradeoff}
+               "codec": codec_tradeoff, "shards": shards_scaling,
+               "stampede": stampede_counts}
     written = []
     for name, scenario in results["scenarios"].items():
         if scenario["results"]:
@@ -182,6 +183,22 @@ def concurrency_lines(concurrency: dict[str, Any], results: dict[str, Any]) -> A
     return figure
 
 
+def shards_scaling(shards: dict[str, Any], results: dict[str, Any]) -> Any:
+    counts = shards["counts"]
+    entries = shards["results"]
+    figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
+    latency = _series([e for e in entries if "median_us" in e], "operation", "shards", counts,
+                      "median_us")
+    _line_chart(axes[0], counts, latency, "MySQL shards", "µs per call (median)",
+                f"*_many of {shards['keys']} keys")
+    axes[0].legend(fontsize=8)
+    rate = _series([e for e in entries if "ops_per_s" in e], "operation", "shards", counts,
+                   "ops_per_s")
+    _line_chart(axes[1], counts, rate, "MySQL shards", "operations per second", "throughput")
+    _title(figure, "shards: MySQLCache over N MariaDB servers", results, values=FILLER_LABEL)
+    return figure
+
+
 def _bars(entries: list[dict[str, Any]], subject: str, metric: str, xlabel: str, text: str,
           results: dict[str, Any]) -> Any:
     names = [e[subject] for e in entries]
@@ -221,3 +238,24 @@ def codec_tradeoff(codec: dict[str, Any], results: dict[str, Any]) -> Any:
     _title(figure, "codec: what compression costs and saves per value (no server; lower left "
            "is better)", results)
     return figure
+
+
+def stampede_counts(stampede: dict[str, Any], results: dict[str, Any]) -> Any:
+    """Computations per herd, by cache and number of callers (log scale: 1 is the goal)."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", sharey=True)
+    for axis, state in zip(axes, ("cold", "expired")):  # "fresh" computes nothing
+        entries = [e for e in stampede["results"] if e["state"] == state]
+        xs = stampede["callers"]
+        for cache in dict.fromkeys(e["cache"] for e in entries):
+            counts = {e["callers"]: e["computations"] for e in entries if e["cache"] == cache}
+            axis.plot(xs, [counts.get(x) for x in xs], marker="o", label=cache,
+                      color=color_of(cache), linestyle=line_style(cache))
+        _log_axis(axis, "x")
+        _log_axis(axis, "y")
+        axis.set_xlabel(f"callers at once ({state} key)")
+    axes[0].set_ylabel("computations of the value")
+    _legend_outside(axes[1])
+    _title(figure, f"stampede: how often a {stampede['compute_ms']} ms value is computed when N "
+           "callers miss it at once (1 is the goal)", results, values="one small string value")
+    return figure
+

@@ -18,6 +18,8 @@ IDENTITY = {
     "storage": ("cache",),
     "capacity": ("client",),
     "codec": ("setting",),
+    "stampede": ("cache", "callers", "state"),
+    "shards": ("operation", "shards"),
 }
 
 
@@ -136,8 +138,38 @@ def codec_text(codec: dict[str, Any], mix: str = "") -> str:
             "serialized on average), no server\n\n" + table(header, lines))
 
 
+def shards_text(shards: dict[str, Any]) -> str:
+    counts = shards["counts"]
+    by_key = {(e["operation"], e["shards"]): e for e in shards["results"]}
+    operations = list(dict.fromkeys(e["operation"] for e in shards["results"]))
+
+    def cell(operation: str, n: int) -> str:
+        entry = by_key.get((operation, n))
+        if entry is None:
+            return "-"
+        return f"{entry['ops_per_s']:,.0f}/s" if "ops_per_s" in entry else micros(entry["median_us"])
+
+    lines = [[operation, *(cell(operation, n) for n in counts)] for operation in operations]
+    return (f"shards: MySQLCache over N MariaDB servers, median per call of {shards['keys']} keys "
+            f"and throughput of {shards['workers']} threads\n\n"
+            + table(["operation", *(f"{n} shard(s)" for n in counts)], lines))
+
+
+def stampede_text(stampede: dict[str, Any]) -> str:
+    lines = [[e["cache"], str(e["callers"]), e["state"], str(e["computations"]),
+              micros(e["p50_us"]), micros(e["p99_us"]), micros(e["others_p50_us"]),
+              micros(e["others_p99_us"])] for e in stampede["results"]]
+    header = ["cache", "callers", "key", "computations", "p50", "p99", "others p50", "others p99"]
+    protection = ", ".join(f"{k} {v}" for k, v in stampede["protection"].items())
+    return (f"stampede: N callers at once on get_or_set of a present (fresh), missing (cold) or "
+            f"just-expired key, "
+            f"computing it takes {stampede['compute_ms']} ms; kvcache backends with {protection}"
+            "\n\n" + table(header, lines))
+
+
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
-        "storage": storage_text, "capacity": capacity_text, "codec": codec_text}
+        "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
+        "shards": shards_text, "stampede": stampede_text}
 #: The scenarios whose text names the value mix (the others use random filler).
 MIX_TEXT = {"ops", "storage", "capacity", "codec"}
 

@@ -10,10 +10,12 @@ from typing import Any, Sequence
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
-SCENARIOS = ("ops", "rows", "nodes", "concurrency", "storage", "capacity", "codec")
+SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec")
 #: The scenarios whose figures depend on the values: run once per value mix. The others
 #: use small random filler and run with the first mix only.
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
+#: Run only when named with --scenario: they need servers beyond the default ones.
+ON_REQUEST_SCENARIOS = ("shards",)
 
 
 def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[str],

@@ -8,6 +8,9 @@
         }
     }
 
+``OPTIONS["DATABASES"]`` spreads the keys over several aliases (shards) instead, with
+optional read replicas and ``IGNORE_EXCEPTIONS`` (see ``docs/scale-out.rst``).
+
 See ``docs/mysql.rst`` for the schema, every option and the SQL of each operation.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from operator import attrgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from django.conf import settings
@@ -33,13 +36,24 @@ from django.utils.module_loading import import_string
 
 from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import INT64_MAX, INT64_MIN
+from django_kvcache.failure_log import FailureLog
+from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql import culling
 from django_kvcache.mysql.config import (
     DEFAULT_CULL_PROBABILITY,
-    check_database,
     check_probability,
     check_table,
     router_model,
+)
+from django_kvcache.mysql.shards import (
+    SHARD_KIND,
+    Shard,
+    ShardDown,
+    ShardStats,
+    is_unreachable,
+    make_shards,
+    read_your_writes,
+    shard_stats,
 )
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.server import (
@@ -58,8 +72,20 @@ from django_kvcache.mysql.sql import (
     create_table_sql,
     drop_table_sql,
 )
+from django_kvcache.options import flag, integer, seconds
+from django_kvcache.signals import node_up
 
 logger = logging.getLogger(__name__)
+#: Shard failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
+ignored_failures = FailureLog(logger, "MySQL")
+
+
+def _shard_answers_again(sender: Any, node: str, kind: str = "", **kwargs: Any) -> None:
+    if kind == SHARD_KIND:
+        ignored_failures.recovered(f"shard {node}")
+
+
+node_up.connect(_shard_answers_again, dispatch_uid="django_kvcache.mysql.ignored_failures")
 
 #: Escaped size of the largest stored key (250 four-byte characters, every byte escaped).
 KEY_BYTES = MAX_KEY_LENGTH * 4 * 2 + 8
@@ -84,6 +110,8 @@ fetchall = methodcaller("fetchall")
 rowcount = attrgetter("rowcount")
 lastrowid = attrgetter("lastrowid")
 T = TypeVar("T")
+#: ``_call``'s fallback meaning "raise even under IGNORE_EXCEPTIONS" (incr, maintenance).
+RAISE: Any = object()
 
 
 def update_outcome(cursor: Any) -> tuple[int, int, int]:
@@ -137,7 +165,20 @@ _stats: dict[str, TableStats] = {}
 class MySQLCache(KVCache):
     """Django cache backend storing entries in a MySQL/MariaDB table (LOCATION)."""
 
-    backend_options = frozenset({"DATABASE", "ENGINE", "CULL_PROBABILITY"})
+    backend_options = frozenset(
+        {
+            "DATABASE",
+            "DATABASES",
+            "WEIGHTS",
+            "REPLICAS",
+            "READ_YOUR_WRITES",
+            "IGNORE_EXCEPTIONS",
+            "FAILURE_THRESHOLD",
+            "RETRY_TIMEOUT",
+            "ENGINE",
+            "CULL_PROBABILITY",
+        }
+    )
     #: Compress from 4 KB: on realistic values this costs what django-mysql's policy costs
     #: (zlib level 6 from 5000 bytes) and stores a little less; smaller values would be
     #: a third smaller again but read ~2x slower (docs/codec.rst, "Choosing compression").
@@ -146,23 +187,58 @@ class MySQLCache(KVCache):
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
         super().__init__(params)
         self.table = check_table(location)
-        self.database: str | None = check_database(self.options.get("DATABASE"))
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
         self.cull_probability = check_probability(
             self.options.get("CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY)
         )
         self.cache_model_class = router_model(self.table)
+        self.shards, self.router = make_shards(self.options, self.cache_model_class)
+        #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
+        self.database: str | None = self.shards[0].alias if self.router is None else None
+        self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS")
+        self.failure_threshold = integer(self.options, "FAILURE_THRESHOLD", 2)
+        self.retry_timeout = seconds(self.options, "RETRY_TIMEOUT", 10.0)
+        self.read_your_writes = read_your_writes(self.options)
+        # Reads may leave the primary only with a replica or routers that pick readers.
+        self._tracks_writes = any(s.replica or s.alias is None for s in self.shards)
+        self._written_at: dict[int, float] = {}  # shard index -> monotonic time of last write
+        self._health: dict[str, NodeHealth] = {}
         self._statements: dict[str, Statements] = {}
         self.stats = _stats.setdefault(self.table, TableStats())
 
-    # --- connections -----------------------------------------------------------------
+    # --- shards and connections ------------------------------------------------------
 
     def db_alias(self, write: bool) -> str:
-        """OPTIONS['DATABASE'], else what the routers say (as for DatabaseCache)."""
-        if self.database is not None:
-            return self.database
-        route = router.db_for_write if write else router.db_for_read
-        return route(self.cache_model_class)
+        """The alias of a single-shard cache: OPTIONS['DATABASE'], else what the routers
+        say (as for DatabaseCache). With OPTIONS['DATABASES'], the first shard's."""
+        shard = self.shards[0]
+        return shard.primary() if write else self._read_alias(shard)
+
+    def database_aliases(self) -> list[str]:
+        """Every shard's primary alias, in OPTIONS order (one alias without shards)."""
+        return [shard.primary() for shard in self.shards]
+
+    def _shard_for(self, key: str) -> Shard:
+        if self.router is None:
+            return self.shards[0]
+        return self.shards[self.router.node_for(key)]
+
+    def _by_shard(self, keys: list[str]) -> Iterable[tuple[Shard, list[str]]]:
+        """``keys`` grouped by shard: one statement per shard, shards in turn."""
+        if self.router is None:
+            return ((self.shards[0], keys),)
+        shards = self.shards
+        return ((shards[index], group) for index, group in self.router.group(keys).items())
+
+    def _read_alias(self, shard: Shard) -> str:
+        """The shard's reader, unless this thread wrote to it within READ_YOUR_WRITES."""
+        reader = shard.reader()
+        if not self._tracks_writes:
+            return reader
+        written = self._written_at.get(shard.index)
+        if written is not None and time.monotonic() - written < self.read_your_writes:
+            return shard.primary()
+        return reader
 
     def _db(self, alias: str) -> tuple[BaseDatabaseWrapper, Statements]:
         connection = connections[alias]
@@ -179,6 +255,77 @@ class MySQLCache(KVCache):
 
     def _writer(self) -> tuple[BaseDatabaseWrapper, Statements]:
         return self._db(self.db_alias(write=True))
+
+    def _call(
+        self,
+        shard: Shard,
+        write: bool,
+        work: Callable[[BaseDatabaseWrapper, Statements], T],
+        fallback: Any = RAISE,
+    ) -> T:
+        """``work(connection, statements)`` on the shard's primary (``write``) or reader.
+
+        An unreachable server raises, unless IGNORE_EXCEPTIONS turns it into ``fallback``
+        (a miss, a no-op); with RAISE it raises either way but still counts.
+        """
+        if write:
+            alias = shard.primary()
+            if self._tracks_writes:  # before the write: a lost reply may still have applied
+                self._written_at[shard.index] = time.monotonic()
+        else:
+            alias = self._read_alias(shard)
+        if self.ignore_exceptions:
+            return self._guarded(alias, work, fallback)
+        try:
+            return work(*self._db(alias))
+        except OperationalError as exc:
+            if is_unreachable(exc):
+                shard_stats(self.table, alias).errors += 1
+            raise
+
+    def _guarded(
+        self, alias: str, work: Callable[[BaseDatabaseWrapper, Statements], T], fallback: Any
+    ) -> T:
+        """``_call`` under IGNORE_EXCEPTIONS: the alias's health decides whether to try."""
+        health = self._health_of(alias)
+        stats = shard_stats(self.table, alias)
+        if health.down_until and not health.may_try():
+            stats.skipped += 1
+            return self._ignored(alias, stats, self._skipped(alias, health), fallback)
+        try:
+            result = work(*self._db(alias))
+        except OperationalError as exc:
+            if not is_unreachable(exc):
+                raise
+            stats.errors += 1
+            health.failed(f"{type(exc).__name__}: {exc}")
+            return self._ignored(alias, stats, exc, fallback)
+        health.succeeded()
+        return result
+
+    def _health_of(self, alias: str) -> NodeHealth:
+        health = self._health.get(alias)
+        if health is None:
+            health = self._health[alias] = health_for(
+                alias, self.failure_threshold, self.retry_timeout, kind=SHARD_KIND
+            )
+        return health
+
+    @staticmethod
+    def _skipped(alias: str, health: NodeHealth) -> ShardDown:
+        retry_in = max(0.0, health.down_until - time.monotonic())
+        return ShardDown(
+            f"{SHARD_KIND} {alias} is marked down after {health.failures} consecutive "
+            f"failures; next try in {retry_in:.1f} s (RETRY_TIMEOUT)"
+        )
+
+    def _ignored(self, alias: str, stats: ShardStats, error: Exception, fallback: Any) -> Any:
+        if fallback is RAISE:
+            raise error
+        stats.ignored += 1
+        # Logged once per episode and then summarized: a down shard fails every call.
+        ignored_failures.failed(f"shard {alias}", f"{type(error).__name__}: {error}")
+        return fallback
 
     def _run(
         self,
@@ -210,12 +357,12 @@ class MySQLCache(KVCache):
         )
 
     def configured_aliases(self) -> list[str]:
-        """The CACHES aliases configured with this cache's table and database."""
+        """The CACHES aliases configured with this cache's table and databases."""
         return [
             alias
             for alias in mysql_cache_aliases()
             if settings.CACHES[alias].get("LOCATION") == self.table
-            and (settings.CACHES[alias].get("OPTIONS") or {}).get("DATABASE") == self.database
+            and shard_options(settings.CACHES[alias]) == shard_options({"OPTIONS": self.options})
         ]
 
     # --- keys and timeouts -----------------------------------------------------------
@@ -248,32 +395,43 @@ class MySQLCache(KVCache):
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         key = self.make_and_validate_key(key, version)
-        connection, sql = self._reader()
-        row = self._run(connection, sql.get, (key, now_ms()), fetchone)
+        row = self._call(self._shard_for(key), False, partial(self._get_row, key), None)
         if row is None:
             return default
         value = self.decode(row[0], row[1], key)
         return default if value is MISSING else value
 
+    def _get_row(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> Any:
+        return self._run(connection, sql.get, (key, now_ms()), fetchone)
+
     def has_key(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
-        connection, sql = self._reader()
+        return self._call(self._shard_for(key), False, partial(self._has_key, key), False)
+
+    def _has_key(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> bool:
         return self._run(connection, sql.has_key, (key, now_ms()), fetchone) is not None
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
-        connection, sql = self._reader()
         now = now_ms()
         found = {}
-        for chunk in self._key_chunks(connection, list(key_map)):
-            rows = self._run(connection, sql.get_many(len(chunk)), [now, *chunk], fetchall)
-            for stored, data, flags in rows:
-                value = self.decode(data, flags, stored)
+        for shard, stored in self._by_shard(list(key_map)):
+            rows = self._call(shard, False, partial(self._select_many, stored, now), ())
+            for key, data, flags in rows:
+                value = self.decode(data, flags, key)
                 if value is not MISSING:
-                    found[key_map[stored]] = value
+                    found[key_map[key]] = value
         return found
+
+    def _select_many(
+        self, keys: list[str], now: int, connection: BaseDatabaseWrapper, sql: Statements
+    ) -> list[tuple[str, bytes, int]]:
+        rows: list[tuple[str, bytes, int]] = []
+        for chunk in self._key_chunks(connection, keys):
+            rows += self._run(connection, sql.get_many(len(chunk)), [now, *chunk], fetchall)
+        return rows
 
     # --- writing ---------------------------------------------------------------------
 
@@ -282,13 +440,27 @@ class MySQLCache(KVCache):
     ) -> None:
         key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
-        connection, sql = self._writer()
         if expires is None:
-            self._run(connection, sql.delete, (key,), rowcount)
+            self._call(self._shard_for(key), True, partial(self._delete_row, key), None)
             return
         data, flags = self._encode(value)
+        shard = self._shard_for(key)
+        self._call(shard, True, partial(self._set_row, key, data, flags, expires), None)
+
+    def _delete_row(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> int:
+        return self._run(connection, sql.delete, (key,), rowcount)
+
+    def _set_row(
+        self,
+        key: str,
+        data: bytes,
+        flags: int,
+        expires: int,
+        connection: BaseDatabaseWrapper,
+        sql: Statements,
+    ) -> None:
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
-            self._run(connection, sql.delete, (key,), rowcount)  # never leave an older value
+            self._delete_row(key, connection, sql)  # never leave an older value
             return
         self._maybe_cull(connection, sql)
         self._run(connection, sql.set, (key, data, flags, expires), rowcount)
@@ -298,14 +470,25 @@ class MySQLCache(KVCache):
     ) -> bool:
         key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
-        connection, sql = self._writer()
-        now = now_ms()
+        shard = self._shard_for(key)
         if expires is None:  # nothing is stored; "added" when no live entry was there
-            return self._run(connection, sql.has_key, (key, now), fetchone) is None
+            return not self._call(shard, True, partial(self._has_key, key), True)
         data, flags = self._encode(value)
+        return self._call(shard, True, partial(self._add_row, key, data, flags, expires), False)
+
+    def _add_row(
+        self,
+        key: str,
+        data: bytes,
+        flags: int,
+        expires: int,
+        connection: BaseDatabaseWrapper,
+        sql: Statements,
+    ) -> bool:
         if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             return False
         self._maybe_cull(connection, sql)
+        now = now_ms()
         params = (key, data, flags, expires, now, now, now)
         return self._run(connection, sql.add, params, lastrowid, idempotent=False) == 0
 
@@ -320,6 +503,8 @@ class MySQLCache(KVCache):
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> list[Any]:
+        """Returns the caller's keys not stored: too large for a statement, or (with
+        IGNORE_EXCEPTIONS) on a shard that could not be reached."""
         if not data:
             return []
         expires = self._expires(timeout)
@@ -328,16 +513,36 @@ class MySQLCache(KVCache):
             return []
         # Every key and value is checked and encoded before anything is written, so a bad
         # key or an unpicklable value leaves the whole batch unwritten.
-        rows = [
-            (key, self.make_and_validate_key(key, version), *self._encode(value))
+        rows = {
+            self.make_and_validate_key(key, version): (key, *self._encode(value))
             for key, value in data.items()
-        ]
-        connection, sql = self._writer()
-        self._maybe_cull(connection, sql)
-        failed = self._upsert_rows(connection, sql, rows, expires)
-        if failed:  # an older value must not outlive a failed write
-            self.delete_many(failed, version=version)
+        }
+        failed: list[Any] = []
+        for shard, keys in self._by_shard(list(rows)):
+            shard_rows = [(rows[key][0], key, rows[key][1], rows[key][2]) for key in keys]
+            unreachable = [row[0] for row in shard_rows]
+            too_large = self._call(
+                shard, True, partial(self._write_rows, shard_rows, expires), None
+            )
+            if too_large is None:  # ignored: the shard was not reached
+                failed += unreachable
+                continue
+            if too_large:  # an older value must not outlive a failed write
+                self._call(shard, True, partial(self._delete_keys, [
+                    self.make_and_validate_key(key, version) for key in too_large
+                ]), None)
+                failed += too_large
         return failed
+
+    def _write_rows(
+        self,
+        rows: list[tuple[Any, str, bytes, int]],
+        expires: int,
+        connection: BaseDatabaseWrapper,
+        sql: Statements,
+    ) -> list[Any]:
+        self._maybe_cull(connection, sql)
+        return self._upsert_rows(connection, sql, rows, expires)
 
     def _upsert_rows(
         self,
@@ -370,7 +575,11 @@ class MySQLCache(KVCache):
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
-        connection, sql = self._writer()
+        return self._call(self._shard_for(key), True, partial(self._touch, key, expires), False)
+
+    def _touch(
+        self, key: str, expires: int | None, connection: BaseDatabaseWrapper, sql: Statements
+    ) -> bool:
         if expires is None:
             return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
         return self._run(connection, sql.touch, (expires, key, now_ms()), rowcount) > 0
@@ -380,10 +589,15 @@ class MySQLCache(KVCache):
 
         Raises ``ValueError`` for a missing key, ``TypeError`` for a value that is not an
         integer, and ``OverflowError`` (value unchanged) past the signed 64-bit range.
+        An unreachable shard raises even under IGNORE_EXCEPTIONS: no answer is right.
         """
         check_delta(delta)
         key = self.make_and_validate_key(key, version)
-        connection, sql = self._writer()
+        return self._call(self._shard_for(key), True, partial(self._incr, key, delta))
+
+    def _incr(
+        self, key: str, delta: int, connection: BaseDatabaseWrapper, sql: Statements
+    ) -> int:
         now = now_ms()
         if delta and INT64_MIN <= delta <= INT64_MAX:
             statement, params = sql.incr, (now, delta, key)
@@ -433,22 +647,32 @@ class MySQLCache(KVCache):
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
-        connection, sql = self._writer()
+        return self._call(self._shard_for(key), True, partial(self._delete_live, key), False)
+
+    def _delete_live(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> bool:
         return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
         stored = list(self.make_keys(keys, version))
         if not stored:
             return
-        connection, sql = self._writer()
-        for chunk in self._key_chunks(connection, stored):
+        for shard, shard_keys in self._by_shard(stored):
+            self._call(shard, True, partial(self._delete_keys, shard_keys), None)
+
+    def _delete_keys(
+        self, keys: list[str], connection: BaseDatabaseWrapper, sql: Statements
+    ) -> None:
+        for chunk in self._key_chunks(connection, keys):
             self._run(connection, sql.delete_keys(len(chunk)), chunk, rowcount)
 
     def clear(self) -> None:
-        """Delete this cache's entries: those under its KEY_PREFIX (every version) when it
-        has one and the default KEY_FUNCTION, else every row of the table."""
+        """Delete this cache's entries on every shard: those under its KEY_PREFIX (every
+        version) when it has one and the default KEY_FUNCTION, else every row of the table."""
+        for shard in self.shards:
+            self._call(shard, True, self._clear, None)
+
+    def _clear(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
         # DELETE, not TRUNCATE: TRUNCATE commits the caller's open transaction.
-        connection, sql = self._writer()
         pattern = self._own_keys_pattern()
         if pattern is None:
             self._run(connection, sql.clear, (), rowcount)
@@ -464,7 +688,7 @@ class MySQLCache(KVCache):
         head = f"{self.key_prefix}:"
         return like_prefix(head) if len(head) <= DIGEST_HEAD_LENGTH else None
 
-    # --- prefix operations (primary key order) ---------------------------------------
+    # --- prefix operations (primary key order, over every shard) ---------------------
 
     def keys_with_prefix(self, prefix: str, version: int | None = None) -> list[str]:
         """The caller's keys that start with ``prefix``, in key order.
@@ -472,14 +696,15 @@ class MySQLCache(KVCache):
         Keys over 250 characters are listed in their stored digest form.
         """
         head = self.make_key("", version=version)
-        rows = self._prefix_query("keys_with_prefix", prefix, version, fetchall)
-        return [self._caller_key(stored, head) for (stored,) in rows]
+        rows = self._prefix_query("keys_with_prefix", prefix, version, fetchall, ())
+        return [self._caller_key(stored, head) for (stored,) in sorted(rows)]
 
     def get_with_prefix(self, prefix: str, version: int | None = None) -> dict[str, Any]:
         """``{key: value}`` of every live entry whose key starts with ``prefix``."""
         head = self.make_key("", version=version)
         found = {}
-        for stored, data, flags in self._prefix_query("get_with_prefix", prefix, version, fetchall):
+        rows = self._prefix_query("get_with_prefix", prefix, version, fetchall, ())
+        for stored, data, flags in sorted(rows, key=itemgetter(0)):
             value = self.decode(data, flags, stored)
             if value is not MISSING:
                 found[self._caller_key(stored, head)] = value
@@ -487,41 +712,70 @@ class MySQLCache(KVCache):
 
     def delete_with_prefix(self, prefix: str, version: int | None = None) -> int:
         """Delete every live entry whose key starts with ``prefix``; returns how many."""
-        return self._prefix_query("delete_with_prefix", prefix, version, rowcount)
+        return sum(self._prefix_query("delete_with_prefix", prefix, version, rowcount, 0))
 
-    def _prefix_query(self, statement: str, prefix: str, version: int | None, read: Any) -> Any:
+    def _prefix_query(
+        self, statement: str, prefix: str, version: int | None, read: Any, fallback: Any
+    ) -> list[Any]:
+        """``statement`` on every shard: the rows of all (reads) or each shard's count."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string, got {prefix!r}")
-        connection, sql = self._writer() if statement.startswith("delete") else self._reader()
-        pattern = like_prefix(self.make_key(prefix, version=version))
-        return self._run(connection, getattr(sql, statement), (pattern, now_ms()), read)
+        params = (like_prefix(self.make_key(prefix, version=version)), now_ms())
+
+        def query(connection: BaseDatabaseWrapper, sql: Statements) -> Any:
+            return self._run(connection, getattr(sql, statement), params, read)
+
+        write = statement.startswith("delete")
+        answers = [self._call(shard, write, query, fallback) for shard in self.shards]
+        return answers if write else [row for rows in answers for row in rows]
 
     @staticmethod
     def _caller_key(stored: str, head: str) -> str:
         return stored[len(head) :] if stored.startswith(head) else stored
 
-    def metrics(self) -> dict[str, int]:
+    def metrics(self) -> dict[str, Any]:
         """This process's counters for the table: values written, their stored bytes and
-        the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized size)."""
-        return asdict(self.stats)
+        the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
+        size), and under ``"shards"`` each alias's unreachable-server counters and health."""
+        shards = {}
+        for shard in self.shards:
+            aliases = [shard.primary()] + ([shard.replica] if shard.replica else [])
+            for alias in aliases:
+                health = self._health_of(alias)
+                shards[alias] = {
+                    **asdict(shard_stats(self.table, alias)),
+                    "down": health.down,
+                    "consecutive_failures": health.failures,
+                }
+        return {**asdict(self.stats), "shards": shards}
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
-        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``.
+        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``,
+        the same share from each shard.
 
         For training a compression dictionary (``kvcache_train_dictionary``); it scans
         the table, so it is no request-path call.
         """
-        connection, sql = self._reader()
-        return [(bytes(data), flags) for data, flags in self._run(
-            connection, sql.sample, (now_ms(), count), fetchall
-        )]
+        per_shard = -(-count // len(self.shards))
+
+        def sample(connection: BaseDatabaseWrapper, sql: Statements) -> list[Any]:
+            return self._run(connection, sql.sample, (now_ms(), per_shard), fetchall)
+
+        rows = [row for shard in self.shards for row in self._call(shard, False, sample)]
+        random.shuffle(rows)
+        return [(bytes(data), flags) for data, flags in rows[:count]]
 
     # --- culling ---------------------------------------------------------------------
 
     def cull(self, max_batches: int | None = None) -> int:
-        """Delete expired entries, then evict the ones closest to expiry while the table
-        holds more than MAX_ENTRIES. Returns the number of rows deleted."""
-        connection, sql = self._writer()
+        """On every shard, delete expired entries, then evict the ones closest to expiry
+        while its table holds more than MAX_ENTRIES. Returns the number of rows deleted."""
+        cull = partial(self._cull, max_batches)
+        return sum(self._call(shard, True, cull) for shard in self.shards)
+
+    def _cull(
+        self, max_batches: int | None, connection: BaseDatabaseWrapper, sql: Statements
+    ) -> int:
         return culling.Cull(
             partial(self._run, connection),
             sql,
@@ -554,8 +808,9 @@ class MySQLCache(KVCache):
 
     # --- table management ------------------------------------------------------------
 
-    # ``database`` defaults to the cache's own (write) alias; the tables of test databases
-    # are made through the alias being set up, which a TEST MIRROR alias is not yet.
+    # ``database`` defaults to the cache's own (write) alias, or for ``create_table`` and
+    # ``table_exists`` to every shard; the tables of test databases are made through the
+    # alias being set up, which a TEST MIRROR alias is not yet.
 
     def create_table_sql(self, database: str | None = None) -> str:
         connection = connections[database or self.db_alias(write=True)]
@@ -567,16 +822,21 @@ class MySQLCache(KVCache):
         return drop_table_sql(self.table, connection.ops.quote_name)
 
     def create_table(self, database: str | None = None) -> str:
-        """Create the table if it is missing; returns the statement it ran."""
-        statement = self.create_table_sql(database)
-        with connections[database or self.db_alias(write=True)].cursor() as cursor:
-            cursor.execute(statement)
+        """Create the table where it is missing (``database``, else every shard); returns
+        the statement it ran (the last one, with shards)."""
+        statement = ""
+        for alias in [database] if database else self.database_aliases():
+            statement = self.create_table_sql(alias)
+            with connections[alias].cursor() as cursor:
+                cursor.execute(statement)
         return statement
 
     def table_exists(self, database: str | None = None) -> bool:
-        connection = connections[database or self.db_alias(write=True)]
-        with connection.cursor() as cursor:
-            return self.table in connection.introspection.table_names(cursor)
+        """Whether the table exists in ``database``, else on every shard."""
+        return all(
+            self.table in connections[alias].introspection.table_names()
+            for alias in ([database] if database else self.database_aliases())
+        )
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -611,6 +871,13 @@ class MySQLCache(KVCache):
     aget_with_prefix = delegate_to_sync("get_with_prefix")
     adelete_with_prefix = delegate_to_sync("delete_with_prefix")
     acull = delegate_to_sync("cull")
+
+
+def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The DATABASE and DATABASES of a CACHES entry: where its table lives."""
+    options = cache_settings.get("OPTIONS") or {}
+    databases = options.get("DATABASES")
+    return options.get("DATABASE"), None if databases is None else tuple(databases)
 
 
 def is_mysql_cache(alias: str) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 
 from django_kvcache.options import is_number
 
@@ -19,16 +18,6 @@ def check_table(location: Any) -> str:
             f"backticks, got {location!r}"
         )
     return location
-
-
-def check_database(alias: Any) -> str | None:
-    if alias is None:
-        return None
-    if not isinstance(alias, str) or alias not in connections.settings:
-        raise ImproperlyConfigured(
-            f"OPTIONS['DATABASE'] must name an entry of DATABASES, got {alias!r}"
-        )
-    return alias
 
 
 def check_probability(value: Any) -> float:

@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from kvcache_bench import report
 from kvcache_bench.context import Parameters
 from kvcache_bench.data import DEFAULT_MIX, MIXES
-from kvcache_bench.run import MIX_SCENARIOS, SCENARIOS, benchmark
+from kvcache_bench.run import MIX_SCENARIOS, ON_REQUEST_SCENARIOS, SCENARIOS, benchmark
 
 PROJECT_ROOT = Path(__file__).resolve().parents[4]
 
@@ -32,7 +32,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--scenario", type=_names, action="extend",
-                            help=f"comma-separated, from {', '.join(SCENARIOS)} (default all)")
+                            help=f"comma-separated, from {', '.join(SCENARIOS)} (default all), "
+                                 f"or {', '.join(ON_REQUEST_SCENARIOS)} (only when named)")
         parser.add_argument("--caches", type=_names, action="extend",
                             help="comma-separated cache names or patterns, e.g. 'db-*,kv-*'")
         parser.add_argument("--extra-cache", action="append", default=[], metavar="NAME=BACKEND[@LOCATION]",
@@ -48,6 +49,8 @@ class Command(BaseCommand):
         parser.add_argument("--nodes", type=_numbers, help="memcached node counts, e.g. 1,2,4,8")
         parser.add_argument("--workers", type=_numbers, help="concurrent workers, e.g. 1,2,4,8")
         parser.add_argument("--iterations", type=int, help="mixed-workload iterations per worker")
+        parser.add_argument("--callers", type=_numbers,
+                            help="callers at once on one key in stampede, e.g. 8,32,128")
         parser.add_argument("--seed", type=int)
         parser.add_argument("--storage-entries", type=int, dest="storage_entries",
                             help="entries written per cache in the storage scenario (1000)")
@@ -66,16 +69,17 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         scenarios = options["scenario"] or list(SCENARIOS)
-        unknown = sorted(set(scenarios) - set(SCENARIOS))
+        known = SCENARIOS + ON_REQUEST_SCENARIOS
+        unknown = sorted(set(scenarios) - set(known))
         if unknown:
-            raise CommandError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+            raise CommandError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(known)}")
         parameters = self.parameters(options)
         problem = parameters.problem()
         if problem:
             raise CommandError(problem)
         mixes = list(dict.fromkeys(options["mixes"] or [DEFAULT_MIX]))
         try:
-            runs = benchmark(parameters, mixes, [s for s in SCENARIOS if s in scenarios],
+            runs = benchmark(parameters, mixes, [s for s in known if s in scenarios],
                              options["caches"], options["extra_cache"],
                              show_progress=not options["no_progress"])
         except ValueError as exc:

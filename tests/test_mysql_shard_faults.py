@@ -1,0 +1,293 @@
+"""A shard that fails: its server stopped, restarted under load, or hung, with
+OPTIONS["IGNORE_EXCEPTIONS"] on (misses and no-ops, logged once per episode, counted,
+skipped while marked down) and off (every call raises).
+
+The failing shard is a MariaDB of the test's own (the ``mariadb_server`` fixture), the
+healthy one a MariaDB of this module's own: both are registered as DATABASES aliases at
+run time. A hung server is simulated by a listener that accepts connections and never
+answers (the only fake server here).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+from django.db import OperationalError, connections
+
+from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.mysql.shards import ShardDown, is_unreachable
+from tests.mysql_support import register_alias, unregister_alias
+from tests.servers import MariaDBServer
+
+OWN = "kvcache_shard_faults"
+HEALTHY = "kvcache_shard_healthy"
+TABLE = "kvcache_shard_faults"
+
+
+def with_timeouts(entry: dict[str, Any]) -> dict[str, Any]:
+    """The recommended cache alias: bounded connect, read and write waits."""
+    options = {**entry["OPTIONS"], "connect_timeout": 2, "read_timeout": 5, "write_timeout": 5}
+    return {**entry, "OPTIONS": options}
+
+
+@pytest.fixture(scope="module")
+def healthy_shard(django_db_blocker) -> Iterator[MariaDBServer]:
+    server = MariaDBServer()
+    server.start()
+    register_alias(HEALTHY, with_timeouts(server.connection_settings()))
+    try:
+        yield server
+    finally:
+        with django_db_blocker.unblock():
+            unregister_alias(HEALTHY)
+        server.remove()
+
+
+@pytest.fixture
+def own_shard(healthy_shard, mariadb_server, django_db_blocker) -> Iterator[Any]:
+    register_alias(OWN, with_timeouts(mariadb_server.connection_settings()))
+    try:
+        with django_db_blocker.unblock():
+            yield mariadb_server
+    finally:
+        unregister_alias(OWN)
+
+
+def make_cache(ignore: bool, **options: Any) -> MySQLCache:
+    cache = MySQLCache(TABLE, {"OPTIONS": {
+        "DATABASES": [HEALTHY, OWN], "IGNORE_EXCEPTIONS": ignore, "CULL_PROBABILITY": 0,
+        # Per test: health records are process-wide per (alias, threshold, retry window).
+        "RETRY_TIMEOUT": options.pop("RETRY_TIMEOUT", 0.3),
+        **options,
+    }})
+    if not cache.table_exists():
+        cache.create_table()
+    cache.clear()
+    return cache
+
+
+def keys_by_shard(cache: MySQLCache, count: int = 40) -> tuple[list[str], list[str]]:
+    """Caller keys on the healthy shard and on the test's own shard."""
+    healthy, own = [], []
+    for i in range(count):
+        key = f"key{i}"
+        (healthy if cache._shard_for(cache.make_key(key)).alias == HEALTHY else own).append(key)
+    return healthy, own
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def ignored_lines(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(f"Ignored MySQL failure on shard {OWN}")]
+
+
+# --- IGNORE_EXCEPTIONS on -------------------------------------------------------------------
+
+
+def test_a_stopped_shard_gives_misses_and_no_ops(own_shard, caplog):
+    caplog.set_level(logging.WARNING)
+    cache = make_cache(True, RETRY_TIMEOUT=60)
+    healthy, own = keys_by_shard(cache)
+    items = {key: key.upper() for key in healthy + own}
+    assert cache.set_many(items) == []
+    own_shard.stop()
+
+    assert cache.get(own[0], "default") == "default"
+    assert cache.get_many(items) == {key: items[key] for key in healthy}
+    assert sorted(cache.set_many(items)) == sorted(own)  # the down shard's keys failed
+    assert cache.has_key(own[0]) is False
+    assert cache.add(own[1], 1) is False
+    assert cache.touch(own[0]) is False
+    assert cache.delete(own[0]) is False
+    cache.set(own[0], "lost")  # a no-op
+    cache.delete_many(items)  # the healthy shard's keys go
+    cache.clear()
+    with pytest.raises(OperationalError):  # incr has no "unknown" answer
+        cache.incr(own[0])
+    assert cache.keys_with_prefix("key") == []
+    assert cache.get_many(items) == {}
+
+    assert len(ignored_lines(caplog)) == 1  # one line for the whole episode
+    assert any(f"MySQL shard {OWN} is down" in r.getMessage() for r in caplog.records)
+    shard = cache.metrics()["shards"][OWN]  # this test's alias counters start at 0
+    assert shard["down"] is True
+    assert shard["errors"] == 2  # FAILURE_THRESHOLD: every later call was skipped
+    assert shard["skipped"] >= 10
+    assert shard["ignored"] == shard["errors"] + shard["skipped"] - 1  # incr raised
+    assert cache.metrics()["shards"][HEALTHY]["errors"] == 0
+
+    # One database (OPTIONS["DATABASE"]) fails open the same way, sharing the health record.
+    single = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": OWN, "IGNORE_EXCEPTIONS": True,
+                                            "RETRY_TIMEOUT": 60}})
+    assert single.get("x", "default") == "default"
+    assert single.set_many({"x": 1}) == ["x"]
+    assert len(ignored_lines(caplog)) == 1
+
+
+def test_a_shard_marked_down_is_skipped_without_waiting(healthy_shard, django_db_blocker):
+    """A hung server (accepts, never answers) costs CONNECT_TIMEOUT until it is marked
+    down; from then on calls skip it at once."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    entry = {**healthy_shard.connection_settings(), "PORT": str(listener.getsockname()[1]),
+             "OPTIONS": {"charset": "utf8mb4", "connect_timeout": 1}}
+    register_alias(OWN, entry)
+    blocker = django_db_blocker.unblock()
+    blocker.__enter__()
+    try:
+        cache = MySQLCache(TABLE, {"OPTIONS": {
+            "DATABASES": [HEALTHY, OWN], "IGNORE_EXCEPTIONS": True, "RETRY_TIMEOUT": 60,
+            "FAILURE_THRESHOLD": 1, "CULL_PROBABILITY": 0,
+        }})
+        _, own = keys_by_shard(cache, 100)
+        started = time.monotonic()
+        assert cache.get(own[0]) is None  # waits for the connect timeout, once
+        first = time.monotonic() - started
+        skipped_before = cache.metrics()["shards"][OWN]["skipped"]  # counters are per process
+        started = time.monotonic()
+        for key in own[:20]:
+            assert cache.get(key) is None
+        skipping = time.monotonic() - started
+        assert first >= 0.9
+        assert skipping < 0.5  # 20 calls, no connection attempt
+        assert cache.metrics()["shards"][OWN]["skipped"] - skipped_before == 20
+        with pytest.raises(ShardDown, match="marked down"):
+            MySQLCache(TABLE, {"OPTIONS": {
+                "DATABASES": [HEALTHY, OWN], "RETRY_TIMEOUT": 60, "FAILURE_THRESHOLD": 1,
+                "IGNORE_EXCEPTIONS": True,
+            }}).incr(own[0])
+    finally:
+        stop.set()
+        acceptor.join(5)
+        for connection in held:
+            connection.close()
+        listener.close()
+        unregister_alias(OWN)
+        blocker.__exit__(None, None, None)
+
+
+def test_a_restarted_shard_serves_again_after_the_retry_window(own_shard, caplog):
+    caplog.set_level(logging.WARNING)
+    cache = make_cache(True, RETRY_TIMEOUT=0.5)
+    healthy, own = keys_by_shard(cache)
+    cache.set_many({key: 1 for key in own})
+    own_shard.stop()
+    assert cache.get_many(own) == {}
+    assert cache.get_many(own) == {}  # marked down now
+    own_shard.start()
+    assert wait_for(lambda: cache.get_many(own) == {key: 1 for key in own})
+    assert cache.metrics()["shards"][OWN]["down"] is False
+    assert any(f"MySQL shard {OWN} is back up" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith(f"MySQL shard {OWN} answers again")
+               for r in caplog.records)
+
+
+# --- under load, both policies --------------------------------------------------------------
+
+
+class Load:
+    """A thread doing set/get rounds over keys of both shards; records every outcome."""
+
+    def __init__(self, cache_factory: Callable[[], MySQLCache]) -> None:
+        self.cache_factory = cache_factory
+        self.outcomes: list[tuple[float, str, str, BaseException | None]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.work)
+
+    def work(self) -> None:
+        cache = self.cache_factory()  # this thread's instance, as Django gives one per thread
+        healthy, own = keys_by_shard(cache, 20)
+        round_ = 0
+        while not self.stopping.is_set():
+            round_ += 1
+            for shard, key in (("healthy", healthy[round_ % len(healthy)]),
+                               ("own", own[round_ % len(own)])):
+                result, error = self.attempt(cache, key, round_)
+                self.outcomes.append((time.monotonic(), shard, result, error))  # when it ended
+        connections.close_all()
+
+    @staticmethod
+    def attempt(cache: MySQLCache, key: str, value: int) -> tuple[str, BaseException | None]:
+        """``set`` then ``get``: "ok", "miss" (nothing read back), "stale" (an older value:
+        the set was skipped while the shard was down, the get was its first probe) or
+        "error"."""
+        try:
+            cache.set(key, value)
+            got = cache.get(key)
+        except Exception as exc:  # recorded; the tests check which ones may happen
+            return "error", exc
+        if got == value:
+            return "ok", None
+        return ("miss" if got is None else "stale"), None
+
+    def __enter__(self) -> "Load":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+
+
+def restart_under(load: Load, server: Any) -> tuple[float, float]:
+    time.sleep(0.3)
+    down = time.monotonic()
+    server.stop()
+    time.sleep(0.5)
+    server.start()
+    back = time.monotonic()
+    assert wait_for(lambda: any(t > back and s == "own" and r == "ok"
+                                for t, s, r, _ in load.outcomes[-50:]))
+    return down, back
+
+
+def test_restart_under_load_with_exceptions_ignored(own_shard):
+    with Load(lambda: make_cache(True, RETRY_TIMEOUT=0.3)) as load:
+        down, back = restart_under(load, own_shard)
+        time.sleep(0.2)
+    assert [error for _, _, result, error in load.outcomes if result == "error"] == []
+    assert {result for _, shard, result, _ in load.outcomes if shard == "healthy"} == {"ok"}
+    own_misses = [t for t, shard, result, _ in load.outcomes if shard == "own" and result != "ok"]
+    assert own_misses and all(down <= t for t in own_misses)
+    assert any(s == "healthy" and down < t < back for t, s, _, _ in load.outcomes)
+
+
+def test_restart_under_load_with_exceptions_raised(own_shard):
+    with Load(lambda: make_cache(False)) as load:
+        down, back = restart_under(load, own_shard)
+        time.sleep(0.2)
+    failures = [(t, shard, error) for t, shard, result, error in load.outcomes if result == "error"]
+    assert failures, "calls made while the server was down must raise"
+    for t, shard, error in failures:  # only the stopped shard, only connection errors
+        assert shard == "own" and isinstance(error, OperationalError) and is_unreachable(error)
+        assert not isinstance(error, ShardDown)  # not skipped: every call tried and raised
+        assert down <= t
+    assert {result for _, _, result, _ in load.outcomes} == {"ok", "error"}
+    last_failure = max(t for t, _, _ in failures)
+    assert last_failure < back + 1.0  # every call once it is back succeeds
