@@ -367,3 +367,27 @@ def test_idempotent_statements_whose_reply_is_lost_are_retried(
     assert result == expected
     assert len(sent) == 2  # the one whose reply was lost, and the retry
     assert cache.get("lost-reply-key") == after
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda c: c.delete("lost-reply-deleted"),
+        lambda c: c.touch("lost-reply-deleted", 0),
+        lambda c: c.delete_with_prefix("lost-reply-del"),
+    ],
+    ids=["delete", "touch-0", "delete_with_prefix"],
+)
+def test_a_delete_whose_reply_is_lost_never_reports_its_own_delete_as_nothing(
+    lost_reply_proxy, operation
+):
+    cache = proxied_cache()
+    cache.set("lost-reply-deleted", 1)
+    lost_reply_proxy.drop_reply_to(b"lost-reply-del")
+    try:
+        answer = operation(cache)
+    except OperationalError as exc:
+        answer = exc.args[0]
+    assert lost_reply_proxy.replies_lost == 1
+    assert answer == 2013  # never False or 0: the row the server deleted was this call's
+    assert cache.get("lost-reply-deleted") is None

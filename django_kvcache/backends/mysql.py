@@ -581,7 +581,7 @@ class MySQLCache(KVCache):
         self, key: str, expires: int | None, connection: BaseDatabaseWrapper, sql: Statements
     ) -> bool:
         if expires is None:
-            return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+            return self._delete_live(key, connection, sql)
         return self._run(connection, sql.touch, (expires, key, now_ms()), rowcount) > 0
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
@@ -650,7 +650,10 @@ class MySQLCache(KVCache):
         return self._call(self._shard_for(key), True, partial(self._delete_live, key), False)
 
     def _delete_live(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> bool:
-        return self._run(connection, sql.delete_live, (key, now_ms()), rowcount) > 0
+        # Not retried after a lost reply: the row may be gone by our own hand, and a retry
+        # would answer False for a delete that happened (its effect repeats, its answer not).
+        statement, params = sql.delete_live, (key, now_ms())
+        return self._run(connection, statement, params, rowcount, idempotent=False) > 0
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
         stored = list(self.make_keys(keys, version))
@@ -722,10 +725,12 @@ class MySQLCache(KVCache):
             raise TypeError(f"prefix must be a string, got {prefix!r}")
         params = (like_prefix(self.make_key(prefix, version=version)), now_ms())
 
-        def query(connection: BaseDatabaseWrapper, sql: Statements) -> Any:
-            return self._run(connection, getattr(sql, statement), params, read)
-
         write = statement.startswith("delete")
+
+        def query(connection: BaseDatabaseWrapper, sql: Statements) -> Any:
+            # A delete's count is its answer: not retried after a lost reply (_delete_live).
+            return self._run(connection, getattr(sql, statement), params, read, idempotent=not write)
+
         answers = [self._call(shard, write, query, fallback) for shard in self.shards]
         return answers if write else [row for rows in answers for row in rows]
 
