@@ -89,9 +89,9 @@ def test_first_operation_after_a_server_restart_succeeds(own_server, name):
     operation, expected, after = OPERATIONS[name]
     result, sent = statements(lambda: operation(cache))
     assert result == expected
-    # The one that met the dead connection, and the retry; add and incr, which must not
-    # run twice, notice the closed connection before sending.
-    assert len(sent) == (1 if name in ("add", "incr") else 2)
+    # The one that met the dead connection, and the retry; add, incr and delete, which
+    # must not run twice, notice the closed connection before sending.
+    assert len(sent) == (1 if name in ("add", "incr", "delete") else 2)
     assert cache.get_many(["key", "n", "new"]) == after  # committed data survived
 
 
