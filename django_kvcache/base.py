@@ -141,10 +141,16 @@ class KVCache(BaseCache):
         """``get_or_set`` for async code: a coroutine function as ``default`` is awaited."""
         store = self._lease_store(key, timeout, version)
         if store is None:
-            return await sync_to_async(self._get_or_set_awaiting, thread_sensitive=True)(
-                key, default, timeout, version
-            )
+            return await self._aget_or_set_unprotected(key, default, timeout, version)
         return await stampede.arun(self.stampede, store, default)
+
+    async def _aget_or_set_unprotected(
+        self, key: Any, default: Any, timeout: Any, version: Any
+    ) -> Any:
+        """Django's ``get_or_set`` in the sync thread (one hop); native backends override."""
+        return await sync_to_async(self._get_or_set_awaiting, thread_sensitive=True)(
+            key, default, timeout, version
+        )
 
     def _get_or_set_awaiting(self, key: Any, default: Any, timeout: Any, version: Any) -> Any:
         """Django's get_or_set, run in the sync thread, with an async default awaited."""

@@ -9,7 +9,9 @@ so a winner that crashed or hangs is replaced by one new winner.
 The decisions are written once, as a :func:`plan` that yields the steps to carry out
 (read, compute, store, release, sleep) — no I/O of its own — and two drivers carry them
 out: :func:`run` for the sync API and :func:`arun` for ``aget_or_set`` (which awaits an
-async default). A backend supplies only its primitive, a :class:`LeaseStore`.
+async default). A backend supplies only its primitive, a :class:`LeaseStore`, whose
+methods are written once too: as the cache calls they need, which each driver makes on
+its own API.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, NamedTuple, Protocol
-
-from asgiref.sync import sync_to_async
 
 from django_kvcache.options import seconds
 
@@ -43,18 +43,49 @@ class Read(NamedTuple):
     won: bool  # this caller now holds the lease: it computes and stores
 
 
-class LeaseStore(Protocol):
-    """A backend's primitive for one key (the caller's key, before versioning)."""
+#: One call of a cache method, as a store asks for it: ``(name, args, kwargs)``. The sync
+#: driver calls ``cache.<name>``, the async one awaits ``cache.a<name>``, so a store's
+#: logic is written once for both APIs.
+Call = tuple
 
-    def read(self) -> Read:
+
+class LeaseStore(Protocol):
+    """A backend's primitive for one key (the caller's key, before versioning). Each
+    method is a generator of :data:`Call` that returns its result."""
+
+    cache: Any
+
+    def read(self) -> Generator[Call, Any, Read]:
         """The value if fresh; else take the lease if nobody holds it, and give any stale
         value there is."""
 
-    def store(self, value: Any) -> None:
+    def store(self, value: Any) -> Generator[Call, Any, None]:
         """Store the computed value (fresh, and stale after it expires) and release."""
 
-    def release(self) -> None:
+    def release(self) -> Generator[Call, Any, None]:
         """Give the lease up without a value (the computation failed)."""
+
+
+def carry_out(cache: Any, calls: Generator[Call, Any, Any]) -> Any:
+    """A store method's calls, on the sync API."""
+    result: Any = None
+    while True:
+        try:
+            name, args, kwargs = calls.send(result)
+        except StopIteration as done:
+            return done.value
+        result = getattr(cache, name)(*args, **kwargs)
+
+
+async def acarry_out(cache: Any, calls: Generator[Call, Any, Any]) -> Any:
+    """A store method's calls, on the async API (``aget``, ``aadd``...)."""
+    result: Any = None
+    while True:
+        try:
+            name, args, kwargs = calls.send(result)
+        except StopIteration as done:
+            return done.value
+        result = await getattr(cache, f"a{name}")(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -127,29 +158,24 @@ def run(policy: Policy, store: LeaseStore, default: Any) -> Any:
             return done.value
         result = None
         name = step[0]
-        if name == "read":
-            result = store.read()
-        elif name == "compute":
+        if name == "compute":
             try:
                 result = default() if callable(default) else default
             except BaseException as exc:
                 steps.throw(exc)  # the plan's answer: release the lease
-                store.release()
+                carry_out(store.cache, store.release())
                 raise
-        elif name == "store":
-            store.store(step[1])
-        elif name == "release":
-            store.release()
-        else:
+        elif name == "sleep":
             time.sleep(step[1])
+        else:  # read, store, release: the store's calls
+            result = carry_out(store.cache, getattr(store, name)(*step[1:]))
 
 
 async def arun(policy: Policy, store: LeaseStore, default: Any) -> Any:
-    """Carry out :func:`plan` for ``aget_or_set``: an async default is awaited; the store's
-    sync calls run in Django's sync thread (a backend with native async overrides this)."""
+    """Carry out :func:`plan` with the async API (native where the backend's is); an
+    async ``default`` is awaited."""
     steps = plan(policy)
     result: Any = None
-    call = sync_to_async  # one place to change when stores get native async methods
     while True:
         try:
             step = steps.send(result)
@@ -157,23 +183,19 @@ async def arun(policy: Policy, store: LeaseStore, default: Any) -> Any:
             return done.value
         result = None
         name = step[0]
-        if name == "read":
-            result = await call(store.read, thread_sensitive=True)()
-        elif name == "compute":
+        if name == "compute":
             try:
                 result = default() if callable(default) else default
                 if inspect.isawaitable(result):
                     result = await result
             except BaseException as exc:
                 steps.throw(exc)  # the plan's answer: release the lease
-                await call(store.release, thread_sensitive=True)()
+                await acarry_out(store.cache, store.release())
                 raise
-        elif name == "store":
-            await call(store.store, thread_sensitive=True)(step[1])
-        elif name == "release":
-            await call(store.release, thread_sensitive=True)()
-        else:
+        elif name == "sleep":
             await asyncio.sleep(step[1])
+        else:
+            result = await acarry_out(store.cache, getattr(store, name)(*step[1:]))
 
 
 # --- a store any cache can give: leases taken with add() ---------------------------------
@@ -202,39 +224,38 @@ class AddLeaseStore:
         self.stale_key = side_key("stale", key)
         self.token = uuid.uuid4().hex
 
-    def read(self) -> Read:
-        cache, version = self.cache, self.version
-        value = cache.get(self.key, MISSING, version=version)
+    def read(self) -> Generator[Call, Any, Read]:
+        version = {"version": self.version}
+        value = yield ("get", (self.key, MISSING), version)
         if value is not MISSING:
             return Read(value, True, False)
-        won = cache.add(self.lease_key, self.token, self.policy.lease_timeout, version=version)
+        won = yield ("add", (self.lease_key, self.token, self.policy.lease_timeout), version)
         if won:
             # A winner that stored and released between our get and our add: its value is
             # fresh, and computing again would make two computations of one miss.
-            value = cache.get(self.key, MISSING, version=version)
+            value = yield ("get", (self.key, MISSING), version)
             if value is not MISSING:
-                self.release()
+                yield from self.release()
                 return Read(value, True, False)
             return Read(MISSING, False, True)
         stale = MISSING
         if self.policy.stale_timeout is not None:
-            stale = cache.get(self.stale_key, MISSING, version=version)
+            stale = yield ("get", (self.stale_key, MISSING), version)
         return Read(stale, False, False)
 
-    def store(self, value: Any) -> None:
-        cache, version = self.cache, self.version
-        cache.set(self.key, value, self.timeout, version=version)
+    def store(self, value: Any) -> Generator[Call, Any, None]:
+        version = {"version": self.version}
+        yield ("set", (self.key, value, self.timeout), version)
         stale_timeout = self.policy.stale_timeout
         if stale_timeout is not None:
-            seconds_left = cache.timeout_seconds(self.timeout)
+            seconds_left = self.cache.timeout_seconds(self.timeout)
             if seconds_left is None or seconds_left > 0:
-                forever = seconds_left is None
-                cache.set(self.stale_key, value, None if forever else seconds_left + stale_timeout,
-                          version=version)
-        self.release()
+                stale_for = None if seconds_left is None else seconds_left + stale_timeout
+                yield ("set", (self.stale_key, value, stale_for), version)
+        yield from self.release()
 
-    def release(self) -> None:
+    def release(self) -> Generator[Call, Any, None]:
         # Only our own lease: after LEASE_TIMEOUT another caller may hold it.
-        cache, version = self.cache, self.version
-        if cache.get(self.lease_key, version=version) == self.token:
-            cache.delete(self.lease_key, version=version)
+        version = {"version": self.version}
+        if (yield ("get", (self.lease_key,), version)) == self.token:
+            yield ("delete", (self.lease_key,), version)

@@ -14,6 +14,10 @@ backend: return types, defaults, ``None``/``0``/negative/float timeouts, version
 functions and prefixes, value types (unicode, binary, models, large, unpicklable), the
 cache middleware round trip and the async API. Backend-specific rules (key validation,
 culling, routing) are tested in each backend's own modules.
+
+Every contract test runs twice: on the sync API, and on the async API — the same test,
+with the cache seen through :class:`AsyncAPI`, which turns ``cache.get(...)`` into
+``await cache.aget(...)`` on an event loop of the test's own.
 """
 from __future__ import annotations
 
@@ -82,8 +86,44 @@ class CacheFixture:
         cache.close()
 
 
+#: The cache methods with an async twin (``get`` -> ``aget``) in Django's API.
+ASYNC_TWINS = frozenset({
+    "get", "set", "add", "touch", "delete", "get_many", "set_many", "delete_many",
+    "has_key", "incr", "decr", "get_or_set", "incr_version", "decr_version", "clear", "close",
+})
+
+
+class AsyncAPI:
+    """A cache driven through its async methods: ``get(...)`` runs ``aget(...)`` to
+    completion on ``loop``; everything else (``make_key``, ``aget`` itself) is the cache's."""
+
+    def __init__(self, cache: BaseCache, loop: asyncio.AbstractEventLoop) -> None:
+        self.cache = cache
+        self.loop = loop
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ASYNC_TWINS:
+            return getattr(self.cache, name)
+        method = getattr(self.cache, f"a{name}")
+        return lambda *args, **kwargs: self.loop.run_until_complete(method(*args, **kwargs))
+
+
 class CacheContract(CacheFixture):
-    """Django's cache contract as tests."""
+    """Django's cache contract as tests, on the sync and on the async API."""
+
+    @pytest.fixture(autouse=True, params=["sync", "async"])
+    def api(self, request):
+        """Which API the test's caches are driven through; the async one gets an event
+        loop of its own, shut down (pools closed with it) after the test."""
+        self.loop = asyncio.new_event_loop() if request.param == "async" else None
+        yield request.param
+        if self.loop is not None:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def build(self, **overrides: Any) -> Any:
+        cache = super().build(**overrides)
+        return cache if self.loop is None else AsyncAPI(cache, self.loop)
 
     # --- basic operations and their return types -------------------------------------
 

@@ -16,7 +16,7 @@ from django.core.cache.backends.base import BaseCache
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.codec import INT64_MAX, INT64_MIN
-from django_kvcache.memcached import protocol
+from django_kvcache.memcached import wire
 from django_kvcache.mysql.sql import FOREVER
 from tests.mysql_support import cache, mysql_tables, now_ms, rows  # noqa: F401  (fixtures)
 
@@ -48,7 +48,7 @@ def memcached_backend(request: pytest.FixtureRequest) -> Backend:
     def remaining_ttl(key: str) -> float | None:
         key = memcached.make_key(key)
         node = memcached._node(key)
-        ttl = node.call(protocol.meta_get, key.encode())[2]
+        ttl = node.call(wire.meta_get(key.encode()))[2]
         return None if ttl == -1 else ttl
 
     return Backend(memcached, remaining_ttl)

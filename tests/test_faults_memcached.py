@@ -7,6 +7,7 @@ a silent node on ``get``) with load, every operation and the stale-value scenari
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import selectors
@@ -21,6 +22,7 @@ import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError
+from tests.contract import AsyncAPI
 
 RETRY = 0.3  # RETRY_TIMEOUT: how long a failed node is left alone
 IO_TIMEOUT = 0.3
@@ -396,9 +398,22 @@ OPERATIONS: dict[str, Callable[[MemcachedCache, str, str], Any]] = {
 }
 
 
+@pytest.fixture(params=["sync", "async"])
+def api(request) -> Iterator[Callable[[MemcachedCache], Any]]:
+    """How a test drives its cache: as it is, or through its native async methods
+    (``cache.get`` runs ``await cache.aget`` on an event loop of the test's own)."""
+    if request.param == "sync":
+        yield lambda cache: cache
+        return
+    loop = asyncio.new_event_loop()
+    yield lambda cache: AsyncAPI(cache, loop)
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 @pytest.mark.parametrize("ignore_exceptions", [False, True])
 def test_every_operation_on_a_silent_node_is_bounded_by_the_io_timeout(
-    silent_server, memcached_node_factory, ignore_exceptions
+    silent_server, memcached_node_factory, ignore_exceptions, api
 ):
     live = memcached_node_factory().address
     # A threshold no test reaches: every call really waits for the silent node.
@@ -406,6 +421,7 @@ def test_every_operation_on_a_silent_node_is_bounded_by_the_io_timeout(
         silent_server, live, FAILURE_THRESHOLD=1000, IGNORE_EXCEPTIONS=ignore_exceptions
     )
     metrics = cache.cluster.by_name[silent_server.address]
+    cache = api(cache)
     for name, operation in OPERATIONS.items():
         timeouts_before = metrics.timeouts
         started = time.monotonic()

@@ -52,7 +52,7 @@ def build(nodes, **options):
 def key_on(cache, node, prefix="key"):
     """A caller key that the cache places on ``node``."""
     for i in range(1000):
-        if cache._nodes[cache._node_for_key(f":1:{prefix}-{i}")].name == node.address:
+        if cache._home(f":1:{prefix}-{i}").name == node.address:
             return f"{prefix}-{i}"
     raise AssertionError("no key found for the node")
 

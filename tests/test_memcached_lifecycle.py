@@ -13,12 +13,13 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 import pytest
-from pymemcache.exceptions import MemcacheClientError, MemcacheServerError
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached import NodeError, PoolExhausted, protocol
+from django_kvcache.memcached import NodeError, PoolExhausted, wire
+from django_kvcache.memcached.wire import ErrorReply
 from django_kvcache.memcached.pool import ConnectionSettings, NodePool
 from django_kvcache.memcached.routing import parse_location
+from django_kvcache.memcached.stale import OutdatedCopies
 from django_kvcache.signals import node_down
 
 
@@ -31,7 +32,7 @@ def build(addresses: list[str], **options: Any) -> MemcachedCache:
 
 def key_on(cache: MemcachedCache, address: str, prefix: str = "key") -> str:
     for i in range(1000):
-        if cache._nodes[cache._node_for_key(cache.make_key(f"{prefix}-{i}"))].name == address:
+        if cache._home(cache.make_key(f"{prefix}-{i}")).name == address:
             return f"{prefix}-{i}"
     raise AssertionError("no key found for the node")
 
@@ -396,23 +397,129 @@ def test_a_write_whose_send_timed_out_is_settled_with_its_unsent_rest(proxy):
 
 
 def test_our_single_key_writes_answer_like_pymemcache(memcached_node_factory):
-    """set/add/touch/delete/incr by our own send loop keep ``Client``'s answers."""
+    """set/add/touch/delete/incr on our own connection give pymemcache ``Client``'s answers."""
     address = parse_location(memcached_node_factory().address)[0]
     client = NodePool(address, ConnectionSettings()).checkout()
     try:
-        assert protocol.add_one(client, "k", (b"1", 0), 0) is True
-        assert protocol.add_one(client, "k", (b"2", 0), 0) is False
-        assert protocol.set_one(client, "k", (b"41", 0), 0) is True
-        assert protocol.incr_one(client, "k", 1) == 42
-        assert protocol.incr_one(client, "absent", 1) is None
-        assert protocol.touch_one(client, "k", 100) is True
-        assert protocol.touch_one(client, "absent", 100) is False
-        assert protocol.delete_one(client, "k") is True
-        assert protocol.delete_one(client, "k") is False
-        protocol.set_one(client, "text", (b"x", 0), 0)
-        with pytest.raises(MemcacheClientError):
-            protocol.incr_one(client, "text", 1)
-        with pytest.raises(MemcacheServerError):  # over memcached's 1 MB item size
-            protocol.set_one(client, "huge", (b"x" * 2_000_000, 0), 0)
+        assert client.exchange(wire.store(b"add", b"k", b"1", 0, 0)) is True
+        assert client.exchange(wire.store(b"add", b"k", b"2", 0, 0)) is False
+        assert client.exchange(wire.store(b"set", b"k", b"41", 0, 0)) is True
+        assert client.exchange(wire.incr(b"k", 1)) == 42
+        assert client.exchange(wire.incr(b"absent", 1)) is None
+        assert client.exchange(wire.touch(b"k", 100)) is True
+        assert client.exchange(wire.touch(b"absent", 100)) is False
+        assert client.exchange(wire.delete(b"k")) is True
+        assert client.exchange(wire.delete(b"k")) is False
+        client.exchange(wire.store(b"set", b"text", b"x", 0, 0))
+        with pytest.raises(ErrorReply) as refused:
+            client.exchange(wire.incr(b"text", 1))
+        assert refused.value.client_error
+        with pytest.raises(ErrorReply) as refused:  # over memcached's 1 MB item size
+            client.exchange(wire.store(b"set", b"huge", b"x" * 2_000_000, 0, 0))
+        assert not refused.value.client_error
+        assert client.exchange(wire.get_one(b"text")) == (b"x", 0)  # still in step
     finally:
         client.close()
+
+
+# --- found by review: close_idle, the clean-up window, callers queueing behind a settle -----
+
+
+def test_closing_idle_connections_hands_the_freed_slot_to_a_waiter(memcached_node_factory):
+    """close_idle runs (a stale connection, disconnect_all) just after a checkin put its
+    connection back and before it looked at the queue: the closed connection's slot must
+    go to the waiting thread, not vanish while it sleeps to POOL_TIMEOUT."""
+    address = parse_location(memcached_node_factory().address)[0]
+    pool = NodePool(address, ConnectionSettings(max_size=1, pool_timeout=2.0))
+    held = pool.checkout()
+    outcome: list[Any] = []
+
+    def take() -> None:
+        try:
+            outcome.append(pool.checkout())
+        except PoolExhausted as exc:
+            outcome.append(exc)
+
+    pool.queue = WaitQueue()
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    assert pool.queue.joined.wait(5)
+
+    class ClosingQueue(WaitQueue):
+        fired = False
+
+        def __bool__(self) -> bool:  # checkin's look at the queue, after its append
+            if not ClosingQueue.fired:
+                ClosingQueue.fired = True
+                pool.close_idle()
+            return len(self) > 0
+
+    queued = ClosingQueue()
+    queued.extend(pool.queue)
+    pool.queue = queued
+    started = time.monotonic()
+    pool.checkin(held)
+    waiter.join(10)
+    assert len(outcome) == 1 and not isinstance(outcome[0], PoolExhausted), outcome
+    assert time.monotonic() - started < 1.0
+    assert pool.size == 1  # the waiter's new connection, counted once
+
+
+def test_no_thread_reads_an_outdated_copy_while_another_cleans_it_up(memcached_node_factory):
+    node_address = memcached_node_factory().address
+    cache = build([node_address], MAX_POOL_SIZE=2, POOL_TIMEOUT=0.2, IGNORE_EXCEPTIONS=True)
+    node = cache._nodes[0]
+    cache.set("k", "old")
+    held = [node.pool.checkout(), node.pool.checkout()]
+    cache.set("k", "new")  # PoolExhausted, ignored: "old" stays on the node, outdated
+    for connection in held:
+        node.pool.checkin(connection)
+    assert node.outdated.pending
+    seen: dict[str, Any] = {}
+    real_op = OutdatedCopies.op
+
+    def op(keys, flush):
+        # Thread A has taken the keys and not sent the deletes: B reads now.
+        reader = threading.Thread(target=lambda: seen.setdefault("B", cache.get("k", "miss")))
+        reader.start()
+        reader.join(0.5)
+        seen["B answered during the clean-up"] = not reader.is_alive()
+        seen["thread"] = reader
+        return real_op(keys, flush)
+
+    OutdatedCopies.op = staticmethod(op)
+    try:
+        cache.get("another-key")  # thread A: clean-up first
+    finally:
+        OutdatedCopies.op = staticmethod(real_op)
+    seen["thread"].join(5)
+    assert seen["B answered during the clean-up"] is False  # it waited for the clean-up
+    assert seen["B"] == "miss"  # and never saw "old"
+
+
+def test_callers_queued_behind_a_timed_out_settle_fail_at_once(proxy):
+    """A paused node with a late write: every caller must not wait its own IO_TIMEOUT in
+    turn behind the one settling (the k-th waited k timeouts)."""
+    cache = build([proxy.address], IO_TIMEOUT=0.3, FAILURE_THRESHOLD=100)
+    cache.set("key", "before")
+    proxy.hold()
+    with pytest.raises(NodeError, match="timed out"):
+        cache.set("key", "late")
+    waited: list[float] = []
+
+    def read() -> None:
+        started = time.monotonic()
+        with pytest.raises(NodeError):
+            cache.get("key")
+        waited.append(time.monotonic() - started)
+
+    readers = [threading.Thread(target=read) for _ in range(6)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    assert len(waited) == 6
+    assert max(waited) < 1.0, sorted(waited)  # one IO_TIMEOUT and a margin, not 6 x 0.3
+    for link in proxy.release(0):
+        assert link.answered.wait(5)
+    assert cache.get("key", "miss") == "miss"  # settled and cleaned up once it answers

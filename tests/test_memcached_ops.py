@@ -18,7 +18,7 @@ from pymemcache.serde import compressed_serde
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
-from django_kvcache.memcached import ValueTooLarge, protocol
+from django_kvcache.memcached import ValueTooLarge, wire
 from tests.servers import MemcachedNode, memcached_node
 
 THIRTY_DAYS = 30 * 24 * 3600
@@ -142,11 +142,7 @@ def test_timeout_over_thirty_days_is_stored_as_a_unix_time(cache):
 
 def meta_ttl(cache, key):
     node = cache._node(key)
-    client = node.pool.checkout()
-    try:
-        return protocol.meta_get(client, key.encode())[2]
-    finally:
-        node.pool.checkin(client)
+    return node.call(wire.meta_get(key.encode()))[2]
 
 
 # --- incr / decr (the results both backends share are in tests/test_counters.py) --------
@@ -424,7 +420,7 @@ def test_values_that_look_like_protocol_lines(cache, value):
 
 
 def test_get_many_with_more_keys_than_one_get_line(cache):
-    data = {f"key-{i}": f"value-{i}" * (i % 7) for i in range(protocol.GET_KEYS_PER_LINE * 3 + 7)}
+    data = {f"key-{i}": f"value-{i}" * (i % 7) for i in range(wire.GET_KEYS_PER_LINE * 3 + 7)}
     assert cache.set_many(data) == []
     assert cache.get_many([*data, "missing"]) == data
     cache.delete_many(list(data)[:150])

@@ -3,6 +3,7 @@ closed by disconnect_all, reset in a forked child, bounded by MAX_POOL_SIZE; soc
 options; unix sockets; many threads sharing one backend."""
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import socket
@@ -20,7 +21,6 @@ from pymemcache.client.base import Client
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import PoolExhausted
-from django_kvcache.memcached.protocol import connected
 from tests.servers import services
 
 BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
@@ -108,14 +108,14 @@ def test_sockets_have_nodelay_and_timeouts(memcached_node_factory):
         pool = cache._nodes[0].pool
         client = pool.checkout()
         try:
-            sock = connected(client)
+            sock = client.connect()
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
             # the kernel keeps its timeouts in clock ticks: 0.25 s may read back as 0.252
             if expected is None:
                 assert io_timeout(sock) is None
             else:
                 assert io_timeout(sock) == pytest.approx(expected, abs=0.01)
-            assert client.connect_timeout == options.get("CONNECT_TIMEOUT", 1.0)
+            assert client.settings.connect_timeout == options.get("CONNECT_TIMEOUT", 1.0)
         finally:
             pool.checkin(client)
 
@@ -237,6 +237,20 @@ def test_unix_socket_node(unix_node, memcached_node_factory):
     assert cache.set_many(data) == []
     assert cache.get_many(data) == data
     assert cache.get("key-1") == 1
+    assert all(m["hits"] for m in cache.metrics().values())  # both nodes served keys
+
+
+def test_unix_socket_node_async(unix_node, memcached_node_factory):
+    tcp = memcached_node_factory().address
+    cache = MemcachedCache(f"unix:{unix_node};{tcp}", {})
+    data = {f"akey-{i}": i for i in range(40)}
+
+    async def scenario() -> None:
+        assert await cache.aset_many(data) == []
+        assert await cache.aget_many(data) == data
+        assert await cache.aget("akey-1") == 1
+
+    asyncio.run(scenario())
     assert all(m["hits"] for m in cache.metrics().values())  # both nodes served keys
 
 

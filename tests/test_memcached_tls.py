@@ -1,6 +1,8 @@
 """TLS: a memcached started with ``-Z`` and a throwaway self-signed certificate."""
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
 import socket
 import ssl
@@ -82,3 +84,28 @@ def test_untrusted_certificate_fails_as_a_node_error(tls_node):
     cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
     with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
         cache.get("key")
+
+
+def test_tls_on_the_async_path(tls_node):
+    address, ca_file = tls_node
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {"cafile": ca_file}}})
+    data = {f"a{i}": "y" * i * 100 for i in range(30)}
+    big = os.urandom(300_000)  # more than one TLS record and one read
+
+    async def scenario() -> None:
+        await cache.aset("key", "over TLS, async")
+        assert await cache.aget("key") == "over TLS, async"
+        assert await cache.aset_many(data) == []
+        assert await cache.aget_many(data) == data
+        await cache.aset("big", big)
+        assert await cache.aget("big") == big
+
+    asyncio.run(scenario())
+    assert cache.get("key") == "over TLS, async"  # and the blocking path reads it
+
+
+def test_untrusted_certificate_fails_as_a_node_error_async(tls_node):
+    address, _ = tls_node
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
+    with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
+        asyncio.run(cache.aget("key"))

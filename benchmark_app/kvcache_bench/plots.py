@@ -55,7 +55,7 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
                "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
-               "codec": codec_tradeoff, "shards": shards_scaling,
+               "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
                "stampede": stampede_counts}
     written = []
     for name, scenario in results["scenarios"].items():
@@ -168,6 +168,24 @@ def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any]) -> Any:
                 axis.axhline(floor, linestyle=":", color="grey", label=f"{client} (1 node)")
         axis.legend(fontsize=8)
     _title(figure, "nodes: memcached clients as the node count grows", results, values=FILLER_LABEL)
+    return figure
+
+
+def async_throughput(scenario: dict[str, Any], results: dict[str, Any]) -> Any:
+    """Calls per second against the coroutine count, per operation, on the most nodes."""
+    entries = [e for e in scenario["results"] if e["nodes"] == max(scenario["counts"])]
+    operations = list(dict.fromkeys(e["operation"] for e in entries))
+    coroutines = scenario["coroutines"]
+    figure, axes = plt.subplots(1, len(operations), figsize=(6 * len(operations), 5),
+                                layout="constrained", squeeze=False)
+    for axis, operation in zip(axes[0], operations):
+        series = _series(entries, "client", "coroutines", coroutines, "ops_per_s",
+                         operation=operation)
+        _line_chart(axis, coroutines, series, "concurrent coroutines", "calls per second",
+                    f"{operation} on {max(scenario['counts'])} node(s)")
+        axis.legend(fontsize=8)
+    _title(figure, "async: throughput of concurrent coroutines (higher is better)", results,
+           values=FILLER_LABEL)
     return figure
 
 

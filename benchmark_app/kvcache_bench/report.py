@@ -20,6 +20,7 @@ IDENTITY = {
     "codec": ("setting",),
     "stampede": ("cache", "callers", "state"),
     "shards": ("operation", "shards"),
+    "async": ("client", "operation", "setting"),
 }
 
 
@@ -96,6 +97,13 @@ def nodes_text(nodes: dict[str, Any]) -> str:
             f"{FILLER_LABEL})\n\n" + table(header, lines))
 
 
+def async_text(scenario: dict[str, Any]) -> str:
+    lines = [[e["client"], e["operation"], e["nodes"], e["coroutines"], f"{e['ops_per_s']:,.0f}",
+              micros(e["p99_us"])] for e in scenario["results"]]
+    header = ["client", "operation", "nodes", "coroutines", "ops/s", "p99"]
+    return f"async: concurrent coroutines on one event loop ({FILLER_LABEL})\n\n" + table(header, lines)
+
+
 def concurrency_text(concurrency: dict[str, Any]) -> str:
     lines = [[e["cache"], e["mode"], e["workers"], f"{e['ops_per_s']:,.0f}", e["lost_incr"],
               e["extra_add_winners"], e["errors"]] for e in concurrency["results"]]
@@ -169,7 +177,7 @@ def stampede_text(stampede: dict[str, Any]) -> str:
 
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
-        "shards": shards_text, "stampede": stampede_text}
+        "shards": shards_text, "async": async_text, "stampede": stampede_text}
 #: The scenarios whose text names the value mix (the others use random filler).
 MIX_TEXT = {"ops", "storage", "capacity", "codec"}
 

@@ -15,7 +15,7 @@ SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capa
 #: use small random filler and run with the first mix only.
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
 #: Run only when named with --scenario: they need servers beyond the default ones.
-ON_REQUEST_SCENARIOS = ("shards",)
+ON_REQUEST_SCENARIOS = ("shards", "async")
 
 
 def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[str],
@@ -26,7 +26,7 @@ def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[
         data.mix_named(mix)  # an unknown name fails before any server is touched
     token = secrets.token_hex(3)
     needed = caches.node_count_needed(patterns)
-    if "nodes" in scenarios:
+    if "nodes" in scenarios or "async" in scenarios:
         needed = max(needed, *parameters.nodes)
     with servers.memcached_cluster(needed) as (nodes, cluster_note):
         described = {"machine": machine.describe(nodes)}  # load average before the run

@@ -10,40 +10,34 @@
 
 The options are described in docs/memcached.rst. Everything shared between backend
 instances (pools, node health, counters, routing) lives in a process-wide
-:class:`Cluster`, found again by every instance built with the same settings.
+:class:`~django_kvcache.memcached.cluster.Cluster`, found again by every instance built
+with the same settings.
+
+Each operation is written once, as a plan (:mod:`django_kvcache.memcached.plans`):
+``get`` runs it on blocking sockets, ``aget`` on the event loop's own connections —
+native asyncio, no thread (docs/async.rst).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
-import os
 import random
-import ssl
-import threading
 import time
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
-from django.core.exceptions import ImproperlyConfigured
-from pymemcache.client.base import Client
-from pymemcache.exceptions import MemcacheClientError, MemcacheServerError
 
 from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.memcached import MemcachedError, NodeDown, ValueTooLarge
-from django_kvcache.memcached import fanout, protocol
-from django_kvcache.health import health_for
+from django_kvcache.memcached import MemcachedError, NodeDown, Refused, ValueTooLarge
+from django_kvcache.memcached import aio, fanout, sampling, wire
+from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
-from django_kvcache.memcached.pool import ConnectionSettings, pool_for
-from django_kvcache.memcached.routing import (
-    NodeAddress,
-    check_scheme,
-    make_router,
-    parse_location,
-)
-from django_kvcache.options import check_known, flag, integer, seconds
-from django_kvcache.routing import parse_weights
+from django_kvcache.memcached.plans import Fanout, Pause, Plan, arun, run
+from django_kvcache.memcached.routing import parse_location
+from django_kvcache.options import flag
 from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
@@ -62,62 +56,6 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 
 
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
-
-
-class Cluster:
-    """The nodes and router of one configuration, shared process-wide."""
-
-    def __init__(self, nodes: list[Node], router: Any) -> None:
-        self.nodes = nodes
-        self.router = router
-        self.by_name = {node.name: node for node in nodes}
-
-
-_clusters: dict[tuple, Cluster] = {}
-_clusters_lock = threading.Lock()
-
-
-def _new_lock_after_fork() -> None:
-    global _clusters_lock
-    _clusters_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Cluster:
-    """The process-wide cluster for these nodes and OPTIONS (checked here)."""
-    settings = ConnectionSettings(
-        connect_timeout=seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
-        io_timeout=seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
-        max_size=integer(options, "MAX_POOL_SIZE", 64),
-        pool_timeout=seconds(options, "POOL_TIMEOUT", 1.0),
-        tls=_tls_context(options.get("TLS")),
-    )
-    threshold = integer(options, "FAILURE_THRESHOLD", 2)
-    retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
-    scheme = check_scheme(options.get("HASHING", "kvcache"))
-    weights = parse_weights(options.get("WEIGHTS"), [address.name for address in addresses])
-    identity = (
-        tuple(a.name for a in addresses), scheme, tuple(weights), settings,
-        threshold, retry_timeout,
-    )
-    cluster = _clusters.get(identity)
-    if cluster is not None:
-        return cluster
-    nodes = [
-        Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
-        for a in addresses
-    ]
-    with _clusters_lock:
-        cluster = Cluster(nodes, make_router(scheme, addresses, weights))
-        return _clusters.setdefault(identity, cluster)
-
-
-class Placement(NamedTuple):
-    groups: dict[Node, list[str]]
-    stranded: list[str]  # keys whose node is down (and no failover node is up)
-    errors: list[MemcachedError]
 
 
 class MemcachedCache(KVCache):
@@ -141,9 +79,130 @@ class MemcachedCache(KVCache):
         super().__init__(params)
         self.failover = flag(self.options, "FAILOVER")
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS")
-        self.cluster = cluster = cluster_for(parse_location(server), self.options)
-        self._nodes = cluster.nodes
-        self._node_for_key = cluster.router.node_for
+        self.cluster = cluster_for(parse_location(server), self.options)
+        self._nodes = self.cluster.nodes
+
+    # --- the Django API: each sync method and its async twin run the same plan ---------
+
+    def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
+        return run(self._get(key, default, version))
+
+    async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
+        return await arun(self._get(key, default, version))
+
+    def set(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> None:
+        run(self._store(b"set", key, value, timeout, version))
+
+    async def aset(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> None:
+        await arun(self._store(b"set", key, value, timeout, version))
+
+    def add(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> bool:
+        return run(self._store(b"add", key, value, timeout, version))
+
+    async def aadd(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> bool:
+        return await arun(self._store(b"add", key, value, timeout, version))
+
+    def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
+        return run(self._touch(key, timeout, version))
+
+    async def atouch(
+        self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> bool:
+        return await arun(self._touch(key, timeout, version))
+
+    def delete(self, key: Any, version: int | None = None) -> bool:
+        return run(self._delete(key, version))
+
+    async def adelete(self, key: Any, version: int | None = None) -> bool:
+        return await arun(self._delete(key, version))
+
+    def has_key(self, key: Any, version: int | None = None) -> bool:
+        return self.get(key, MISSING, version=version) is not MISSING
+
+    async def ahas_key(self, key: Any, version: int | None = None) -> bool:
+        return await self.aget(key, MISSING, version=version) is not MISSING
+
+    def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        return run(self._incr(key, delta, version))
+
+    async def aincr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        return await arun(self._incr(key, delta, version))
+
+    async def adecr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        check_delta(delta)  # before negating: -True would pass as -1
+        return await self.aincr(key, -delta, version=version)
+
+    def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
+        return run(self._get_many(keys, version))
+
+    async def aget_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
+        return await arun(self._get_many(keys, version))
+
+    def set_many(
+        self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> list[Any]:
+        return run(self._set_many(data, timeout, version))
+
+    async def aset_many(
+        self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> list[Any]:
+        return await arun(self._set_many(data, timeout, version))
+
+    def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
+        run(self._delete_keys(list(self.make_keys(keys, version)), report=True))
+
+    async def adelete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
+        await arun(self._delete_keys(list(self.make_keys(keys, version)), report=True))
+
+    async def _aget_or_set_unprotected(
+        self, key: Any, default: Any, timeout: Any, version: Any
+    ) -> Any:
+        """``aget_or_set`` without LEASE_TIMEOUT, on the loop; a callable default may
+        return an awaitable. (With LEASE_TIMEOUT, KVCache.aget_or_set runs the stampede
+        plan on these same native methods.)"""
+        value = await self.aget(key, MISSING, version=version)
+        if value is not MISSING:
+            return value
+        if callable(default):
+            default = default()
+            if inspect.isawaitable(default):
+                default = await default
+        await self.aadd(key, default, timeout=timeout, version=version)
+        # Read again: another caller may have added a value between our get and add.
+        return await self.aget(key, default, version=version)
+
+    def clear(self) -> None:
+        run(self._clear())
+
+    async def aclear(self) -> None:
+        await arun(self._clear())
+
+    def close(self, **kwargs: Any) -> None:
+        """Called at the end of every request: the pooled connections stay open."""
+
+    async def aclose(self, **kwargs: Any) -> None:
+        """The pooled connections stay open (they close with their event loop)."""
+
+    def disconnect_all(self) -> None:
+        """Really close this cache's idle connections (e.g. before a fork or at shutdown)."""
+        for node in self._nodes:
+            node.pool.close_idle()
+
+    async def adisconnect_all(self) -> None:
+        """Close this cache's idle connections: the running loop's and the blocking ones."""
+        aio.close_pools(self._nodes)
+        self.disconnect_all()
+
+    aincr_version = delegate_to_sync("incr_version")
+    adecr_version = delegate_to_sync("decr_version")
 
     # --- keys and expiry --------------------------------------------------------------
 
@@ -181,73 +240,16 @@ class MemcachedCache(KVCache):
             return int(time.time()) + seconds
         return seconds
 
-    # --- routing and failure policy ---------------------------------------------------
+    # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
     def _node(self, key: str) -> Node:
-        node = self._nodes[self._node_for_key(key)]
-        if node.health.down_until and not node.health.may_try():
-            return self._failover_node(key, node)
-        return node
-
-    def _failover_node(self, key: str, down: Node) -> Node:
-        if self.failover:
-            for index in self.cluster.router.ranking(key)[1:]:
-                node = self._nodes[index]
-                if node.health.may_try():
-                    return node
-        raise down.skipped()
-
-    def _place(self, keys: Iterable[str]) -> Placement:
-        """Keys by the node that serves them now; keys no node can take, with the errors."""
-        placement = Placement({}, [], [])
-        groups = placement.groups
-        for index, node_keys in self.cluster.router.group(keys).items():
-            node = self._nodes[index]
-            if not node.health.down_until or node.health.may_try():
-                groups.setdefault(node, []).extend(node_keys)
-                continue
-            reported = False
-            for key in node_keys:
-                try:
-                    groups.setdefault(self._failover_node(key, node), []).append(key)
-                except NodeDown as exc:  # counted per key, reported once per node
-                    placement.stranded.append(key)
-                    if not reported:
-                        placement.errors.append(exc)
-                        reported = True
-        return placement
+        return self.cluster.node(key, self.failover)
 
     def _home(self, key: str) -> Node:
-        return self._nodes[self._node_for_key(key)]
+        return self.cluster.home(key)
 
-    def _write(self, key: str, command: Any, *args: Any, sent: int = 0, saved: int = 0) -> Any:
-        """A single-key write on the key's node (or its failover node), which is credited
-        with ``sent`` and ``saved`` bytes."""
-        try:
-            return self._node(key).call(command, key, *args, sent=sent, saved=saved)
-        except MemcachedError as exc:
-            self._missed_write(key, exc)
-            raise
-
-    def _missed_write(self, key: str, error: MemcachedError) -> None:
-        """A write that failed or was skipped leaves the old value on the key's node (and
-        on the node that failed): delete it there before that node serves again."""
-        home = self._home(key)
-        home.outdated.add((key,))
-        failed = self.cluster.by_name.get(error.node)
-        if failed is not None and failed is not home:
-            failed.outdated.add((key,))
-
-    def _missed_batch_writes(self, placement: Placement, batches: list[fanout.Batch]) -> None:
-        for key in placement.stranded:
-            self._home(key).outdated.add((key,))
-        for batch in batches:
-            if batch.error is None:
-                continue
-            batch.node.outdated.add(batch.keys)
-            for key in batch.keys:
-                if self._home(key) is not batch.node:  # a failover batch
-                    self._home(key).outdated.add((key,))
+    def _place(self, keys: Iterable[str]) -> Placement:
+        return self.cluster.place(keys, self.failover)
 
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any:
         """Raise ``error``, or with IGNORE_EXCEPTIONS log and count it, giving ``fallback``."""
@@ -260,12 +262,18 @@ class MemcachedCache(KVCache):
             node.ignored += 1
         return fallback
 
-    # --- single keys ------------------------------------------------------------------
+    def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
+        """After a multi-key call: raise (or log) what went wrong, once every node is done."""
+        for error in placement.errors + [b.error for b in batches if b.error is not None]:
+            self._failed(error)
 
-    def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
+    # --- plans: single keys -----------------------------------------------------------
+
+    def _get(self, key: Any, default: Any, version: int | None) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            found = self._node(key).get(key)
+            node = self._node(key)
+            found = node.count_get((yield from node.call_plan(wire.get_one(key.encode()))))
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -273,63 +281,58 @@ class MemcachedCache(KVCache):
         value = self.decode(found[0], found[1], key)
         return default if value is MISSING else value
 
-    def set(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> None:
-        key = self.make_and_validate_key(key, version=version)
-        self._store(protocol.set_one, key, value, timeout, replaces=True)
-
-    def add(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> bool:
-        key = self.make_and_validate_key(key, version=version)
-        return self._store(protocol.add_one, key, value, timeout, replaces=False)
-
-    def _store(self, command: Any, key: str, value: Any, timeout: Any, replaces: bool) -> bool:
-        """``set`` (``replaces``) or ``add``. A value the server refuses leaves no older
-        value behind for ``set``; for ``add`` the entry that is there stays."""
-        data, flags, saved = self.codec.encode_measured(value)
-        expire = self.expire_time(timeout)
+    def _write(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Plan:
+        """A single-key write on the key's node (or its failover node), which is credited
+        with ``sent`` and ``saved`` bytes."""
         try:
-            stored = self._write(
-                key, command, (data, flags), expire, sent=len(key) + len(data), saved=saved
-            )
-        except MemcacheServerError as exc:  # too large, out of memory: refused, node fine
-            if replaces:
-                self._forget(key)
-            refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc}")
+            return (yield from self._node(key).call_plan(op, sent=sent, saved=saved))
+        except Refused:
+            raise  # refused, not missed: the node answered
+        except MemcachedError as exc:
+            self.cluster.missed_write(key, exc)
+            raise
+
+    def _store(self, name: bytes, key: Any, value: Any, timeout: Any, version: int | None) -> Plan:
+        """``set`` or ``add``. A value the server refuses leaves no older value behind for
+        ``set``; for ``add`` the entry that is there stays."""
+        key = self.make_and_validate_key(key, version=version)
+        data, flags, saved = self.codec.encode_measured(value)
+        op = wire.store(name, key.encode(), data, flags, self.expire_time(timeout))
+        try:
+            stored = yield from self._write(key, op, sent=len(key) + len(data), saved=saved)
+        except Refused as exc:  # too large, out of memory: refused, node fine
+            if name == b"set":
+                yield from self._forget(key)
+            refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc.reason}")
             return self._failed(refused, False)
         except MemcachedError as exc:
             return self._failed(exc, False)
-        return bool(stored)
+        return bool(stored) if name == b"add" else None
 
-    def _forget(self, key: str) -> None:
+    def _forget(self, key: str) -> Plan:
         """Delete a key whose new value was refused, so the old one is never read again."""
         try:
-            self._write(key, protocol.delete_one)
+            yield from self._write(key, wire.delete(key.encode()))
         except MemcachedError as exc:  # remembered as outdated by _write
             logger.warning("Could not delete %r after a failed set: %s", key, exc)
 
-    def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
+    def _touch(self, key: Any, timeout: Any, version: int | None) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._write(key, protocol.touch_one, self.expire_time(timeout)))
+            return bool((yield from self._write(key, wire.touch(key.encode(), self.expire_time(timeout)))))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def delete(self, key: Any, version: int | None = None) -> bool:
+    def _delete(self, key: Any, version: int | None) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool(self._write(key, protocol.delete_one))
+            return bool((yield from self._write(key, wire.delete(key.encode()))))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def has_key(self, key: Any, version: int | None = None) -> bool:
-        return self.get(key, MISSING, version=version) is not MISSING
+    # --- plans: counters --------------------------------------------------------------
 
-    # --- counters ---------------------------------------------------------------------
-
-    def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+    def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         """Add ``delta`` (negative to subtract); the entry keeps its expiry time.
 
         Signed 64-bit counters, the same as MySQLCache's (docs/guarantees.rst): results
@@ -347,46 +350,61 @@ class MemcachedCache(KVCache):
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = self._incr_on_server(node, key, delta)
+                value = yield from self._incr_on_server(node, key, delta)
             else:
-                value = self._add_with_cas(node, key, delta)
+                value = yield from self._add_with_cas(node, key, delta)
+        except Refused:
+            raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
-            self._missed_write(key, exc)
+            self.cluster.missed_write(key, exc)
             raise
         if value is None:
             raise ValueError(f"Key '{key}' not found")
         return value
 
-    def _incr_on_server(self, node: Node, key: str, delta: int) -> int | None:
+    def _incr_on_server(self, node: Node, key: str, delta: int) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
         From a stored value v in [0, 2**64), the reply is v + delta, or v + delta - 2**64
         when it wrapped, which is then below ``delta``. A wrapped reply or one above
         INT64_MAX is undone by adding 2**64 - delta: modulo 2**64 that restores v exactly,
-        whatever other increments ran in between. Until the undo lands (one round trip)
-        other clients can read the out-of-range number, and their increments of the key
-        raise ``OverflowError`` too.
+        whatever other increments ran in between (a CAS-conditional undo would not: an
+        overflow on top of ours can wrap the value back into range, which looks like a
+        ``set``). Until the undo lands (one round trip) other clients can read the
+        out-of-range number, and their increments of the key raise ``OverflowError``
+        too; a ``set`` landing inside that round trip is shifted by the undo
+        (docs/guarantees.rst, Counters).
         """
         try:
-            value = node.call(protocol.incr_one, key, delta, retry=False)
-        except MemcacheClientError:  # "non-numeric value": a negative or non-integer value
-            return self._add_with_cas(node, key, delta)
+            value = yield from node.call_plan(wire.incr(key.encode(), delta), retry=False)
+        except Refused as exc:
+            if not exc.client_error:
+                raise
+            # "non-numeric value": a negative or non-integer value
+            return (yield from self._add_with_cas(node, key, delta))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            node.call(protocol.incr_one, key, 2**64 - delta, retry=False)
+            yield from node.call_plan(wire.incr(key.encode(), 2**64 - delta), retry=False)
         raise self._overflow(key, delta)
 
-    def _add_with_cas(self, node: Node, key: str, delta: int) -> int | None:
+    def _add_with_cas(self, node: Node, key: str, delta: int) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile.
 
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
+        if node.meta is None:
+            node.meta = yield from node.call_plan(wire.meta_probe())
+        if not node.meta:
+            raise MemcachedError(
+                node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
+                "(meta commands, which keep the entry's expiry time)"
+            )
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = node.call(protocol.meta_get, encoded_key)
+            found = yield from node.call_plan(wire.meta_get(encoded_key))
             if found is None:
                 return None
             data, flags, ttl, cas = found
@@ -400,14 +418,14 @@ class MemcachedCache(KVCache):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
             if ttl > THIRTY_DAYS:  # memcached reads longer times as Unix timestamps, on its
                 # own clock, which lags ours by up to 2 s: ours would stretch every update.
-                ttl += node.call(Client.stats)[b"time"]
+                ttl += (yield from node.call_plan(wire.stats()))["time"]
             new_data, new_flags = self.codec.encode(result)
-            swapped = node.call(
-                protocol.meta_cas, encoded_key, new_data, new_flags, ttl, cas, retry=False
+            swapped = yield from node.call_plan(
+                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), retry=False
             )
             if swapped:
                 return result
-            time.sleep(random.random() / 1000)  # someone else won: let them get out of the way
+            yield Pause(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
     @staticmethod
@@ -416,15 +434,15 @@ class MemcachedCache(KVCache):
             f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
         )
 
-    # --- many keys: one pipelined request per node, all nodes at once ------------------
+    # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 
-    def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
+    def _get_many(self, keys: Iterable[Any], version: int | None) -> Plan:
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
         placement = self._place(key_map)
         batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
-        fanout.run(batches)
+        yield Fanout(batches)
         found: dict[Any, Any] = {}
         decode = self.decode
         for batch in batches:
@@ -438,9 +456,7 @@ class MemcachedCache(KVCache):
         self._report(placement, batches)
         return found
 
-    def set_many(
-        self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> list[Any]:
+    def _set_many(self, data: Mapping[Any, Any], timeout: Any, version: int | None) -> Plan:
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
@@ -455,7 +471,7 @@ class MemcachedCache(KVCache):
                 node_saved += saved
                 encoded.append((payload, flags))
             batches.append(fanout.set_batch(node, node_keys, encoded, expire, node_saved))
-        fanout.run(batches)
+        yield Fanout(batches)
         failed = list(placement.stranded)
         refused: list[str] = []
         for batch in batches:
@@ -465,17 +481,17 @@ class MemcachedCache(KVCache):
             for key, line in zip(batch.keys, batch.result):
                 if line != b"STORED":  # too large, out of memory: the node is fine
                     refused.append(key)
-                    refusals.failed(f"node {batch.node.name}", f"{key!r} not stored: {line.decode(errors='replace')}")
+                    refusals.failed(
+                        f"node {batch.node.name}",
+                        f"{key!r} not stored: {line.decode(errors='replace')}",
+                    )
         if refused:
-            self._delete_keys(refused)  # a failed set must not leave the old value behind
-        self._missed_batch_writes(placement, batches)
+            yield from self._delete_keys(refused)  # a failed set must not leave the old value
+        self.cluster.missed_batch_writes(placement, batches)
         self._report(placement, batches)
         return [key_map[key] for key in failed + refused]
 
-    def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        self._delete_keys(list(self.make_keys(keys, version)), report=True)
-
-    def _delete_keys(self, keys: list[str], report: bool = False) -> None:
+    def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,
         else (a clean-up after refused writes) logged; either way the keys that were not
         deleted are remembered as outdated."""
@@ -483,8 +499,8 @@ class MemcachedCache(KVCache):
             return
         placement = self._place(keys)
         batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        fanout.run(batches)
-        self._missed_batch_writes(placement, batches)
+        yield Fanout(batches)
+        self.cluster.missed_batch_writes(placement, batches)
         if report:
             self._report(placement, batches)
             return
@@ -496,12 +512,7 @@ class MemcachedCache(KVCache):
                 "their node answers again: %s", undeleted, "; ".join(map(str, errors)),
             )
 
-    def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
-        """After a multi-key call: raise (or log) what went wrong, once every node is done."""
-        for error in placement.errors + [b.error for b in batches if b.error is not None]:
-            self._failed(error)
-
-    def clear(self) -> None:
+    def _clear(self) -> Plan:
         """Flush every node (memcached has no per-prefix delete).
 
         A node that misses the flush (down, or failing now) is flushed when it returns,
@@ -509,7 +520,7 @@ class MemcachedCache(KVCache):
         """
         reachable = [node for node in self._nodes if node.health.may_try()]
         batches = [fanout.flush_batch(node) for node in reachable]
-        fanout.run(batches)
+        yield Fanout(batches)
         errors: list[MemcachedError] = [b.error for b in batches if b.error is not None]
         for node in self._nodes:
             if node not in reachable:
@@ -519,15 +530,7 @@ class MemcachedCache(KVCache):
         for error in errors:
             self._failed(error)
 
-    # --- connections and observability -----------------------------------------------
-
-    def close(self, **kwargs: Any) -> None:
-        """Called at the end of every request: the pooled connections stay open."""
-
-    def disconnect_all(self) -> None:
-        """Really close this cache's idle connections (e.g. before a fork or at shutdown)."""
-        for node in self._nodes:
-            node.pool.close_idle()
+    # --- observability and maintenance (blocking only: not request-path calls) --------
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
@@ -538,64 +541,15 @@ class MemcachedCache(KVCache):
         ``(bytes, flags)``. For training a compression dictionary
         (``kvcache_train_dictionary``): it lists every key of every node, so it is no
         request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
-        per_node = -(-count // len(self._nodes))
-        batches = []
-        for node in self._nodes:
-            keys = node.call(protocol.sample_keys, per_node)
-            if keys:
-                batches.append(fanout.get_batch(node, keys))
-        fanout.run(batches)
-        entries: list[tuple[bytes, int]] = []
-        for batch in batches:
-            if batch.error is not None:
-                raise batch.error
-            entries.extend(batch.result.values())
-        random.shuffle(entries)
-        return entries[:count]
+        return sampling.sample_entries(self._nodes, count)
 
     def server_stats(self) -> dict[str, dict[str, Any]]:
         """memcached's ``stats`` of every node; ``{"error": ...}`` for a node that fails."""
         stats: dict[str, dict[str, Any]] = {}
         for node in self._nodes:
             try:
-                raw = node.call(Client.stats)
+                stats[node.name] = node.call(wire.stats())
             except MemcachedError as exc:
                 stats[node.name] = {"error": str(exc)}
-            else:
-                stats[node.name] = {
-                    (k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()
-                }
         return stats
 
-    adisconnect_all = delegate_to_sync("disconnect_all")
-
-
-# --- OPTIONS checks -------------------------------------------------------------------
-
-
-def _tls_context(value: Any) -> ssl.SSLContext | None:
-    """OPTIONS['TLS']: an ``ssl.SSLContext``, or a dict of ``ssl.create_default_context``
-    arguments (``cafile``, ``capath``, ``cadata``) plus ``certfile``/``keyfile``.
-
-    One context per distinct dict, so instances built from the same settings share pools
-    (and Django's per-request instances do not load certificates every time).
-    """
-    if value is None or isinstance(value, ssl.SSLContext):
-        return value
-    known = {"cafile", "capath", "cadata", "certfile", "keyfile"}
-    check_known(value, known, "OPTIONS['TLS'] (an ssl.SSLContext or a dict)")
-    key = tuple(sorted((k, str(v)) for k, v in value.items()))
-    if key not in _contexts:
-        try:
-            context = ssl.create_default_context(
-                cafile=value.get("cafile"), capath=value.get("capath"), cadata=value.get("cadata")
-            )
-            if value.get("certfile"):
-                context.load_cert_chain(value["certfile"], value.get("keyfile"))
-        except (OSError, ssl.SSLError) as exc:
-            raise ImproperlyConfigured(f"OPTIONS['TLS']: {exc}") from exc
-        _contexts.setdefault(key, context)
-    return _contexts[key]
-
-
-_contexts: dict[tuple, ssl.SSLContext] = {}

@@ -1,11 +1,15 @@
 """Building blocks of :class:`django_kvcache.backends.memcached.MemcachedCache`.
 
-``routing`` parses LOCATION and places keys on nodes (with the shared
-:mod:`django_kvcache.routing`), ``pool`` keeps connections, the shared
-:mod:`django_kvcache.health` tracks which nodes answer, ``stale`` what a node missed or may still apply late, ``node`` ties them
-together per server (and owns every connection's lifecycle), ``protocol`` speaks the
-text protocol for the writes and batch paths and ``fanout`` runs batches on every node
-at once.
+``wire`` is the protocol, sans IO: request encoders and incremental reply parsers.
+``connection`` carries it on blocking sockets, ``aio`` on asyncio streams (one pool per
+event loop). ``routing`` parses LOCATION and places keys on nodes (with the shared
+:mod:`django_kvcache.routing`), ``pool`` keeps the blocking connections, the shared
+:mod:`django_kvcache.health` tracks which nodes answer, ``stale`` what a node missed or
+may still apply late, ``node`` ties them together per server (it owns every
+connection's lifecycle and translates socket and parser errors), ``fanout`` runs batches
+on every node at once, ``cluster`` reads OPTIONS and places keys (with the failure
+policy), and ``plans`` writes each cache operation once for both the sync and the async
+API.
 """
 from __future__ import annotations
 
@@ -29,6 +33,15 @@ class NodeDown(NodeError):
 
 class PoolExhausted(MemcachedError):
     """Every pooled connection of a node stayed busy for POOL_TIMEOUT seconds."""
+
+
+class Refused(MemcachedError):
+    """The server refused one request (``SERVER_ERROR``/``CLIENT_ERROR``: too large, out
+    of memory, not a number); the node and the connection are fine."""
+
+    def __init__(self, node: str, reason: str, client_error: bool = False) -> None:
+        super().__init__(node, reason)
+        self.client_error = client_error
 
 
 class ValueTooLarge(MemcachedError):

@@ -1,5 +1,8 @@
 """Multi-key operations on many nodes: every request is sent before any reply is read.
 
+``run`` does it on blocking sockets, ``arun`` on the running event loop's connections;
+both share the batches and what a failure does to them.
+
 Each node gets one pipelined request (``get k1 k2 …``, or a run of ``set``/``delete``
 commands) on a pooled connection. Only when all of them are on the wire do we read the
 replies, so the nodes work in parallel and a call costs one round trip per node, all
@@ -7,27 +10,47 @@ at the same time, whatever the number of keys.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from django_kvcache.memcached import MemcachedError
-from django_kvcache.memcached import protocol
+from django_kvcache.memcached import MemcachedError, aio, wire
 from django_kvcache.memcached.node import NODE_FAILURES, Lease, Node
-from django_kvcache.memcached.protocol import ReplyReader, connected
 
 
 @dataclass
 class Batch:
-    """One node's share of a multi-key call."""
+    """One node's share of a multi-key call: ``op`` on one of its connections.
+
+    ``on_result`` bumps the node's counters once the reply is in (sync and async path).
+    """
 
     node: Node
     keys: list[str]
-    request: bytes
-    read: Callable[[ReplyReader], Any]
-    writes: bool  # a timed-out write may still land: its connection is settled, not closed
+    op: wire.Op
+    on_result: Callable[[Any], None] | None = None
     result: Any = None
     error: MemcachedError | None = None
     _lease: Lease | None = field(default=None, repr=False)
+    _reply: Any = field(default=None, repr=False)
+
+    def sending(self) -> bytes:
+        """The request, with a fresh parser for its reply (an attempt starts here)."""
+        self._reply = self.op.make_reply()
+        self.node.bytes_sent += len(self.op.request)
+        return self.op.request
+
+    def received(self) -> None:
+        """The reply parsed: the result, and the node's counters."""
+        self.result = self.op.result(self._reply)
+        self._reply = None
+        if self.on_result is not None:
+            self.on_result(self.result)
+
+
+def count_ops(batches: Sequence[Batch]) -> None:
+    for batch in batches:
+        batch.node.ops += len(batch.keys)  # once per call, whatever is retried
 
 
 def run(batches: Sequence[Batch]) -> None:
@@ -37,8 +60,7 @@ def run(batches: Sequence[Batch]) -> None:
     could each hold what the other waits for): batches whose pool is busy go in a later
     round, and a round where every pool is busy waits for a single pool only.
     """
-    for batch in batches:
-        batch.node.ops += len(batch.keys)  # once per call, whatever is retried
+    count_ops(batches)
     _run(batches, retry=True)
 
 
@@ -99,34 +121,121 @@ def _step(
         return True
     except NODE_FAILURES as exc:
         batch._lease = None
-        error = lease.fail(exc, retry)
-        if error is None:
-            stale.append(batch)
-        else:
-            batch.error = error
+        failed(batch, lease, exc, retry, stale)
         return False
 
 
-def _send(batch: Batch, client: Any) -> None:
-    node = batch.node
-    node.ready(client)
-    sock = connected(client)
-    if batch.writes:
-        protocol.send_write(sock, batch.request)
+def failed(batch: Batch, lease: Lease, exc: BaseException, retry: bool, stale: list[Batch]) -> None:
+    """A node failure in a batch's exchange: the lease ends, and the batch is either due
+    for one retry on a new connection (``stale``) or fails with the node's error."""
+    error = lease.fail(exc, retry)
+    if error is None:
+        stale.append(batch)
     else:
-        sock.sendall(batch.request)
-    node.bytes_sent += len(batch.request)
+        batch.error = error
+
+
+def _send(batch: Batch, client: Any) -> None:
+    batch.node.ready(client)
+    client.send(batch.sending(), batch.op.writes)
 
 
 def _receive(batch: Batch, client: Any) -> None:
-    reader = ReplyReader(client.sock)
+    before = client.received
     try:
-        if batch.writes:
-            batch.result = protocol.read_write_replies(reader, batch.read)
-        else:
-            batch.result = batch.read(reader)
+        client.read(batch._reply, batch.op.writes)
     finally:
-        batch.node.bytes_received += reader.received
+        batch.node.bytes_received += client.received - before
+    batch.received()
+
+
+# --- the same on an event loop ------------------------------------------------------
+
+
+async def arun(batches: Sequence[Batch]) -> None:
+    """``run`` on the event loop: every node's request written, then every reply read —
+    all nodes at once (their replies arrive meanwhile, parsed as they come). A stale
+    pooled connection is retried once on a new one, as on the blocking path.
+
+    As there, a call never waits for one node's connection while holding another's:
+    batches whose pool is busy go in a later round, and a round where every pool is busy
+    waits for a single pool only.
+    """
+    count_ops(batches)
+    stale = await _arounds(batches, retry=True)
+    if stale:
+        await _arounds(stale, retry=False)
+
+
+async def _arounds(batches: Sequence[Batch], retry: bool) -> list[Batch]:
+    pools = {batch.node: await aio.pool_of(batch.node) for batch in batches}
+    pending = list(batches)
+    stale: list[Batch] = []
+    while pending:
+        claimed = []
+        for batch in pending:
+            connection = pools[batch.node].try_checkout()
+            if connection is not None:
+                claimed.append((batch, Lease(batch.node, connection, pools[batch.node])))
+        if not claimed:
+            first = pending[0]
+            try:
+                connection = await pools[first.node].checkout()
+            except MemcachedError as exc:
+                first.error = exc
+            else:
+                claimed.append((first, Lease(first.node, connection, pools[first.node])))
+        done = {id(batch) for batch, _ in claimed}
+        pending = [b for b in pending if id(b) not in done and b.error is None]
+        stale += await _aexchange(claimed, retry)
+    return stale
+
+
+async def _aexchange(claimed: list[tuple[Batch, Lease]], retry: bool) -> list[Batch]:
+    """Send every request, then read every reply; the batches worth a retry."""
+    stale: list[Batch] = []
+    try:
+        sent = [
+            (batch, lease) for batch, lease in claimed
+            if await _astep(batch, lease, _asend(batch, lease), retry, stale)
+        ]
+        since = asyncio.get_running_loop().time()  # every request is out: one shared wait
+        for batch, lease in sent:
+            if await _astep(batch, lease, _areceive(batch, lease, since), retry, stale):
+                lease.release()
+    except BaseException as exc:  # cancelled or interrupted: no connection stays out
+        for _, lease in claimed:
+            if lease.client is not None:
+                lease.drop(exc)
+        raise
+    return stale
+
+
+async def _astep(batch: Batch, lease: Lease, step: Any, retry: bool, stale: list[Batch]) -> bool:
+    """One half of a batch's exchange; on a node failure its lease ends here."""
+    try:
+        await step
+        return True
+    except NODE_FAILURES as exc:
+        failed(batch, lease, exc, retry, stale)
+        return False
+
+
+async def _asend(batch: Batch, lease: Lease) -> None:
+    node = batch.node
+    if node.late.pending or node.outdated.pending:
+        await node.arepair(lease.client)
+    await lease.client.send(batch.sending(), batch.op.writes)
+
+
+async def _areceive(batch: Batch, lease: Lease, since: float) -> None:
+    connection = lease.client
+    before = connection.received
+    try:
+        await connection.read(batch._reply, batch.op.writes, since)
+    finally:
+        batch.node.bytes_received += connection.received - before
+    batch.received()
 
 
 # --- the batches ----------------------------------------------------------------------
@@ -134,15 +243,12 @@ def _receive(batch: Batch, client: Any) -> None:
 
 def get_batch(node: Node, keys: list[str]) -> Batch:
     """``result``: ``{key bytes: (data, flags)}`` for the keys found."""
-    ends = protocol.get_lines(len(keys))
 
-    def read(reader: ReplyReader) -> dict[bytes, tuple[bytes, int]]:
-        found = protocol.read_values(reader, ends)
+    def count(found: dict) -> None:
         node.hits += len(found)
         node.misses += len(keys) - len(found)
-        return found
 
-    return Batch(node, keys, protocol.get_request([key.encode() for key in keys]), read, False)
+    return Batch(node, keys, wire.get_many([key.encode() for key in keys]), count)
 
 
 def set_batch(
@@ -150,29 +256,18 @@ def set_batch(
 ) -> Batch:
     """``result``: one reply line per key (``STORED`` or the server's error). ``saved``:
     the bytes compression saved, credited to the node once it answered."""
-    command = protocol.store_command
-    request = b"".join(
-        command(b"set", key.encode(), data, flags, expire)
-        for key, (data, flags) in zip(keys, encoded)
-    )
+    items = [(key.encode(), data, flags) for key, (data, flags) in zip(keys, encoded)]
 
-    def read(reader: ReplyReader) -> list[bytes]:
-        lines = protocol.read_lines(reader, len(keys))
+    def count(lines: list) -> None:
         node.bytes_saved += saved
-        return lines
 
-    return Batch(node, keys, request, read, True)
+    return Batch(node, keys, wire.store_many(items, expire), count)
 
 
 def delete_batch(node: Node, keys: list[str]) -> Batch:
     """``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
-    request = b"".join(b"delete %b\r\n" % key.encode() for key in keys)
-    return Batch(node, keys, request, _status_lines(len(keys)), True)
+    return Batch(node, keys, wire.delete_many(key.encode() for key in keys))
 
 
 def flush_batch(node: Node) -> Batch:
-    return Batch(node, [], b"flush_all\r\n", _status_lines(1), True)
-
-
-def _status_lines(count: int) -> Callable[[ReplyReader], list[bytes]]:
-    return lambda reader: protocol.read_lines(reader, count)
+    return Batch(node, [], wire.flush_all())

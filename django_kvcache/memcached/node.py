@@ -5,27 +5,34 @@ holds its connection through a :class:`Lease`, the one place that decides what b
 of it: checked in after a success, kept open as a late write after a write timed out,
 discarded after anything else (including ``KeyboardInterrupt``). The node's counters
 (``ops``, ``hits``, ``bytes_sent``…) are bumped here and in ``fanout``, never above.
+
+This is also the one layer that translates what the sockets and the wire parser raise
+into the backend's errors (:mod:`django_kvcache.memcached`): the sync path here, the
+asyncio path in ``aio`` with the same :class:`Lease` and :meth:`Node.failure`.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, Callable
+from typing import Any
 
-from pymemcache.client.base import Client
-from pymemcache.exceptions import MemcacheUnexpectedCloseError, MemcacheUnknownError
-
-from django_kvcache.memcached import NodeDown, NodeError
-from django_kvcache.memcached import protocol
 from django_kvcache.health import NodeHealth
+from django_kvcache.memcached import NodeDown, NodeError, Refused, aio, steps, wire
+from django_kvcache.memcached.connection import (
+    TIMEOUTS,
+    Connection,
+    WriteTimeout,
+    asettle,
+    settle,
+)
 from django_kvcache.memcached.pool import NodePool
-from django_kvcache.memcached.protocol import ProtocolError, ReplyReader, WriteTimeout, connected
 from django_kvcache.memcached.routing import NodeAddress
 from django_kvcache.memcached.stale import LateWrites, OutdatedCopies
 
 #: Errors that mean the node (or the path to it) failed, not the request.
-NODE_FAILURES = (OSError, MemcacheUnexpectedCloseError, MemcacheUnknownError, ProtocolError)
+NODE_FAILURES = (OSError, EOFError, wire.ProtocolError)
 #: Errors a pooled connection shows when the server restarted since its last use.
-STALE_CONNECTION = (ConnectionError, MemcacheUnexpectedCloseError)
+STALE_CONNECTION = (ConnectionError, EOFError)
 
 COUNTERS = (
     "ops", "hits", "misses", "errors", "timeouts", "ignored",
@@ -42,28 +49,39 @@ class Node:
         self.health = health
         self.outdated = OutdatedCopies()
         self.late = LateWrites()
+        self.meta: bool | None = None  # speaks the meta commands? asked once (wire.meta_probe)
         self.ops = self.hits = self.misses = self.errors = self.timeouts = self.ignored = 0
         self.bytes_sent = self.bytes_received = self.bytes_saved = 0
 
     def __repr__(self) -> str:
         return f"<memcached node {self.name}>"
 
-    def call(
-        self, command: Callable[..., Any], *args: Any, retry: bool = True,
-        sent: int = 0, saved: int = 0,
-    ) -> Any:
-        """``command(client, *args)`` on a pooled connection, counted as one operation.
+    def call(self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0) -> Any:
+        """``op`` on a connection of the blocking pool: what ``op`` returns."""
+        return steps.run(self.call_plan(op, retry, sent, saved))
+
+    def call_plan(
+        self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0
+    ) -> steps.Plan:
+        """``op`` on a pooled connection — the blocking pool's, or the running event
+        loop's (whichever driver runs the plan) — counted as one operation.
 
         A connection that broke while it sat in the pool (server restarted) is replaced
-        and the command retried once, unless ``retry`` is off (``incr``/``decr``).
+        and the op retried once, unless ``retry`` is off (``incr``/``decr``).
         ``sent`` and ``saved`` are credited to ``bytes_sent``/``bytes_saved`` on success.
+        A request the server refused raises ``Refused`` (the connection is fine).
         """
         self.ops += 1
         while True:
-            with Lease(self, self.pool.checkout()) as lease:
+            pool, connection = yield Checkout(self)
+            with Lease(self, connection, pool) as lease:
                 try:
-                    self.ready(lease.client)
-                    result = command(lease.client, *args)
+                    if self.late.pending or self.outdated.pending:
+                        yield Repair(self, lease.client)
+                    result = yield steps.Invoke(lease.client.exchange, op)
+                except wire.ErrorReply as exc:
+                    lease.release()
+                    raise self.refused(exc) from exc
                 except NODE_FAILURES as exc:
                     error = lease.fail(exc, retry)
                     if error is not None:
@@ -76,7 +94,9 @@ class Node:
 
     def get(self, key: str) -> tuple[bytes, int] | None:
         """``get`` of one key: ``(data, flags)`` or None, counted as a hit or a miss."""
-        found = self.call(protocol.get_one, key)
+        return self.count_get(self.call(wire.get_one(key.encode())))
+
+    def count_get(self, found: tuple[bytes, int] | None) -> tuple[bytes, int] | None:
         if found is None:
             self.misses += 1
         else:
@@ -86,38 +106,59 @@ class Node:
 
     # --- before the node serves again ---------------------------------------------------
 
-    def ready(self, client: Client) -> None:
+    def ready(self, client: Connection) -> None:
         """Settle late writes and delete outdated copies first, if any (two bool reads)."""
         if self.late.pending or self.outdated.pending:
             self.repair(client)
 
-    def repair(self, client: Client) -> None:
+    def repair(self, client: Connection) -> None:
         """Let every write that may still land land, then clean up (on ``client``).
 
         One thread at a time: another must not clean up while writes that this one took
         to settle can still land after its clean-up.
         """
+        timeouts = self.late.timeouts
         with self.late.repairing:
-            self.settle()
-            if self.outdated.pending:
-                self.clean(client)
+            self.check_not_queued_behind_a_timeout(timeouts)
+            steps.run(self.repair_plan(client))
 
-    def settle(self) -> None:
-        """Finish every timed-out write: its unsent rest and a fence, then the fence's
-        reply. A timeout means the node still does not serve: the request fails and the
-        clean-up waits. A closed or reset connection can apply nothing more: settled."""
+    async def arepair(self, client: Any) -> None:
+        """``repair`` on the event loop (``client`` an asyncio connection): the lock is
+        taken without blocking the loop."""
+        lock, timeouts = self.late.repairing, self.late.timeouts
+        while not lock.acquire(blocking=False):  # a thread is repairing: let it finish
+            await asyncio.sleep(0.001)
+        try:
+            self.check_not_queued_behind_a_timeout(timeouts)
+            await steps.arun(self.repair_plan(client))
+        finally:
+            lock.release()
+
+    def check_not_queued_behind_a_timeout(self, timeouts_before: int) -> None:
+        if self.late.pending and self.late.timeouts != timeouts_before:
+            raise TimeoutError("a late write is still not settled (it timed out just now)")
+
+    def repair_plan(self, client: Any) -> steps.Plan:
+        """Settle every timed-out write — its unsent rest and a fence, then the fence's
+        reply — then delete this node's outdated copies (see ``stale``) on ``client``.
+
+        A timeout means the node still does not serve: the request fails and the clean-up
+        waits. A closed or reset connection can apply nothing more: settled.
+        """
+        io_timeout = self.pool.settings.io_timeout
         late = self.late.take()
         try:
             while late:
                 sock, unsent = late[-1]
                 try:
-                    protocol.send_write(sock, unsent + protocol.FENCE)
-                    late[-1] = (sock, b"")  # all sent: a retry only reads
-                    protocol.read_to_fence(sock)
+                    yield Settle(sock, unsent, io_timeout)
                 except WriteTimeout as exc:  # not the caller's write: a plain timeout
                     late[-1] = (sock, exc.unsent)
+                    self.late.timeouts += 1
                     raise TimeoutError("a late write is still not settled") from exc
-                except protocol.TIMEOUTS:
+                except TIMEOUTS:
+                    late[-1] = (sock, b"")  # all sent: a retry only reads
+                    self.late.timeouts += 1
                     raise
                 except NODE_FAILURES:
                     pass
@@ -126,19 +167,15 @@ class Node:
         finally:
             if late:
                 self.late.put_back(late)
-
-    def clean(self, client: Client) -> None:
-        """Delete this node's outdated copies (see ``stale``) before it serves again."""
-        keys, flush = self.outdated.take()
-        try:
-            request, replies = OutdatedCopies.request(keys, flush)
-            sock = connected(client)
-            protocol.send_write(sock, request)
-            reader = ReplyReader(sock)
-            protocol.read_write_replies(reader, lambda _: protocol.read_lines(reader, replies))
-        except BaseException:
-            self.outdated.put_back(keys, flush)
-            raise
+        if self.outdated.pending:
+            keys, flush = self.outdated.take()
+            try:
+                if keys or flush:
+                    yield steps.Invoke(client.exchange, OutdatedCopies.op(keys, flush))
+            except BaseException:
+                self.outdated.put_back(keys, flush)
+                raise
+            self.outdated.done()
 
     # --- failures and observability ----------------------------------------------------
 
@@ -152,10 +189,14 @@ class Node:
             f"next try in {retry_in:.1f} s (RETRY_TIMEOUT)",
         )
 
+    def refused(self, exc: wire.ErrorReply) -> Refused:
+        """A request the server refused (too large, out of memory, not a number)."""
+        return Refused(self.name, str(exc), client_error=exc.client_error)
+
     def failure(self, exc: BaseException) -> NodeError:
         """Count a failed exchange and tell the health record; the error to raise."""
         self.errors += 1
-        if isinstance(exc, protocol.TIMEOUTS):  # Python's or the kernel's
+        if isinstance(exc, TIMEOUTS + (asyncio.TimeoutError,)):  # Python's or the kernel's
             self.timeouts += 1
             reason = f"timed out ({type(exc).__name__}: {exc})"
         else:
@@ -188,11 +229,12 @@ class Lease:
     ``release`` already ended the lease.
     """
 
-    __slots__ = ("node", "client", "reused")
+    __slots__ = ("node", "pool", "client", "reused")
 
-    def __init__(self, node: Node, client: Client) -> None:
+    def __init__(self, node: Node, client: Any, pool: Any = None) -> None:
         self.node = node
-        self.client: Client | None = client
+        self.pool = node.pool if pool is None else pool  # the sync pool, or a loop's
+        self.client: Any = client
         self.reused = client.sock is not None  # a pooled connection that may have gone stale
 
     def __enter__(self) -> Lease:
@@ -209,7 +251,7 @@ class Lease:
         """The exchange succeeded: back to the pool."""
         client, self.client = self.client, None
         assert client is not None
-        self.node.pool.checkin(client)
+        self.pool.checkin(client)
         if self.node.health.failures:
             self.node.health.succeeded()
 
@@ -217,7 +259,7 @@ class Lease:
         """The exchange failed: keep a timed-out write's socket to settle, close the rest."""
         client, self.client = self.client, None
         assert client is not None
-        pool = self.node.pool
+        pool = self.pool
         if isinstance(exc, WriteTimeout):
             self.node.late.add(exc.sock, exc.unsent)
             pool.free_slot()  # the client object is dropped; its socket lives on in ``late``
@@ -229,7 +271,54 @@ class Lease:
         it was a pooled connection gone stale and one retry on a new one is due."""
         self.drop(exc)
         if retry and self.reused and isinstance(exc, STALE_CONNECTION):
-            self.node.pool.close_idle()  # its neighbours in the pool are just as stale
+            self.pool.close_idle()  # its neighbours in the pool are just as stale
             return None
         return self.node.failure(exc)
 
+
+
+class Checkout:
+    """The step that takes a connection of the node: ``(pool, connection)``."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def run(self) -> tuple[NodePool, Connection]:
+        pool = self.node.pool
+        return pool, pool.checkout()
+
+    async def arun(self) -> tuple[aio.AsyncPool, aio.AsyncConnection]:
+        pool = await aio.pool_of(self.node)
+        return pool, await pool.checkout()
+
+
+class Repair:
+    """The step that settles and cleans up before a node serves again."""
+
+    __slots__ = ("node", "client")
+
+    def __init__(self, node: Node, client: Any) -> None:
+        self.node, self.client = node, client
+
+    def run(self) -> None:
+        self.node.repair(self.client)
+
+    def arun(self) -> Any:
+        return self.node.arepair(self.client)
+
+
+class Settle:
+    """The step that finishes one timed-out write (see ``Node.repair_plan``)."""
+
+    __slots__ = ("sock", "unsent", "timeout")
+
+    def __init__(self, sock: Any, unsent: bytes, timeout: float | None) -> None:
+        self.sock, self.unsent, self.timeout = sock, unsent, timeout
+
+    def run(self) -> None:
+        settle(self.sock, self.unsent)
+
+    def arun(self) -> Any:
+        return asettle(self.sock, self.unsent, self.timeout)

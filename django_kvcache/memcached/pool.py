@@ -4,7 +4,7 @@ Django builds one cache backend per thread and per async context and calls ``clo
 at the end of every request, so pools live here, outside the backend instances: every
 instance with the same settings shares them and connections survive the request.
 
-A pool is a LIFO list of pymemcache ``Client`` objects (each owns one socket). Taking
+A pool is a LIFO list of :class:`~connection.Connection` objects (each owns one socket). Taking
 and returning a connection is a plain ``list.pop``/``list.append`` (atomic under the
 GIL); the lock is only taken when the pool is empty or someone waits. A forked child
 forgets every connection inherited from its parent (they share the parent's sockets).
@@ -16,18 +16,13 @@ lock), so at least one of the two sees the other and hands the connection over.
 from __future__ import annotations
 
 import os
-import socket
 import ssl
-import struct
-import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
-
-from pymemcache.client.base import Client
 
 from django_kvcache.memcached import PoolExhausted
+from django_kvcache.memcached.connection import Connection
 from django_kvcache.memcached.routing import NodeAddress
 
 
@@ -40,30 +35,13 @@ class ConnectionSettings:
     tls: ssl.SSLContext | None = None  # hashed by identity, like the setting object itself
 
 
-class RawSerde:
-    """pymemcache serde that leaves encoding to our codec.
-
-    ``set`` receives an already encoded ``(bytes, flags)`` pair; ``get`` hands back the
-    stored ``(bytes, flags)``, so a corrupt entry never breaks the connection's reply.
-    """
-
-    def serialize(self, key: Any, value: tuple[bytes, int]) -> tuple[bytes, int]:
-        return value
-
-    def deserialize(self, key: Any, data: bytes, flags: int) -> tuple[bytes, int]:
-        return data, flags
-
-
-RAW_SERDE = RawSerde()
-
-
 class _Waiter:
     """A thread queued for a connection; ``lock`` is released when one is handed over."""
 
     __slots__ = ("client", "lock")
 
     def __init__(self) -> None:
-        self.client: Client | None = None  # None with the lock released: open a new one
+        self.client: Connection | None = None  # None with the lock released: open a new one
         self.lock = threading.Lock()
         self.lock.acquire()
 
@@ -82,21 +60,21 @@ class NodePool:
 
     def forget(self) -> None:
         """Start empty without closing anything (after fork the sockets are the parent's)."""
-        self.idle: list[Client] = []
+        self.idle: list[Connection] = []
         self.queue: deque[_Waiter] = deque()
         self.size = 0
         self.waits = 0
         self.connects = 0
         self.lock = threading.Lock()
 
-    def checkout(self) -> Client:
+    def checkout(self) -> Connection:
         if not self.queue:
             client = self._pop_idle()
             if client is not None:
                 return client
         return self._checkout_slow()
 
-    def try_checkout(self) -> Client | None:
+    def try_checkout(self) -> Connection | None:
         """A connection if one is free or may be opened now; None instead of waiting."""
         if not self.queue:
             client = self._pop_idle()
@@ -112,13 +90,13 @@ class NodePool:
                 return self._new_client()
         return None
 
-    def checkin(self, client: Client) -> None:
+    def checkin(self, client: Connection) -> None:
         self.idle.append(client)
         if self.queue:  # read after the append: see the module docstring
             with self.lock:
                 self._hand_over_idle()
 
-    def discard(self, client: Client) -> None:
+    def discard(self, client: Connection) -> None:
         """Close a connection that failed; a waiting thread may open one in its place."""
         client.close()
         self.free_slot()
@@ -132,14 +110,24 @@ class NodePool:
                 self.size -= 1
 
     def close_idle(self) -> None:
-        """Close every idle connection (the ones in use close when they come back)."""
+        """Close every idle connection (the ones in use close when they come back).
+
+        ``idle`` is emptied in place, never replaced: a checkin that read the list before
+        would otherwise add to a list nobody looks at. Each freed slot goes to a waiting
+        thread first, as ``free_slot`` does, so no waiter is stranded by the closing.
+        """
+        closed = []
         with self.lock:
-            idle, self.idle = self.idle, []
-            self.size -= len(idle)
-        for client in idle:
+            while (client := self._pop_idle()) is not None:
+                closed.append(client)
+                if self.queue:
+                    self.queue.popleft().lock.release()  # hands over the slot
+                else:
+                    self.size -= 1
+        for client in closed:
             client.close()
 
-    def _pop_idle(self) -> Client | None:
+    def _pop_idle(self) -> Connection | None:
         try:
             return self.idle.pop()
         except IndexError:  # another thread took the last one since we looked
@@ -155,7 +143,7 @@ class NodePool:
             waiter.client = client
             waiter.lock.release()
 
-    def _checkout_slow(self) -> Client:
+    def _checkout_slow(self) -> Connection:
         settings = self.settings
         with self.lock:
             if not self.queue:
@@ -183,49 +171,9 @@ class NodePool:
             # handed over just as we gave up: take it
         return waiter.client if waiter.client is not None else self._new_client()
 
-    def _new_client(self) -> Client:
-        settings = self.settings
+    def _new_client(self) -> Connection:
         self.connects += 1
-        return Connection(
-            self.address.server,
-            serde=RAW_SERDE,
-            connect_timeout=settings.connect_timeout,
-            timeout=settings.io_timeout,
-            no_delay=True,
-            allow_unicode_keys=True,
-            default_noreply=False,
-            encoding="utf-8",
-            tls_context=settings.tls,
-        )
-
-
-class Connection(Client):
-    """A pymemcache ``Client`` whose IO timeout is enforced by the kernel.
-
-    A Python socket timeout makes every ``send``/``recv`` a ``poll`` plus the call; the
-    kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking socket bound the wait the same
-    way with one system call. A timeout then raises ``BlockingIOError`` (EAGAIN), which
-    the node counts as a timeout. TLS sockets keep Python's timeout.
-    """
-
-    def _connect(self) -> None:
-        io_timeout, use_kernel = self.timeout, _KERNEL_TIMEOUTS and not self.tls_context
-        if use_kernel:
-            self.timeout = None  # pymemcache leaves the socket blocking after connecting
-        try:
-            super()._connect()
-        finally:
-            self.timeout = io_timeout
-        if use_kernel and io_timeout is not None:
-            seconds = int(io_timeout)
-            value = struct.pack("ll", seconds, int((io_timeout - seconds) * 1_000_000))
-            sock: socket.socket = self.sock  # type: ignore[assignment]
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-
-
-# struct timeval as two C longs is what Linux and the BSDs take.
-_KERNEL_TIMEOUTS = sys.platform.startswith(("linux", "darwin", "freebsd"))
+        return Connection(self.address, self.settings)
 
 
 _registry: dict[tuple[str, ConnectionSettings], NodePool] = {}

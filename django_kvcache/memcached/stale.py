@@ -22,6 +22,8 @@ import threading
 import weakref
 from typing import Iterable
 
+from django_kvcache.memcached import wire
+
 #: Remembered keys per node before we give up listing them and flush the node instead.
 LIMIT = 10_000
 
@@ -48,11 +50,18 @@ class OutdatedCopies:
             self.keys, self.flush, self.pending = set(), True, True
 
     def take(self) -> tuple[set[str], bool]:
-        """Everything to clean up, now owned by the caller (``put_back`` if that fails)."""
+        """Everything to clean up, now owned by the caller (``put_back`` if that fails,
+        ``done`` once it succeeded). ``pending`` stays set meanwhile, so other threads
+        wait for the clean-up instead of reading what it is about to delete."""
         with self.lock:
             keys, flush = self.keys, self.flush
-            self.keys, self.flush, self.pending = set(), False, False
+            self.keys, self.flush = set(), False
         return keys, flush
+
+    def done(self) -> None:
+        """The clean-up landed: nothing pending unless more was added meanwhile."""
+        with self.lock:
+            self.pending = bool(self.keys) or self.flush
 
     def put_back(self, keys: set[str], flush: bool) -> None:
         with self.lock:
@@ -62,11 +71,11 @@ class OutdatedCopies:
             self.pending = True
 
     @staticmethod
-    def request(keys: set[str], flush: bool) -> tuple[bytes, int]:
-        """The pipelined commands that clean up, and how many reply lines they get."""
+    def op(keys: set[str], flush: bool) -> wire.Op:
+        """The pipelined commands that clean up."""
         if flush:
-            return b"flush_all\r\n", 1
-        return b"".join(b"delete %b\r\n" % key.encode() for key in keys), len(keys)
+            return wire.flush_all()
+        return wire.delete_many(key.encode() for key in keys)
 
     def _after_fork(self) -> None:
         self.lock = threading.Lock()
@@ -79,6 +88,10 @@ class LateWrites:
     def __init__(self) -> None:
         self.connections: list[tuple[socket.socket, bytes]] = []
         self.pending = False  # read without the lock on every request: keep it a plain bool
+        #: Settles that timed out so far. A caller that queued behind one fails at once
+        #: instead of trying again: each waiting its own IO_TIMEOUT would make the k-th
+        #: caller wait k timeouts on a node that still sleeps.
+        self.timeouts = 0
         self.lock = threading.Lock()  # guards the list; never held while talking
         #: Held while a thread settles and cleans up, so no other thread cleans up before
         #: the writes that thread took have landed.
@@ -103,7 +116,7 @@ class LateWrites:
 
     def _after_fork(self) -> None:
         # The sockets are the parent's, which settles them: forget them, keep them open.
-        self.connections, self.pending = [], False
+        self.connections, self.pending, self.timeouts = [], False, 0
         self.lock, self.repairing = threading.Lock(), threading.Lock()
 
 

@@ -1,0 +1,178 @@
+"""The nodes of one configuration, where keys go, and what a failed write leaves to do.
+
+:func:`cluster_for` reads the connection and failure OPTIONS and returns the process-wide
+:class:`Cluster` for them: every backend instance built with the same settings (Django
+builds one per thread and per async context) shares its nodes, pools, health records
+and counters.
+
+The placement policy lives here too: a key goes to its node, or — with FAILOVER — to
+the next node of its ranking that may be tried; a write that failed or was skipped
+marks the key outdated on the nodes that may still hold an older copy.
+"""
+from __future__ import annotations
+
+import os
+import ssl
+import threading
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
+
+from django.core.exceptions import ImproperlyConfigured
+
+from django_kvcache.health import health_for
+from django_kvcache.memcached import MemcachedError, NodeDown
+from django_kvcache.memcached.node import Node
+from django_kvcache.memcached.pool import ConnectionSettings, pool_for
+from django_kvcache.memcached.routing import NodeAddress, check_scheme, make_router
+from django_kvcache.options import check_known, integer, seconds
+from django_kvcache.routing import Router, parse_weights
+
+if TYPE_CHECKING:
+    from django_kvcache.memcached.fanout import Batch
+
+
+class Placement(NamedTuple):
+    groups: dict[Node, list[str]]
+    stranded: list[str]  # keys whose node is down (and no failover node is up)
+    errors: list[MemcachedError]
+
+
+class Cluster:
+    """The nodes and router of one configuration, shared process-wide."""
+
+    def __init__(self, nodes: list[Node], router: Router) -> None:
+        self.nodes = nodes
+        self.router = router
+        self.by_name = {node.name: node for node in nodes}
+        self._node_for_key = router.node_for
+
+    def home(self, key: str) -> Node:
+        """The node the key belongs to, up or down."""
+        return self.nodes[self._node_for_key(key)]
+
+    def node(self, key: str, failover: bool) -> Node:
+        """The node to ask now; ``NodeDown`` when it is down and no failover node is up."""
+        node = self.nodes[self._node_for_key(key)]
+        if node.health.down_until and not node.health.may_try():
+            return self._failover_node(key, node, failover)
+        return node
+
+    def _failover_node(self, key: str, down: Node, failover: bool) -> Node:
+        if failover:
+            for index in self.router.ranking(key)[1:]:
+                node = self.nodes[index]
+                if node.health.may_try():
+                    return node
+        raise down.skipped()
+
+    def place(self, keys: Iterable[str], failover: bool) -> Placement:
+        """Keys by the node that serves them now; keys no node can take, with the errors."""
+        placement = Placement({}, [], [])
+        groups = placement.groups
+        for index, node_keys in self.router.group(keys).items():
+            node = self.nodes[index]
+            if not node.health.down_until or node.health.may_try():
+                groups.setdefault(node, []).extend(node_keys)
+                continue
+            reported = False
+            for key in node_keys:
+                try:
+                    groups.setdefault(self._failover_node(key, node, failover), []).append(key)
+                except NodeDown as exc:  # counted per key, reported once per node
+                    placement.stranded.append(key)
+                    if not reported:
+                        placement.errors.append(exc)
+                        reported = True
+        return placement
+
+    def missed_write(self, key: str, error: MemcachedError) -> None:
+        """A write that failed or was skipped leaves the old value on the key's node (and
+        on the node that failed): delete it there before that node serves again."""
+        home = self.home(key)
+        home.outdated.add((key,))
+        failed = self.by_name.get(error.node)
+        if failed is not None and failed is not home:
+            failed.outdated.add((key,))
+
+    def missed_batch_writes(self, placement: Placement, batches: list[Batch]) -> None:
+        for key in placement.stranded:
+            self.home(key).outdated.add((key,))
+        for batch in batches:
+            if batch.error is None:
+                continue
+            batch.node.outdated.add(batch.keys)
+            for key in batch.keys:
+                if self.home(key) is not batch.node:  # a failover batch
+                    self.home(key).outdated.add((key,))
+
+
+_clusters: dict[tuple, Cluster] = {}
+_clusters_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _clusters_lock
+    _clusters_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
+def connection_settings(options: Mapping[str, Any]) -> ConnectionSettings:
+    return ConnectionSettings(
+        connect_timeout=seconds(options, "CONNECT_TIMEOUT", 1.0, allow_none=True),
+        io_timeout=seconds(options, "IO_TIMEOUT", 1.0, allow_none=True),
+        max_size=integer(options, "MAX_POOL_SIZE", 64),
+        pool_timeout=seconds(options, "POOL_TIMEOUT", 1.0),
+        tls=tls_context(options.get("TLS")),
+    )
+
+
+def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Cluster:
+    """The process-wide cluster for these nodes and OPTIONS (checked here)."""
+    settings = connection_settings(options)
+    threshold = integer(options, "FAILURE_THRESHOLD", 2)
+    retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
+    scheme = check_scheme(options.get("HASHING", "kvcache"))
+    weights = parse_weights(options.get("WEIGHTS"), [address.name for address in addresses])
+    identity = (
+        tuple(a.name for a in addresses), scheme, tuple(weights), settings,
+        threshold, retry_timeout,
+    )
+    cluster = _clusters.get(identity)
+    if cluster is not None:
+        return cluster
+    nodes = [
+        Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
+        for a in addresses
+    ]
+    with _clusters_lock:
+        cluster = Cluster(nodes, make_router(scheme, addresses, weights))
+        return _clusters.setdefault(identity, cluster)
+
+
+def tls_context(value: Any) -> ssl.SSLContext | None:
+    """OPTIONS['TLS']: an ``ssl.SSLContext``, or a dict of ``ssl.create_default_context``
+    arguments (``cafile``, ``capath``, ``cadata``) plus ``certfile``/``keyfile``.
+
+    One context per distinct dict, so instances built from the same settings share pools
+    (and Django's per-request instances do not load certificates every time).
+    """
+    if value is None or isinstance(value, ssl.SSLContext):
+        return value
+    known = {"cafile", "capath", "cadata", "certfile", "keyfile"}
+    check_known(value, known, "OPTIONS['TLS'] (an ssl.SSLContext or a dict)")
+    key = tuple(sorted((k, str(v)) for k, v in value.items()))
+    if key not in _contexts:
+        try:
+            context = ssl.create_default_context(
+                cafile=value.get("cafile"), capath=value.get("capath"), cadata=value.get("cadata")
+            )
+            if value.get("certfile"):
+                context.load_cert_chain(value["certfile"], value.get("keyfile"))
+        except (OSError, ssl.SSLError) as exc:
+            raise ImproperlyConfigured(f"OPTIONS['TLS']: {exc}") from exc
+        _contexts.setdefault(key, context)
+    return _contexts[key]
+
+
+_contexts: dict[tuple, ssl.SSLContext] = {}

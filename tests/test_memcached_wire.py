@@ -1,0 +1,209 @@
+"""The sans-IO protocol core: every reply parses the same however the bytes arrive.
+
+No server here: each reply is fed whole, split in two at every byte boundary, and one
+byte at a time, and must give the same result. The live checks of the same ops against
+memcached are in test_memcached_lifecycle/test_memcached_ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from django_kvcache.memcached import wire
+
+VALUE = b"line one\r\nEND\r\nVALUE fake 0 3\r\n"  # a value that looks like protocol lines
+
+
+def feed_split(reply_bytes: bytes, make_reply: Callable[[], Any]) -> list[Any]:
+    """The parsed result for every way of cutting ``reply_bytes`` in two, and for one
+    byte at a time. A reply must never claim to be complete before its last byte."""
+    results = []
+    cuts = [[reply_bytes[:i], reply_bytes[i:]] for i in range(len(reply_bytes) + 1)]
+    cuts.append([reply_bytes[i : i + 1] for i in range(len(reply_bytes))])
+    for chunks in cuts:
+        buffer, reply = wire.Buffer(), make_reply()
+        fed = 0
+        complete = reply.parse(buffer)
+        for chunk in filter(None, chunks):
+            assert not complete, f"complete after {fed} of {len(reply_bytes)} bytes"
+            buffer.feed(chunk)
+            fed += len(chunk)
+            complete = reply.parse(buffer)
+        assert complete, "incomplete after every byte"
+        assert len(buffer) == 0, "bytes left over"
+        results.append(reply.result)
+    return results
+
+
+def parses_to(reply_bytes: bytes, make_reply: Callable[[], Any], expected: Any) -> None:
+    for result in feed_split(reply_bytes, make_reply):
+        assert result == expected
+
+
+def test_get_reply_with_values_and_misses():
+    reply = (
+        b"VALUE a 16 3\r\nabc\r\n"
+        b"VALUE b 2 %d\r\n%b\r\n" % (len(VALUE), VALUE) +
+        b"VALUE empty 0 0\r\n\r\nEND\r\n"
+    )
+    parses_to(reply, wire.Values, {b"a": (b"abc", 16), b"b": (VALUE, 2), b"empty": (b"", 0)})
+    parses_to(b"END\r\n", wire.Values, {})
+
+
+@pytest.mark.parametrize("value", [b"", b"v", VALUE, b"x\r\nEND\r\n", b"END\r\n\r\nEND"])
+def test_single_key_reply_whole_or_in_pieces(value):
+    """A one-key reply that arrives whole takes a shortcut; in pieces, the line parser."""
+    reply = b"VALUE k 7 %d\r\n%b\r\nEND\r\n" % (len(value), value)
+    parses_to(reply, lambda: wire.Values(single=True), {b"k": (value, 7)})
+    parses_to(reply, wire.Values, {b"k": (value, 7)})
+
+
+def test_get_reply_over_several_end_lines():
+    reply = b"VALUE a 0 1\r\n1\r\nEND\r\nEND\r\nVALUE c 0 1\r\n3\r\nEND\r\n"
+    parses_to(reply, lambda: wire.Values(3), {b"a": (b"1", 0), b"c": (b"3", 0)})
+
+
+def test_gets_reply_carries_cas():
+    parses_to(b"VALUE a 4 2\r\nhi\r\nEND\r\n", lambda: wire.Values(cas=False), {b"a": (b"hi", 4)})
+    parses_to(
+        b"VALUE a 4 2 99\r\nhi\r\nEND\r\n", lambda: wire.Values(cas=True), {b"a": (b"hi", 4, 99)}
+    )
+
+
+@pytest.mark.parametrize(
+    "line", [b"STORED", b"NOT_STORED", b"TOUCHED", b"DELETED", b"NOT_FOUND", b"OK", b"EXISTS"]
+)
+def test_status_lines(line):
+    parses_to(line + b"\r\n", lambda: wire.Line("set"), line)
+
+
+def test_pipelined_status_lines():
+    reply = b"STORED\r\nSERVER_ERROR object too large for cache\r\nSTORED\r\n"
+    parses_to(reply, lambda: wire.Lines(3), [
+        b"STORED", b"SERVER_ERROR object too large for cache", b"STORED"
+    ])
+
+
+def test_counter_replies():
+    op = wire.incr(b"n", 5)
+    for line, expected in [(b"42\r\n", 42), (b"NOT_FOUND\r\n", None)]:
+        for result in feed_split(line, op.make_reply):
+            assert op.finish(result) == expected
+
+
+def test_error_replies_raise_without_losing_step():
+    for line, client_error in [
+        (b"SERVER_ERROR out of memory storing object\r\n", False),
+        (b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n", True),
+    ]:
+        buffer = wire.Buffer()
+        buffer.feed(line + b"STORED\r\n")
+        with pytest.raises(wire.ErrorReply) as refused:
+            wire.Line("incr").parse(buffer)
+        assert refused.value.client_error is client_error
+        assert str(refused.value) in line.decode()
+        assert buffer.line() == b"STORED"  # the next reply is intact
+
+
+def test_unknown_command_and_garbage_are_protocol_errors():
+    for make_reply, data in [
+        (lambda: wire.Line("set"), b"ERROR\r\n"),
+        (lambda: wire.Lines(1), b"ERROR\r\n"),
+        (wire.Values, b"STORED\r\n"),
+        (wire.Values, b"SERVER_ERROR busy\r\n"),
+        (wire.Values, b"VALUE a 0\r\n"),
+        (wire.Values, b"VALUE a 0 3\r\nabcd\r\n"),  # the block is longer than announced
+        (wire.Meta, b"XX 1\r\n"),
+        (wire.Stats, b"nonsense\r\n"),
+    ]:
+        buffer = wire.Buffer()
+        buffer.feed(data)
+        with pytest.raises(wire.ProtocolError):
+            make_reply().parse(buffer)
+
+
+def test_fence_skips_everything_before_the_version_reply():
+    reply = b"STORED\r\nDELETED\r\nSERVER_ERROR out of memory\r\nVERSION 1.6.18\r\n"
+    parses_to(reply, wire.Fence, b"1.6.18")
+
+
+def test_stats_reply():
+    reply = b"STAT pid 42\r\nSTAT rusage_user 0.125\r\nSTAT version 1.6.18\r\nEND\r\n"
+    parses_to(reply, wire.Stats, {"pid": 42, "rusage_user": 0.125, "version": "1.6.18"})
+
+
+def test_metadump_lines_end_with_a_bare_newline():
+    reply = b"key=a%20b exp=-1 la=1 cas=2 fetch=no cls=1 size=63\nkey=c exp=-1\nEND\r\n"
+    for chunks_result in feed_split(reply, lambda: wire.KeyDump(lambda key: None)):
+        assert chunks_result is None
+    seen: list[str] = []
+    buffer = wire.Buffer()
+    buffer.feed(reply)
+    assert wire.KeyDump(seen.append).parse(buffer)
+    assert seen == ["a b", "c"]
+
+
+def test_meta_replies():
+    op = wire.meta_get(b"k")
+    parses_to(b"VA 2 f16 t-1 c7\r\nhi\r\n", op.make_reply,
+              wire.MetaReply(b"VA", {b"f": b"16", b"t": b"-1", b"c": b"7"}, b"hi"))
+    assert op.result(_parsed(op, b"VA 2 f16 t-1 c7\r\nhi\r\n")) == (b"hi", 16, -1, 7)
+    assert op.result(_parsed(op, b"EN\r\n")) is None
+    cas = wire.meta_cas(b"k", b"1", 2, -1, 7)
+    assert cas.request == b"ms k 1 T0 F2 C7\r\n1\r\n"
+    for code, stored in [(b"HD", True), (b"EX", False), (b"NF", False), (b"NS", False)]:
+        assert cas.result(_parsed(cas, code + b"\r\n")) is stored
+
+
+def test_quiet_meta_batch_ends_at_mn_and_keys_replies_by_opaque():
+    op = wire.meta_get_quiet([b"a", b"b", b"c"])
+    assert op.request == (
+        b"mg a v f q O0\r\nmg b v f q O1\r\nmg c v f q O2\r\nmn\r\n"
+    )
+    reply = b"VA 1 f0 O0\r\nx\r\nVA 4 f16 O2\r\nEN\r\n\r\nMN\r\n"  # a value like a reply
+    for result in feed_split(reply, op.make_reply):
+        assert op.finish(result) == {b"a": (b"x", 0), b"c": (b"EN\r\n", 16)}
+
+
+def test_meta_probe():
+    probe = wire.meta_probe()
+    assert probe.result(_parsed(probe, b"MN\r\n")) is True
+    assert probe.result(_parsed(probe, b"ERROR\r\n")) is False  # memcached < 1.6.6
+
+
+def test_requests():
+    assert wire.get_one(b"k").request == b"get k\r\n"
+    keys = [b"k%d" % i for i in range(wire.GET_KEYS_PER_LINE + 1)]
+    request = wire.get_many(keys).request
+    assert request.count(b"\r\n") == 2 and request.startswith(b"get k0 k1 ")
+    assert wire.store(b"add", b"k", b"v\r\n", 5, 60).request == b"add k 5 60 3\r\nv\r\n\r\n"
+    assert wire.store_many([(b"a", b"1", 0), (b"b", b"", 2)], 0).request == (
+        b"set a 0 0 1\r\n1\r\nset b 2 0 0\r\n\r\n"
+    )
+    assert wire.touch(b"k", -1).request == b"touch k -1\r\n"
+    assert wire.delete_many([b"a", b"b"]).request == b"delete a\r\ndelete b\r\n"
+    assert wire.incr(b"k", 2**64 - 1).request == b"incr k 18446744073709551615\r\n"
+    assert wire.flush_all().request == b"flush_all\r\n"
+    assert wire.fence().request == wire.FENCE == b"version\r\n"
+    assert wire.meta_command(b"md", b"k", b"q", b"O9") == b"md k q O9\r\n"
+    assert wire.meta_command(b"mn", b"") == b"mn\r\n"
+
+
+def test_every_attempt_gets_a_fresh_parser():
+    op = wire.get_many([b"a", b"b"])
+    first, second = op.make_reply(), op.make_reply()
+    assert first is not second
+    buffer = wire.Buffer()
+    buffer.feed(b"VALUE a 0 1\r\n1\r\n")
+    assert not first.parse(buffer)
+    buffer2 = wire.Buffer()
+    buffer2.feed(b"END\r\n")
+    assert second.parse(buffer2) and second.result == {}
+
+
+def _parsed(op: wire.Op, data: bytes) -> Any:
+    buffer, reply = wire.Buffer(), op.make_reply()
+    buffer.feed(data)
+    assert reply.parse(buffer)
+    return reply
