@@ -97,14 +97,14 @@ def _herd(spec: CacheSpec, key: str, callers: int, state: str) -> dict[str, Any]
     spec.build().delete(key)
     # The callers that did not compute: how long they waited (or got a stale value in).
     waiting = sorted(latency for latency, ident in zip(latencies, threads_of)
-                     if ident not in computations) or [0.0]
+                     if ident not in computations)  # empty when every caller computed
     return {"cache": spec.name, "callers": callers, "state": state,
             "computations": len(computations),
             "answers_ok": all(answer in ("fresh", "first") for answer in answers),
             "p50_us": round(statistics.median(sorted(latencies)), 1),
             "p99_us": round(_p99(sorted(latencies)), 1),
-            "others_p50_us": round(statistics.median(waiting), 1),
-            "others_p99_us": round(_p99(waiting), 1)}
+            "others_p50_us": round(statistics.median(waiting), 1) if waiting else None,
+            "others_p99_us": round(_p99(waiting), 1) if waiting else None}
 
 
 def _p99(ordered: list[float]) -> float:
