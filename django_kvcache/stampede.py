@@ -6,12 +6,10 @@ one caller wins it and computes; the others wait for the fresh value (or, with
 ``STALE_TIMEOUT``, get the previous value at once). A lease expires after LEASE_TIMEOUT,
 so a winner that crashed or hangs is replaced by one new winner.
 
-The decisions are written once, as a :func:`plan` that yields the steps to carry out
-(read, compute, store, release, sleep) — no I/O of its own — and two drivers carry them
-out: :func:`run` for the sync API and :func:`arun` for ``aget_or_set`` (which awaits an
-async default). A backend supplies only its primitive, a :class:`LeaseStore`, whose
-methods are written once too: as the cache calls they need, which each driver makes on
-its own API.
+The decisions are written once, as a :func:`plan` (:mod:`django_kvcache.steps`) that
+yields the steps to carry out — the cache calls of the backend's :class:`LeaseStore`, the
+computation, the pauses — with no I/O of its own; the shared drivers carry it out on the
+sync API (:func:`run`) or the async one (:func:`arun`, which awaits an async default).
 """
 from __future__ import annotations
 
@@ -22,8 +20,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
+from django_kvcache import steps
 from django_kvcache.options import seconds
 
 logger = logging.getLogger(__name__)
@@ -43,49 +42,53 @@ class Read(NamedTuple):
     won: bool  # this caller now holds the lease: it computes and stores
 
 
-#: One call of a cache method, as a store asks for it: ``(name, args, kwargs)``. The sync
-#: driver calls ``cache.<name>``, the async one awaits ``cache.a<name>``, so a store's
-#: logic is written once for both APIs.
-Call = tuple
-
-
 class LeaseStore(Protocol):
     """A backend's primitive for one key (the caller's key, before versioning). Each
-    method is a generator of :data:`Call` that returns its result."""
+    method is a plan (:mod:`django_kvcache.steps`) of the cache calls it needs, so it is
+    written once for the sync and the async API."""
 
-    cache: Any
-
-    def read(self) -> Generator[Call, Any, Read]:
+    def read(self) -> steps.Plan:
         """The value if fresh; else take the lease if nobody holds it, and give any stale
-        value there is."""
+        value there is: a :class:`Read`."""
 
-    def store(self, value: Any) -> Generator[Call, Any, None]:
+    def store(self, value: Any) -> steps.Plan:
         """Store the computed value (fresh, and stale after it expires) and release."""
 
-    def release(self) -> Generator[Call, Any, None]:
+    def release(self) -> steps.Plan:
         """Give the lease up without a value (the computation failed)."""
 
 
-def carry_out(cache: Any, calls: Generator[Call, Any, Any]) -> Any:
-    """A store method's calls, on the sync API."""
-    result: Any = None
-    while True:
-        try:
-            name, args, kwargs = calls.send(result)
-        except StopIteration as done:
-            return done.value
-        result = getattr(cache, name)(*args, **kwargs)
+class CacheCall:
+    """A step: one method of the cache, ``name`` on the sync API, ``a<name>`` awaited on
+    the async one (``get``/``aget``, ``add``/``aadd``...)."""
+
+    __slots__ = ("cache", "name", "args", "kwargs")
+
+    def __init__(self, cache: Any, name: str, *args: Any, **kwargs: Any) -> None:
+        self.cache, self.name, self.args, self.kwargs = cache, name, args, kwargs
+
+    def run(self) -> Any:
+        return getattr(self.cache, self.name)(*self.args, **self.kwargs)
+
+    def arun(self) -> Any:
+        return getattr(self.cache, f"a{self.name}")(*self.args, **self.kwargs)
 
 
-async def acarry_out(cache: Any, calls: Generator[Call, Any, Any]) -> Any:
-    """A store method's calls, on the async API (``aget``, ``aadd``...)."""
-    result: Any = None
-    while True:
-        try:
-            name, args, kwargs = calls.send(result)
-        except StopIteration as done:
-            return done.value
-        result = await getattr(cache, f"a{name}")(*args, **kwargs)
+class Compute:
+    """A step: the caller's ``default``, called if callable; awaited on the async API
+    when it gives an awaitable (an ``async def`` default)."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+    def run(self) -> Any:
+        return self.default() if callable(self.default) else self.default
+
+    async def arun(self) -> Any:
+        value = self.run()
+        return (await value) if inspect.isawaitable(value) else value
 
 
 @dataclass(frozen=True)
@@ -113,27 +116,26 @@ class Policy:
 # --- the decisions ------------------------------------------------------------------------
 
 
-Step = tuple  # ("read",) ("compute",) ("store", value) ("release",) ("sleep", seconds)
-
-
-def plan(policy: Policy, clock: Callable[[], float] = time.monotonic) -> Generator[Step, Any, Any]:
-    """One herd-proof ``get_or_set``: yields steps, receives their results, returns the
-    value. A waiter polls with a growing pause; after twice LEASE_TIMEOUT without a fresh
-    value or a lease of its own (a store that keeps failing), it computes anyway: the
-    caller always gets a value, as Django's ``get_or_set`` promises."""
+def plan(
+    policy: Policy, store: LeaseStore, default: Any, clock: Callable[[], float] = time.monotonic
+) -> steps.Plan:
+    """One herd-proof ``get_or_set``, as steps; returns the value. A waiter polls with a
+    growing pause; after twice LEASE_TIMEOUT without a fresh value or a lease of its own
+    (a store that keeps failing), it computes anyway: the caller always gets a value, as
+    Django's ``get_or_set`` promises."""
     give_up = clock() + 2 * policy.lease_timeout
     pause = FIRST_POLL
     while True:
-        read: Read = yield ("read",)
+        read: Read = yield from store.read()
         if read.fresh:
             return read.value
         if read.won:
             try:
-                value = yield ("compute",)
+                value = yield Compute(default)
             except BaseException:
-                yield ("release",)
+                yield from store.release()
                 raise
-            yield ("store", value)
+            yield from store.store(value)
             return value
         if read.value is not MISSING:
             return read.value  # stale, while the lease holder recomputes
@@ -142,60 +144,19 @@ def plan(policy: Policy, clock: Callable[[], float] = time.monotonic) -> Generat
                 "get_or_set waited %.1f s (twice LEASE_TIMEOUT) without a fresh value or "
                 "the lease; computing without it", 2 * policy.lease_timeout,
             )
-            return (yield ("compute",))
-        yield ("sleep", pause)
+            return (yield Compute(default))
+        yield steps.Sleep(pause)
         pause = min(pause * 2, LONGEST_POLL)
 
 
 def run(policy: Policy, store: LeaseStore, default: Any) -> Any:
-    """Carry out :func:`plan` with the sync API; ``default`` as Django takes it."""
-    steps = plan(policy)
-    result: Any = None
-    while True:
-        try:
-            step = steps.send(result)
-        except StopIteration as done:
-            return done.value
-        result = None
-        name = step[0]
-        if name == "compute":
-            try:
-                result = default() if callable(default) else default
-            except BaseException as exc:
-                steps.throw(exc)  # the plan's answer: release the lease
-                carry_out(store.cache, store.release())
-                raise
-        elif name == "sleep":
-            time.sleep(step[1])
-        else:  # read, store, release: the store's calls
-            result = carry_out(store.cache, getattr(store, name)(*step[1:]))
+    """:func:`plan` on the sync API."""
+    return steps.run(plan(policy, store, default))
 
 
 async def arun(policy: Policy, store: LeaseStore, default: Any) -> Any:
-    """Carry out :func:`plan` with the async API (native where the backend's is); an
-    async ``default`` is awaited."""
-    steps = plan(policy)
-    result: Any = None
-    while True:
-        try:
-            step = steps.send(result)
-        except StopIteration as done:
-            return done.value
-        result = None
-        name = step[0]
-        if name == "compute":
-            try:
-                result = default() if callable(default) else default
-                if inspect.isawaitable(result):
-                    result = await result
-            except BaseException as exc:
-                steps.throw(exc)  # the plan's answer: release the lease
-                await acarry_out(store.cache, store.release())
-                raise
-        elif name == "sleep":
-            await asyncio.sleep(step[1])
-        else:
-            result = await acarry_out(store.cache, getattr(store, name)(*step[1:]))
+    """:func:`plan` on the async API (native where the backend's is)."""
+    return await steps.arun(plan(policy, store, default))
 
 
 # --- a store any cache can give: leases taken with add() ---------------------------------
@@ -224,38 +185,38 @@ class AddLeaseStore:
         self.stale_key = side_key("stale", key)
         self.token = uuid.uuid4().hex
 
-    def read(self) -> Generator[Call, Any, Read]:
-        version = {"version": self.version}
-        value = yield ("get", (self.key, MISSING), version)
+    def call(self, name: str, *args: Any) -> CacheCall:
+        return CacheCall(self.cache, name, *args, version=self.version)
+
+    def read(self) -> steps.Plan:
+        value = yield self.call("get", self.key, MISSING)
         if value is not MISSING:
             return Read(value, True, False)
-        won = yield ("add", (self.lease_key, self.token, self.policy.lease_timeout), version)
+        won = yield self.call("add", self.lease_key, self.token, self.policy.lease_timeout)
         if won:
             # A winner that stored and released between our get and our add: its value is
             # fresh, and computing again would make two computations of one miss.
-            value = yield ("get", (self.key, MISSING), version)
+            value = yield self.call("get", self.key, MISSING)
             if value is not MISSING:
                 yield from self.release()
                 return Read(value, True, False)
             return Read(MISSING, False, True)
         stale = MISSING
         if self.policy.stale_timeout is not None:
-            stale = yield ("get", (self.stale_key, MISSING), version)
+            stale = yield self.call("get", self.stale_key, MISSING)
         return Read(stale, False, False)
 
-    def store(self, value: Any) -> Generator[Call, Any, None]:
-        version = {"version": self.version}
-        yield ("set", (self.key, value, self.timeout), version)
+    def store(self, value: Any) -> steps.Plan:
+        yield self.call("set", self.key, value, self.timeout)
         stale_timeout = self.policy.stale_timeout
         if stale_timeout is not None:
             seconds_left = self.cache.timeout_seconds(self.timeout)
             if seconds_left is None or seconds_left > 0:
                 stale_for = None if seconds_left is None else seconds_left + stale_timeout
-                yield ("set", (self.stale_key, value, stale_for), version)
+                yield self.call("set", self.stale_key, value, stale_for)
         yield from self.release()
 
-    def release(self) -> Generator[Call, Any, None]:
+    def release(self) -> steps.Plan:
         # Only our own lease: after LEASE_TIMEOUT another caller may hold it.
-        version = {"version": self.version}
-        if (yield ("get", (self.lease_key,), version)) == self.token:
-            yield ("delete", (self.lease_key,), version)
+        if (yield self.call("get", self.lease_key)) == self.token:
+            yield self.call("delete", self.lease_key)

@@ -35,7 +35,7 @@ from django_kvcache.memcached import MemcachedError, NodeDown, Refused, ValueToo
 from django_kvcache.memcached import aio, fanout, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
-from django_kvcache.memcached.plans import Fanout, Pause, Plan, arun, run
+from django_kvcache.memcached.plans import Fanout, Plan, Sleep, arun, run
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.options import flag
 from django_kvcache.signals import node_up
@@ -425,7 +425,7 @@ class MemcachedCache(KVCache):
             )
             if swapped:
                 return result
-            yield Pause(random.random() / 1000)  # someone else won: let them get out of the way
+            yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
     @staticmethod

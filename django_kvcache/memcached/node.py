@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from django_kvcache.health import NodeHealth
-from django_kvcache.memcached import NodeDown, NodeError, Refused, aio, steps, wire
+from django_kvcache import steps
+from django_kvcache.memcached import NodeDown, NodeError, Refused, aio, wire
 from django_kvcache.memcached.connection import (
     TIMEOUTS,
     Connection,

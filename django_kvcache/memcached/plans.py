@@ -2,23 +2,22 @@
 
 An operation is a generator (a *plan*) that yields the IO it needs — one op on one node
 (``yield from node.call_plan(op)``), a :class:`Fanout` of batches on many nodes, a
-:class:`Pause` — and gets each result back (or its exception thrown in). Everything else (routing, failover,
-IGNORE_EXCEPTIONS, counters, clean-up of outdated copies) is plain code in the plan, so
-the two APIs cannot drift apart:
+``Sleep`` (shared: :mod:`django_kvcache.steps`) — and gets each result back (or its
+exception thrown in). Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
+clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
+apart:
 
     def get(self, key):  return run(self._get(key))          # blocking sockets
     async def aget(self, key):  return await arun(self._get(key))  # asyncio, no thread
 """
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any, Sequence
 
 from django_kvcache.memcached import fanout
-from django_kvcache.memcached.steps import Plan, arun, run
+from django_kvcache.steps import Plan, Sleep, arun, run
 
-__all__ = ["Fanout", "Pause", "Plan", "arun", "run"]
+__all__ = ["Fanout", "Plan", "Sleep", "arun", "run"]
 
 
 class Fanout:
@@ -36,14 +35,3 @@ class Fanout:
         return fanout.arun(self.batches)
 
 
-class Pause:
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def run(self) -> None:
-        time.sleep(self.seconds)
-
-    def arun(self) -> Any:
-        return asyncio.sleep(self.seconds)

@@ -2,11 +2,14 @@
 
 A plan is a generator that yields steps — objects with ``run()`` (blocking) and
 ``arun()`` (an awaitable) — and gets each step's result sent back, or its exception
-thrown in. Written once, a plan runs the same on sockets and on an event loop; see
-``plans`` (the cache operations) and ``Node.repair_plan``.
+thrown in. Written once, a plan runs the same on sockets and on an event loop: the
+memcached operations (``memcached.plans``, ``Node.repair_plan``) and the stampede policy
+(``stampede.plan``) are plans.
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any, Generator
 
 Plan = Generator[Any, Any, Any]
@@ -57,3 +60,18 @@ class Invoke:
         return self.method(*self.args)
 
     arun = run
+
+
+class Sleep:
+    """A pause: blocking, or on the event loop."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def run(self) -> None:
+        time.sleep(self.seconds)
+
+    def arun(self) -> Any:
+        return asyncio.sleep(self.seconds)
