@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
+from django.core.exceptions import ImproperlyConfigured
+
 from django_kvcache import steps
 from django_kvcache.options import seconds
 
@@ -103,8 +105,6 @@ class Policy:
         stale = seconds(options, "STALE_TIMEOUT", None, allow_none=True)
         if lease is None:
             if stale is not None:
-                from django.core.exceptions import ImproperlyConfigured
-
                 raise ImproperlyConfigured(
                     "OPTIONS['STALE_TIMEOUT'] needs OPTIONS['LEASE_TIMEOUT'] (stale values "
                     "are served only while a lease holder recomputes)"

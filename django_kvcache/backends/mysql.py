@@ -39,12 +39,7 @@ from django_kvcache.codec import INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql import culling
-from django_kvcache.mysql.config import (
-    DEFAULT_CULL_PROBABILITY,
-    check_probability,
-    check_table,
-    router_model,
-)
+from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.shards import (
     SHARD_KIND,
     Shard,
@@ -72,7 +67,7 @@ from django_kvcache.mysql.sql import (
     create_table_sql,
     drop_table_sql,
 )
-from django_kvcache.options import flag, integer, seconds
+from django_kvcache.options import flag, fraction, integer, seconds
 from django_kvcache.signals import node_up
 
 logger = logging.getLogger(__name__)
@@ -188,8 +183,8 @@ class MySQLCache(KVCache):
         super().__init__(params)
         self.table = check_table(location)
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
-        self.cull_probability = check_probability(
-            self.options.get("CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY)
+        self.cull_probability = fraction(
+            self.options, "CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY
         )
         self.cache_model_class = router_model(self.table)
         self.shards, self.router = make_shards(self.options, self.cache_model_class)

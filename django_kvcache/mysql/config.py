@@ -5,8 +5,6 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from django_kvcache.options import is_number
-
 DEFAULT_CULL_PROBABILITY = 0.01
 
 
@@ -18,14 +16,6 @@ def check_table(location: Any) -> str:
             f"backticks, got {location!r}"
         )
     return location
-
-
-def check_probability(value: Any) -> float:
-    if not is_number(value) or not 0 <= value <= 1:
-        raise ImproperlyConfigured(
-            f"OPTIONS['CULL_PROBABILITY'] must be a number from 0 to 1, got {value!r}"
-        )
-    return float(value)
 
 
 class _Options:
