@@ -72,10 +72,11 @@ class WaitQueue(deque):
         self.joined.set()
 
 
-def test_a_thread_queueing_while_a_connection_is_checked_in_gets_it(memcached_node_factory):
-    """The interleaving that stranded a waiter: the returning thread has looked at the
-    (empty) queue, then a thread finds no idle connection and queues, then the connection
-    is appended to ``idle``. The waiter must get it, not PoolExhausted after POOL_TIMEOUT."""
+def single_slot_pool(
+    memcached_node_factory: Callable[[], Any]
+) -> tuple[NodePool, Any, threading.Thread, list[Any]]:
+    """A pool of one connection, checked out (``held``), and a thread, not yet started,
+    that will wait for it: what it got (a connection or PoolExhausted) goes in the list."""
     address = parse_location(memcached_node_factory().address)[0]
     pool = NodePool(address, ConnectionSettings(max_size=1, pool_timeout=2.0))
     held = pool.checkout()
@@ -87,7 +88,14 @@ def test_a_thread_queueing_while_a_connection_is_checked_in_gets_it(memcached_no
         except PoolExhausted as exc:
             outcome.append(exc)
 
-    waiter = threading.Thread(target=take)
+    return pool, held, threading.Thread(target=take), outcome
+
+
+def test_a_thread_queueing_while_a_connection_is_checked_in_gets_it(memcached_node_factory):
+    """The interleaving that stranded a waiter: the returning thread has looked at the
+    (empty) queue, then a thread finds no idle connection and queues, then the connection
+    is appended to ``idle``. The waiter must get it, not PoolExhausted after POOL_TIMEOUT."""
+    pool, held, waiter, outcome = single_slot_pool(memcached_node_factory)
     pool.queue = WaitQueue()
 
     def a_thread_queues() -> None:
@@ -429,19 +437,8 @@ def test_closing_idle_connections_hands_the_freed_slot_to_a_waiter(memcached_nod
     """close_idle runs (a stale connection, disconnect_all) just after a checkin put its
     connection back and before it looked at the queue: the closed connection's slot must
     go to the waiting thread, not vanish while it sleeps to POOL_TIMEOUT."""
-    address = parse_location(memcached_node_factory().address)[0]
-    pool = NodePool(address, ConnectionSettings(max_size=1, pool_timeout=2.0))
-    held = pool.checkout()
-    outcome: list[Any] = []
-
-    def take() -> None:
-        try:
-            outcome.append(pool.checkout())
-        except PoolExhausted as exc:
-            outcome.append(exc)
-
+    pool, held, waiter, outcome = single_slot_pool(memcached_node_factory)
     pool.queue = WaitQueue()
-    waiter = threading.Thread(target=take)
     waiter.start()
     assert pool.queue.joined.wait(5)
 
