@@ -175,7 +175,7 @@ def test_each_loop_has_its_own_pool_closed_with_the_loop(node):
     async def work() -> None:
         await asyncio.gather(*(cache.aset(f"k{i}", i) for i in range(8)))
         assert await cache.aget_many([f"k{i}" for i in range(8)]) == {f"k{i}": i for i in range(8)}
-        pools.append(await aio.pool_of(cache._nodes[0]))
+        pools.append(aio.pool_of(cache._nodes[0]))
 
     def in_a_thread() -> None:
         try:
@@ -202,7 +202,7 @@ def test_concurrent_coroutines_share_a_bounded_pool(node):
         await cache.aset("k", "v")
         results = await asyncio.gather(*(cache.aget("k") for _ in range(200)))
         assert results == ["v"] * 200
-        return await aio.pool_of(cache._nodes[0])
+        return aio.pool_of(cache._nodes[0])
 
     pool = asyncio.run(scenario())
     assert pool.connects <= 3
@@ -291,7 +291,7 @@ def test_a_cancelled_call_leaves_no_connection_checked_out(silent_server, memcac
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        return [await aio.pool_of(node) for node in cache._nodes]
+        return [aio.pool_of(node) for node in cache._nodes]
 
     for pool in asyncio.run(scenario()):
         assert pool.size == len(pool.idle) == 0  # all closed with the loop, none leaked

@@ -33,3 +33,10 @@ class TestMemcachedCacheMeetsTheContract(CacheContract):
 class TestPymemcachePlacementMeetsTheContract(TestMemcachedCacheMeetsTheContract):
     def backend_params(self):
         return {**super().backend_params(), "OPTIONS": {"HASHING": "pymemcache"}}
+
+
+class TestUnbatchedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    """AUTOBATCH off (it is on by default): every async get is a request of its own."""
+
+    def backend_params(self):
+        return {**super().backend_params(), "OPTIONS": {"AUTOBATCH": False}}

@@ -55,8 +55,12 @@ def test_get_reply_with_values_and_misses():
 def test_single_key_reply_whole_or_in_pieces(value):
     """A one-key reply that arrives whole takes a shortcut; in pieces, the line parser."""
     reply = b"VALUE k 7 %d\r\n%b\r\nEND\r\n" % (len(value), value)
-    parses_to(reply, lambda: wire.Values(single=True), {b"k": (value, 7)})
+    parses_to(reply, wire.OneValue, (value, 7))
     parses_to(reply, wire.Values, {b"k": (value, 7)})
+
+
+def test_single_key_miss_whole_or_in_pieces():
+    parses_to(b"END\r\n", wire.OneValue, None)
 
 
 def test_get_reply_over_several_end_lines():

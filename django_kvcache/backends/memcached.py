@@ -32,9 +32,9 @@ from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, Refused, ValueTooLarge
-from django_kvcache.memcached import aio, fanout, sampling, wire
+from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
-from django_kvcache.memcached.node import Node
+from django_kvcache.memcached.node import Call, Get, Node
 from django_kvcache.memcached.plans import Fanout, Plan, Sleep, arun, run
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.options import flag
@@ -72,6 +72,7 @@ class MemcachedCache(KVCache):
             "FAILOVER",
             "IGNORE_EXCEPTIONS",
             "TLS",
+            "AUTOBATCH",
         }
     )
 
@@ -179,6 +180,26 @@ class MemcachedCache(KVCache):
         # Read again: another caller may have added a value between our get and add.
         return await self.aget(key, default, version=version)
 
+    def _lease_store(self, key: Any, timeout: Any, version: Any) -> Any:
+        """get_or_set's herd protection on the meta commands (``memcached.lease``); on a
+        node without them it falls back to the shared add-based store."""
+        if not self._protects(timeout):
+            return None
+        return lease.MetaLeaseStore(
+            self, self.stampede, key, timeout, version, node_for=self._node, failed=self._failed
+        )
+
+    def ttl(self, key: Any, version: int | None = None) -> float | None:
+        """Seconds until ``key`` expires (whole seconds, memcached's): ``None`` if it never
+        does, ``0`` if it is missing or expired — also while get_or_set still serves a
+        stale copy of it. Needs memcached >= 1.6.6 (``mg <key> t``): on an older node it
+        raises ``MetaCommandsMissing`` (a ``NotImplementedError``), whatever
+        IGNORE_EXCEPTIONS says."""
+        return run(self._ttl(key, version))
+
+    async def attl(self, key: Any, version: int | None = None) -> float | None:
+        return await arun(self._ttl(key, version))
+
     def clear(self) -> None:
         run(self._clear())
 
@@ -272,8 +293,8 @@ class MemcachedCache(KVCache):
     def _get(self, key: Any, default: Any, version: int | None) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            node = self._node(key)
-            found = node.count_get((yield from node.call_plan(wire.get_one(key.encode()))))
+            node = self.cluster.node(key, self.failover)
+            found = node.count_get((yield Get(node, key.encode())))
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -285,7 +306,7 @@ class MemcachedCache(KVCache):
         """A single-key write on the key's node (or its failover node), which is credited
         with ``sent`` and ``saved`` bytes."""
         try:
-            return (yield from self._node(key).call_plan(op, sent=sent, saved=saved))
+            return (yield Call(self._node(key), op, sent=sent, saved=saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
@@ -329,6 +350,15 @@ class MemcachedCache(KVCache):
             return bool((yield from self._write(key, wire.delete(key.encode()))))
         except MemcachedError as exc:
             return self._failed(exc, False)
+
+    def _ttl(self, key: Any, version: int | None) -> Plan:
+        key = self.make_and_validate_key(key, version=version)
+        try:
+            return (yield from lease.ttl(self._node(key), key))
+        except lease.MetaCommandsMissing:
+            raise  # the server's version, not a failure: IGNORE_EXCEPTIONS does not hide it
+        except MemcachedError as exc:
+            return self._failed(exc, 0)
 
     # --- plans: counters --------------------------------------------------------------
 

@@ -7,9 +7,11 @@ several loops (``async_to_sync`` in threads, several servers) has one pool per l
 When the loop shuts down (``asyncio.run``, asgiref and uvicorn call
 ``loop.shutdown_asyncgens()``), its pools close their connections.
 
-What is shared with the blocking path is everything above the socket: the node's
-``call_plan`` (its health, counters, outdated copies and late writes, the ``Lease`` that
-decides what becomes of a connection, the error translation) and ``fanout``'s batches.
+What is shared with the blocking path is everything above the socket: the node's health,
+counters, outdated copies and late writes, the ``Lease`` that decides what becomes of a
+connection and translates errors (``Node.call`` and ``Node.acall`` differ only in
+awaiting), ``fanout``'s batches, and the operations' plans. With AUTOBATCH, each loop
+also keeps per node the gets waiting to share a request (``autobatch``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from django_kvcache.memcached import PoolExhausted, wire
+from django_kvcache.memcached.autobatch import Gets
 from django_kvcache.memcached.connection import ConnectionClosed, WriteTimeout, set_io_timeout
 from django_kvcache.memcached.pool import ConnectionSettings
 from django_kvcache.memcached.routing import NodeAddress
@@ -119,7 +122,7 @@ class AsyncConnection:
         return op.result(reply)
 
     async def send(self, request: bytes, writes: bool) -> None:
-        stream = await self.connect()
+        stream = self.stream or await self.connect()
         if stream.lost is not None:
             raise ConnectionClosed(str(stream.lost))
         self.request = request
@@ -211,7 +214,7 @@ class AsyncPool:
         self.waits += 1
         try:
             handed = await asyncio.wait_for(waiter, self.settings.pool_timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
             raise PoolExhausted(
                 self.address.name,
                 f"all {self.settings.max_size} connections busy for "
@@ -259,10 +262,12 @@ class AsyncPool:
 
 
 class _LoopPools:
-    """The pools of one event loop, closed by the loop's ``shutdown_asyncgens``."""
+    """The pools (and autobatched gets) of one event loop, closed by the loop's
+    ``shutdown_asyncgens``."""
 
     def __init__(self) -> None:
         self.pools: dict[Node, AsyncPool] = {}
+        self.gets: dict[Node, Gets] = {}
         self.guard: AsyncIterator[None] | None = None
 
     def close(self) -> None:
@@ -286,20 +291,70 @@ async def _closed_with_the_loop(loop: asyncio.AbstractEventLoop, pools: _LoopPoo
             _loops.pop(loop, None)
 
 
-async def pool_of(node: Node) -> AsyncPool:
-    """The running loop's pool for ``node``, made on first use."""
+def pool_of(node: Node) -> AsyncPool:
+    """The running loop's pool for ``node``, made on first use (call it on the loop)."""
     loop = asyncio.get_running_loop()
     pools = _loops.get(loop)
     if pools is None:
-        with _loops_lock:
-            pools = _loops.setdefault(loop, _LoopPools())
-        if pools.guard is None:
-            pools.guard = _closed_with_the_loop(loop, pools)
-            await pools.guard.__anext__()  # registered with the loop's asyncgen hooks
+        pools = _pools_of(loop)
     pool = pools.pools.get(node)
     if pool is None:
         pool = pools.pools[node] = AsyncPool(node.pool.address, node.pool.settings)
     return pool
+
+
+def batch_for(node: Node) -> Gets | None:
+    """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
+    loop already has gets waiting or a connection busy on the node, so there is company
+    to share a request with. None: go alone (a lone call pays no batching detour)."""
+    if not node.pool.settings.autobatch:
+        return None
+    gets = gets_of(node)
+    pool = _loops[asyncio.get_running_loop()].pools.get(node)
+    if gets.waiting or (pool is not None and pool.size > len(pool.idle)):
+        return gets
+    return None
+
+
+def gets_of(node: Node) -> Gets:
+    """The running loop's batch of gets for ``node``, made on first use."""
+    loop = asyncio.get_running_loop()
+    pools = _loops.get(loop) or _pools_of(loop)
+    gets = pools.gets.get(node)
+    if gets is None:
+        gets = pools.gets[node] = Gets(node)
+    return gets
+
+
+def _pools_of(loop: asyncio.AbstractEventLoop) -> _LoopPools:
+    """The loop's pools, registered to close with it: the guard's first step runs here
+    (a coroutine step, driven by hand) so the loop's asyncgen hook adopts it."""
+    with _loops_lock:
+        pools = _loops.setdefault(loop, _LoopPools())
+    if pools.guard is None:
+        pools.guard = _closed_with_the_loop(loop, pools)
+        try:
+            pools.guard.__anext__().send(None)
+        except StopIteration:  # reached its ``yield``: registered, now waits for shutdown
+            pass
+    return pools
+
+
+def pool_figures(node: Node) -> dict[str, int]:
+    """The asyncio pools' figures for ``node``, summed over the process's event loops:
+    connections open (idle or in use), idle, and coroutines waiting for one. Read from
+    any thread: each figure is one read of a loop's own counters (monitoring, not exact)."""
+    with _loops_lock:
+        loops = list(_loops.values())
+    pools = [p for p in (loop.pools.get(node) for loop in loops) if p is not None]
+    return {
+        "async_loops": len(pools),
+        "async_pool_size": sum(pool.size for pool in pools),
+        "async_pool_idle": sum(len(pool.idle) for pool in pools),
+        "async_pool_waiters": sum(len(pool.waiters) for pool in pools),
+        "async_pool_waits": sum(pool.waits for pool in pools),
+        "async_pool_connects": sum(pool.connects for pool in pools),
+    }
 
 
 def close_pools(nodes: Sequence[Node]) -> None:

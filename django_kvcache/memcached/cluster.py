@@ -23,11 +23,15 @@ from django_kvcache.memcached import MemcachedError, NodeDown
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.pool import ConnectionSettings, pool_for
 from django_kvcache.memcached.routing import NodeAddress, check_scheme, make_router
-from django_kvcache.options import check_known, integer, seconds
+from django_kvcache.options import check_known, flag, integer, seconds
 from django_kvcache.routing import Router, parse_weights
 
 if TYPE_CHECKING:
     from django_kvcache.memcached.fanout import Batch
+
+
+#: AUTOBATCH's default, chosen by measurement (docs/async.rst, Autobatching).
+AUTOBATCH_DEFAULT = True
 
 
 class Placement(NamedTuple):
@@ -124,6 +128,7 @@ def connection_settings(options: Mapping[str, Any]) -> ConnectionSettings:
         max_size=integer(options, "MAX_POOL_SIZE", 64),
         pool_timeout=seconds(options, "POOL_TIMEOUT", 1.0),
         tls=tls_context(options.get("TLS")),
+        autobatch=flag(options, "AUTOBATCH", AUTOBATCH_DEFAULT),
     )
 
 

@@ -73,11 +73,16 @@ class Connection:
     def exchange(self, op: wire.Op) -> Any:
         """Send ``op``'s request, read its reply: what ``op`` makes of it."""
         reply = op.make_reply()
-        self.send(op.request, op.writes)
+        sock = self.sock or self.connect()
+        if op.writes:
+            send_counted(sock, op.request)
+        else:
+            sock.sendall(op.request)  # a read: nothing to settle if it times out
         self.read(reply, op.writes)
         return op.result(reply)
 
     def send(self, request: bytes, writes: bool) -> None:
+        """A request whose reply is read later (a fan-out sends every node's first)."""
         sock = self.sock or self.connect()
         if writes:
             send_counted(sock, request)
@@ -129,13 +134,15 @@ def settle(sock: socket.socket, unsent: bytes) -> None:
 
 def send_counted(sock: socket.socket, data: bytes) -> None:
     """``sendall`` that knows, when it times out, what never left (``WriteTimeout``)."""
-    view = memoryview(data)
     sent = 0
     try:
-        while sent < len(view):
-            sent += sock.send(view[sent:])
+        sent = sock.send(data)  # a request usually leaves in one piece
+        if sent < len(data):
+            view = memoryview(data)
+            while sent < len(view):
+                sent += sock.send(view[sent:])
     except TIMEOUTS as exc:
-        raise WriteTimeout(sock, bytes(view[sent:])) from exc
+        raise WriteTimeout(sock, data[sent:]) from exc
 
 
 async def asettle(sock: socket.socket, unsent: bytes, timeout: float | None) -> None:

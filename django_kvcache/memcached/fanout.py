@@ -29,6 +29,7 @@ class Batch:
     keys: list[str]
     op: wire.Op
     on_result: Callable[[Any], None] | None = None
+    gets: list[bytes] | None = None  # a get's keys: AUTOBATCH may merge it with others
     result: Any = None
     error: MemcachedError | None = None
     _lease: Lease | None = field(default=None, repr=False)
@@ -162,13 +163,48 @@ async def arun(batches: Sequence[Batch]) -> None:
     waits for a single pool only.
     """
     count_ops(batches)
-    stale = await _arounds(batches, retry=True)
-    if stale:
-        await _arounds(stale, retry=False)
+    direct: list[Batch] = []
+    batched: list[Batch] = []
+    waits: list[asyncio.Future] = []
+    for batch in batches:
+        joined = aio.batch_for(batch.node) if batch.gets is not None else None
+        if joined is None:
+            direct.append(batch)
+        else:
+            batched.append(batch)
+            waits.append(joined.get(batch.gets))  # type: ignore[arg-type]
+    try:
+        stale = await _arounds(direct, retry=True)
+        if stale:
+            await _arounds(stale, retry=False)
+    except BaseException:  # cancelled (or worse) first: drop the shares that joined too
+        for wait in waits:
+            wait.cancel()
+        raise
+    if batched:
+        await _batched(batched, waits)
+
+
+async def _batched(batches: list[Batch], waits: list[asyncio.Future]) -> None:
+    """The results of the batches that went out with other gets (``autobatch``)."""
+    try:
+        for batch, wait in zip(batches, waits):
+            try:
+                batch.result = await wait
+            except MemcachedError as exc:
+                batch.error = exc
+                continue
+            batch.node.bytes_received += sum(len(data) for data, _ in batch.result.values())
+            if batch.on_result is not None:
+                batch.on_result(batch.result)
+    except BaseException:  # cancelled: drop our other shares too (nobody would read them)
+        for wait in waits:
+            wait.cancel()
+        raise
 
 
 async def _arounds(batches: Sequence[Batch], retry: bool) -> list[Batch]:
-    pools = {batch.node: await aio.pool_of(batch.node) for batch in batches}
+    pools = {batch.node: aio.pool_of(batch.node) for batch in batches}
     pending = list(batches)
     stale: list[Batch] = []
     while pending:
@@ -248,7 +284,8 @@ def get_batch(node: Node, keys: list[str]) -> Batch:
         node.hits += len(found)
         node.misses += len(keys) - len(found)
 
-    return Batch(node, keys, wire.get_many([key.encode() for key in keys]), count)
+    encoded = [key.encode() for key in keys]
+    return Batch(node, keys, wire.get_many(encoded), count, gets=encoded)
 
 
 def set_batch(

@@ -30,8 +30,9 @@ from django_kvcache.memcached.pool import NodePool
 from django_kvcache.memcached.routing import NodeAddress
 from django_kvcache.memcached.stale import LateWrites, OutdatedCopies
 
-#: Errors that mean the node (or the path to it) failed, not the request.
-NODE_FAILURES = (OSError, EOFError, wire.ProtocolError)
+#: Errors that mean the node (or the path to it) failed, not the request. (On Python
+#: 3.10 ``asyncio.TimeoutError``, raised by ``asyncio.wait_for``, is not an OSError.)
+NODE_FAILURES = (OSError, EOFError, wire.ProtocolError, asyncio.TimeoutError)
 #: Errors a pooled connection shows when the server restarted since its last use.
 STALE_CONNECTION = (ConnectionError, EOFError)
 
@@ -57,41 +58,61 @@ class Node:
     def __repr__(self) -> str:
         return f"<memcached node {self.name}>"
 
-    def call(self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0) -> Any:
-        """``op`` on a connection of the blocking pool: what ``op`` returns."""
-        return steps.run(self.call_plan(op, retry, sent, saved))
-
-    def call_plan(
-        self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0
-    ) -> steps.Plan:
-        """``op`` on a pooled connection — the blocking pool's, or the running event
-        loop's (whichever driver runs the plan) — counted as one operation.
+    def call(
+        self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0, ops: int = 1
+    ) -> Any:
+        """``op`` on a connection of the blocking pool: what ``op`` returns, counted as
+        one operation.
 
         A connection that broke while it sat in the pool (server restarted) is replaced
         and the op retried once, unless ``retry`` is off (``incr``/``decr``).
         ``sent`` and ``saved`` are credited to ``bytes_sent``/``bytes_saved`` on success.
         A request the server refused raises ``Refused`` (the connection is fine).
+        What a failure does is decided once, for both transports, by ``Lease.ended_by``.
+        ``ops``: how many operations it counts as (an autobatch's callers count theirs).
         """
-        self.ops += 1
+        self.ops += ops
+        pool = self.pool
         while True:
-            pool, connection = yield Checkout(self)
-            with Lease(self, connection, pool) as lease:
-                try:
-                    if self.late.pending or self.outdated.pending:
-                        yield Repair(self, lease.client)
-                    result = yield steps.Invoke(lease.client.exchange, op)
-                except wire.ErrorReply as exc:
-                    lease.release()
-                    raise self.refused(exc) from exc
-                except NODE_FAILURES as exc:
-                    error = lease.fail(exc, retry)
-                    if error is not None:
-                        raise error from exc
-                    retry = False
-                    continue
+            lease = Lease(self, pool.checkout(), pool)
+            try:
+                if self.late.pending or self.outdated.pending:
+                    self.repair(lease.client)
+                result = lease.client.exchange(op)
+            except BaseException as exc:
+                retry = lease.ended_by(exc, retry)  # raises, or says "retry once"
+                continue
+            lease.release()
             self.bytes_sent += sent
             self.bytes_saved += saved
             return result
+
+    async def acall(
+        self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0, ops: int = 1
+    ) -> Any:
+        """``call`` on the running event loop's pool for this node: the same steps, awaited."""
+        self.ops += ops
+        pool = aio.pool_of(self)
+        while True:
+            lease = Lease(self, await pool.checkout(), pool)
+            try:
+                if self.late.pending or self.outdated.pending:
+                    await self.arepair(lease.client)
+                result = await lease.client.exchange(op)
+            except BaseException as exc:
+                retry = lease.ended_by(exc, retry)
+                continue
+            lease.release()
+            self.bytes_sent += sent
+            self.bytes_saved += saved
+            return result
+
+    def call_plan(
+        self, op: wire.Op, retry: bool = True, sent: int = 0, saved: int = 0
+    ) -> steps.Plan:
+        """``call`` as a plan step: ``yield from node.call_plan(op)`` (or ``yield
+        Call(node, op)``) runs it on whichever transport drives the plan."""
+        return (yield Call(self, op, retry, sent, saved))
 
     def get(self, key: str) -> tuple[bytes, int] | None:
         """``get`` of one key: ``(data, flags)`` or None, counted as a hit or a miss."""
@@ -219,16 +240,13 @@ class Node:
             flush_pending=self.outdated.flush,
             late_writes=len(self.late.connections),
         )
+        counters.update(aio.pool_figures(self))
         return counters
 
 
 class Lease:
-    """One connection checked out of a node's pool, until it is checked in or dropped.
-
-    As a context manager: on leaving without an exception the connection is checked in
-    (and the node counts as answering), with one it is dropped — unless ``fail`` or
-    ``release`` already ended the lease.
-    """
+    """One connection checked out of a node's pool, until it is checked in (``release``:
+    the node counts as answering) or dropped (``drop``, ``fail``, ``ended_by``)."""
 
     __slots__ = ("node", "pool", "client", "reused")
 
@@ -237,16 +255,6 @@ class Lease:
         self.pool = node.pool if pool is None else pool  # the sync pool, or a loop's
         self.client: Any = client
         self.reused = client.sock is not None  # a pooled connection that may have gone stale
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if self.client is not None:
-            if exc is None:
-                self.release()
-            else:
-                self.drop(exc)
 
     def release(self) -> None:
         """The exchange succeeded: back to the pool."""
@@ -267,6 +275,22 @@ class Lease:
         else:
             pool.discard(client)
 
+    def ended_by(self, exc: BaseException, retry: bool) -> bool:
+        """An exchange on this lease raised ``exc``: end the lease and raise what the
+        caller sees — unless it was a stale pooled connection worth one retry on a new
+        one: then False (no further retry). The one failure policy of ``Node.call`` and
+        ``Node.acall``."""
+        if isinstance(exc, wire.ErrorReply):
+            self.release()  # refused, but the connection is in step
+            raise self.node.refused(exc) from exc
+        if not isinstance(exc, NODE_FAILURES):
+            self.drop(exc)  # interrupted or cancelled: the connection cannot be trusted
+            raise exc
+        error = self.fail(exc, retry)
+        if error is not None:
+            raise error from exc
+        return False
+
     def fail(self, exc: BaseException, retry: bool) -> NodeError | None:
         """Drop the connection after a node failure; the error to report, or None when
         it was a pooled connection gone stale and one retry on a new one is due."""
@@ -278,21 +302,42 @@ class Lease:
 
 
 
-class Checkout:
-    """The step that takes a connection of the node: ``(pool, connection)``."""
+class Call:
+    """The step of one op on one node: ``Node.call`` blocking, ``Node.acall`` on the loop."""
 
-    __slots__ = ("node",)
+    __slots__ = ("node", "op", "retry", "sent", "saved")
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, node: Node, op: wire.Op, retry: bool = True, sent: int = 0,
+                 saved: int = 0) -> None:
+        self.node, self.op, self.retry, self.sent, self.saved = node, op, retry, sent, saved
 
-    def run(self) -> tuple[NodePool, Connection]:
-        pool = self.node.pool
-        return pool, pool.checkout()
+    def run(self) -> Any:
+        return self.node.call(self.op, self.retry, self.sent, self.saved)
 
-    async def arun(self) -> tuple[aio.AsyncPool, aio.AsyncConnection]:
-        pool = await aio.pool_of(self.node)
-        return pool, await pool.checkout()
+    def arun(self) -> Any:
+        return self.node.acall(self.op, self.retry, self.sent, self.saved)
+
+
+class Get:
+    """The step of a single-key ``get``: ``(data, flags)`` or None. On the event loop,
+    with AUTOBATCH, it may join the loop iteration's other gets for the node
+    (``autobatch``)."""
+
+    __slots__ = ("node", "key")
+
+    def __init__(self, node: Node, key: bytes) -> None:
+        self.node, self.key = node, key
+
+    def run(self) -> Any:
+        return self.node.call(wire.get_one(self.key))
+
+    def arun(self) -> Any:
+        node = self.node
+        batch = aio.batch_for(node)
+        if batch is None:
+            return node.acall(wire.get_one(self.key))
+        node.ops += 1
+        return batch.get_one(self.key)
 
 
 class Repair:

@@ -33,6 +33,7 @@ class ConnectionSettings:
     max_size: int = 64
     pool_timeout: float = 1.0
     tls: ssl.SSLContext | None = None  # hashed by identity, like the setting object itself
+    autobatch: bool = True  # asyncio gets of one loop iteration as one request (autobatch)
 
 
 class _Waiter:

@@ -17,6 +17,7 @@ of it (``finish``). Two dialects:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 from urllib.parse import unquote
@@ -116,18 +117,15 @@ class Values:
     ``result``: ``{key bytes: (data, flags)}``, or ``(data, flags, cas)`` for ``gets``.
     """
 
-    __slots__ = ("ends", "cas", "single", "result", "header")
+    __slots__ = ("ends", "cas", "result", "header")
 
-    def __init__(self, ends: int = 1, cas: bool = False, single: bool = False) -> None:
+    def __init__(self, ends: int = 1, cas: bool = False) -> None:
         self.ends = ends
         self.cas = cas
-        self.single = single  # one key asked: its reply may be read in one piece
         self.result: dict[bytes, tuple] = {}
         self.header: tuple | None = None  # a VALUE line whose data has not all arrived
 
     def parse(self, buffer: Buffer) -> bool:
-        if self.single and not self.cas and self.header is None and self._whole(buffer):
-            return True
         while self.ends:
             if self.header is not None:
                 key, flags, length, cas = self.header
@@ -152,36 +150,53 @@ class Values:
         return True
 
 
+class OneValue:
+    """The reply to ``get`` of one key: ``result`` is ``(data, flags)``, or None.
+
+    A reply that arrived whole and alone (the usual case: one ``VALUE`` or none, and
+    ``END``) is read in one go, without the line-by-line bookkeeping — the ``get`` hot
+    path; one that comes in pieces is read by :class:`Values`.
+    """
+
+    __slots__ = ("result", "values")
+
+    def __init__(self) -> None:
+        self.result: tuple[bytes, int] | None = None
+        self.values: Values | None = None
+
+    def parse(self, buffer: Buffer) -> bool:
+        if self.values is None:
+            if self._whole(buffer):
+                return True
+            if not len(buffer):  # nothing yet (the asyncio path looks before data arrives)
+                return False
+            self.values = Values()
+        if not self.values.parse(buffer):
+            return False
+        self.result = next(iter(self.values.result.values()), None)
+        return True
+
     def _whole(self, buffer: Buffer) -> bool:
-        """The single-key reply when it is all there and alone: one ``VALUE`` (or none)
-        and ``END``, read without the line-by-line bookkeeping (the ``get`` hot path)."""
-        data, pos = buffer.data, buffer.pos
-        if pos or not isinstance(data, bytes):
+        data = buffer.data
+        if buffer.pos or type(data) is not bytes:
             return False
-        if data == b"END\r\n":
-            buffer.pos, self.ends = len(data), 0
+        header = _VALUE_LINE.match(data)
+        if header is None:
+            if data != b"END\r\n":
+                return False
+            buffer.pos = 5
             return True
-        header_end = data.find(b"\r\n")
-        if data[:6] != b"VALUE " or data[-7:] != b"\r\nEND\r\n" or header_end < 0:
+        start = header.end()
+        end = start + int(header[2])
+        if len(data) != end + 7 or not data.endswith(b"\r\nEND\r\n"):
             return False
-        parts = data[6:header_end].split(b" ")
-        if len(parts) != 3 or not parts[2].isdigit() or not parts[1].isdigit():
-            return False
-        start, length = header_end + 2, int(parts[2])
-        if len(data) != start + length + 7:
-            return False
-        self.result[parts[0]] = (data[start : start + length], int(parts[1]))
-        buffer.pos, self.ends = len(data), 0
+        self.result = (data[start:end], int(header[1]))
+        buffer.pos = end + 7
         return True
 
 
-class SingleValue(Values):
-    """The reply to ``get`` of one key (see ``Values._whole``)."""
-
-    __slots__ = ()
-
-    def __init__(self) -> None:
-        super().__init__(single=True)
+#: A ``VALUE <key> <flags> <length>`` line (``OneValue``'s shortcut).
+_VALUE_LINE = re.compile(rb"VALUE [^ \r\n]+ (\d+) (\d+)\r\n")
 
 
 class Lines:
@@ -423,7 +438,7 @@ class Op:
 
 def get_one(key: bytes) -> Op:
     """``(data, flags)`` or None."""
-    return Op(b"get %b\r\n" % key, SingleValue, False, lambda found: found.get(key))
+    return Op(b"get %b\r\n" % key, OneValue, False)
 
 
 def get_many(keys: list[bytes]) -> Op:
@@ -541,3 +556,69 @@ def meta_get_quiet(keys: list[bytes]) -> Op:
 
 def _is(expected: bytes) -> Callable[[bytes], bool]:
     return lambda line: line == expected
+
+
+# --- meta commands for get_or_set's leases and ttl() (memcached.lease) -----------------
+
+
+class MetaSequence:
+    """The replies to ``count`` pipelined meta commands sent without ``q`` (one reply
+    each), in order, as :class:`MetaReply`. A refused command (``SERVER_ERROR`` out of
+    memory…) becomes its reply, code ``SERVER_ERROR``/``CLIENT_ERROR`` with the message
+    as value, instead of raising: the replies after it are still read, so the connection
+    stays in step."""
+
+    __slots__ = ("count", "result", "current")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.result: list[MetaReply] = []
+        self.current = Meta()
+
+    def parse(self, buffer: Buffer) -> bool:
+        while len(self.result) < self.count:
+            try:
+                if not self.current.parse(buffer):
+                    return False
+                reply = self.current.result
+            except ErrorReply as exc:
+                code = b"CLIENT_ERROR" if exc.client_error else b"SERVER_ERROR"
+                reply = MetaReply(code, {}, str(exc).encode())
+            self.result.append(reply)
+            self.current = Meta()
+        return True
+
+
+def meta_sequence(commands: list[bytes], writes: bool) -> Op:
+    """Several meta commands (from :func:`meta_command`, without ``q``) in one request:
+    their replies in order (:class:`MetaSequence`)."""
+    return Op(b"".join(commands), lambda: MetaSequence(len(commands)), writes)
+
+
+def meta_get_fresh(key: bytes, recache: int | None = None) -> Op:
+    """``mg`` of one value: ``(data, flags, won)``, or None when missing. With
+    ``recache``, the first reader to find fewer than that many seconds left wins the
+    early recomputation (``W``: ``won`` is true); the later ones see ``Z`` until the item
+    is replaced."""
+    flags = (b"v", b"f", b"R%d" % recache) if recache else (b"v", b"f")
+
+    def finish(reply: MetaReply) -> tuple[bytes, int, bool] | None:
+        if reply.code == b"EN":
+            return None
+        if reply.code != b"VA":
+            raise ProtocolError(f"unexpected reply to mg: {reply.code!r}")
+        return reply.value, reply.number(b"f"), b"W" in reply.flags
+
+    return Op(meta_command(b"mg", key, *flags), Meta, False, finish)
+
+
+def meta_ttl(key: bytes) -> Op:
+    """Seconds the item has left (``-1``: it never expires), or None when missing."""
+    def finish(reply: MetaReply) -> int | None:
+        if reply.code == b"EN":
+            return None
+        if reply.code != b"HD":
+            raise ProtocolError(f"unexpected reply to mg: {reply.code!r}")
+        return reply.number(b"t")
+
+    return Op(meta_command(b"mg", key, b"t"), Meta, False, finish)

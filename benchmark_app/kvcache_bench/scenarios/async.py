@@ -3,14 +3,19 @@
 Against each ``--nodes`` count of memcached nodes (the issue's figures: 1, 4, 8), with 1,
 16, 64 and 256 coroutines on one event loop:
 
-* ``kv-memcached native``: MemcachedCache's own asyncio transport (no thread);
+* ``kv-memcached native``: MemcachedCache's own asyncio transport (no thread), one
+  request per call and node (``AUTOBATCH`` off);
+* ``kv-memcached autobatch``: the same with ``AUTOBATCH`` on: the gets of one loop
+  iteration for one node go out as one request;
 * ``kv-memcached sync_to_async``: our sync methods reached through one
   ``sync_to_async(thread_sensitive=True)`` hop each (what Django's backends do);
 * ``pymemcache``: Django's PyMemcacheCache's async methods (Django's delegation: one
   hop per call, and per key in ``aget_many`` before Django 6.1).
 
 Figures per (client, nodes, operation, coroutines): throughput (calls per second over the
-whole batch) and the per-call latency percentiles.
+whole batch) and the per-call latency percentiles. And per node count, ``latency``: one
+``get_many`` of 100 keys at a time, sync (no loop) against native ``aget_many`` (per-call
+percentiles of each, and their ratio).
 """
 from __future__ import annotations
 
@@ -28,7 +33,12 @@ from kvcache_bench.timing import summarize
 COROUTINES = (1, 16, 64, 256)
 BATCH = 20
 KEYS = 400
-NATIVE, HOPPED, DJANGO = "kv-memcached native", "kv-memcached sync_to_async", "pymemcache"
+LATENCY_KEYS = 100
+NATIVE, AUTOBATCH = "kv-memcached native", "kv-memcached autobatch"
+HOPPED, DJANGO = "kv-memcached sync_to_async", "pymemcache"
+#: Each client's cache OPTIONS (on top of the family's).
+CLIENT_OPTIONS = {NATIVE: {"AUTOBATCH": False}, AUTOBATCH: {"AUTOBATCH": True},
+                  HOPPED: {"AUTOBATCH": False}, DJANGO: {}}
 
 Operation = Callable[[int], Awaitable[Any]]
 
@@ -46,23 +56,50 @@ def run(context: Context) -> dict[str, Any]:
     calls = max(p.node_calls, 64)  # calls per (client, nodes, operation, coroutines)
     values = filler(p.seed, KEYS)
     results: list[dict[str, Any]] = []
+    latency: list[dict[str, Any]] = []
     subjects = [(family, n) for family in families for n in counts]
+    items = {f"async.{context.token}.{i}": value for i, value in enumerate(values)}
     with context.progress("async", len(subjects)) as bar:
         for family, n in subjects:
-            spec = memcached_spec(family, context.token, context.memcached_nodes, n)
-            cache = spec.build()
-            items = {f"async.{context.token}.{i}": value for i, value in enumerate(values)}
-            cache.set_many(items)
-            try:
-                clients = [NATIVE, HOPPED] if family == "kv-memcached" else [DJANGO]
-                for client in clients:
+            clients = [NATIVE, AUTOBATCH, HOPPED] if family == "kv-memcached" else [DJANGO]
+            for client in clients:
+                spec = memcached_spec(family, context.token, context.memcached_nodes, n)
+                spec.options.update(CLIENT_OPTIONS[client])
+                cache = spec.build()
+                cache.set_many(items)
+                try:
                     results += asyncio.run(_measure(cache, client, n, list(items), calls))
-            finally:
-                cache.delete_many(list(items))
-                cache.close()
+                    if client in (NATIVE, AUTOBATCH):
+                        latency.append({"client": client,
+                                        **_latency(cache, n, list(items), calls)})
+                finally:
+                    cache.delete_many(list(items))
+                    cache.close()
             bar.update()
     return {"coroutines": list(COROUTINES), "counts": counts, "batch": BATCH, "calls": calls,
-            "results": results}
+            "results": results, "latency": latency}
+
+
+def _latency(cache: Any, nodes: int, keys: list[str], calls: int) -> dict[str, Any]:
+    """``get_many`` of LATENCY_KEYS keys, one call at a time, sync and native async calls
+    interleaved (the machine's noise hits both alike)."""
+    chunks = [keys[(i * LATENCY_KEYS) % len(keys):][:LATENCY_KEYS] for i in range(calls)]
+
+    async def interleaved() -> tuple[list[int], list[int]]:
+        sync, native = [], []
+        for chunk in chunks:
+            started = time.perf_counter_ns()
+            cache.get_many(chunk)  # the blocking call, on purpose, between two native ones
+            sync.append(time.perf_counter_ns() - started)
+            started = time.perf_counter_ns()
+            await cache.aget_many(chunk)
+            native.append(time.perf_counter_ns() - started)
+        return sync, native
+
+    sync, native = asyncio.run(interleaved())
+    sync_figures, async_figures = summarize(sync), summarize(native)
+    return {"nodes": nodes, "keys": LATENCY_KEYS, "sync": sync_figures, "async": async_figures,
+            "async_vs_sync_median": round(async_figures["median_us"] / sync_figures["median_us"], 3)}
 
 
 async def _measure(cache: Any, client: str, nodes: int, keys: list[str],

@@ -1,0 +1,76 @@
+"""Autobatching (OPTIONS ``AUTOBATCH``): the gets one event loop issues for one node in
+one loop iteration go out as one multi-key ``get``.
+
+An ``aget`` — or a node's share of an ``aget_many`` — that finds the loop already busy
+with that node (gets waiting, or a connection in use: ``aio.batch_for``) hands its keys
+to the node's :class:`Gets` of the running loop and waits on a future; a lone call goes
+straight out, as without AUTOBATCH. The first keys of an iteration schedule one flush (``loop.call_soon``): it runs after every coroutine that
+was ready in that iteration has asked, and sends all their keys (each once) in one
+request, on one pooled connection, through ``Node.acall`` — the same lease, retry and
+failure policy as any call. Each waiter then gets its own keys' share of the reply, or
+the node's error (and applies its own IGNORE_EXCEPTIONS to it, as without batching).
+
+The fetch runs in a task of its own, so a caller that is cancelled only drops its
+future: the request, and the other callers' answers, carry on.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from django_kvcache.memcached import wire
+
+if TYPE_CHECKING:
+    from django_kvcache.memcached.node import Node
+
+Found = dict[bytes, tuple[bytes, int]]
+
+
+class Gets:
+    """One loop's pending gets for one node (touched from that loop's thread only)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.waiting: list[tuple[list[bytes], asyncio.Future]] = []
+        self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
+        self.flushes = 0  # requests sent, for metrics and tests
+
+    async def get_one(self, key: bytes) -> tuple[bytes, int] | None:
+        return (await self.get([key])).get(key)
+
+    def get(self, keys: list[bytes]) -> asyncio.Future:
+        """A future of ``{key: (data, flags)}`` for the ``keys`` found."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self.waiting:
+            loop.call_soon(self._flush)
+        self.waiting.append((keys, future))
+        return future
+
+    def _flush(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        self.flushes += 1
+        task = asyncio.get_running_loop().create_task(self._fetch(waiting))
+        self.fetches.add(task)
+        task.add_done_callback(self.fetches.discard)
+
+    async def _fetch(self, waiting: list[tuple[list[bytes], asyncio.Future]]) -> None:
+        keys = list(dict.fromkeys(key for asked, _ in waiting for key in asked))
+        op = wire.get_one(keys[0]) if len(keys) == 1 else wire.get_many(keys)
+        try:
+            reply = await self.node.acall(op, ops=0)  # the callers count their own ops
+        except BaseException as exc:  # the node's error (or a cancelled loop): theirs too
+            for _, future in waiting:
+                if future.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        found: Found = reply if len(keys) > 1 else ({keys[0]: reply} if reply else {})
+        for asked, future in waiting:
+            if not future.done():  # a cancelled caller's share is dropped
+                future.set_result({key: found[key] for key in asked if key in found})
