@@ -40,8 +40,9 @@ class Read(NamedTuple):
     """What a :class:`LeaseStore` read found."""
 
     value: Any  # MISSING, or the value (fresh or stale)
-    fresh: bool  # the value is live: nothing to do
-    won: bool  # this caller now holds the lease: it computes and stores
+    fresh: bool  # the value is live: nothing to do unless this caller won the lease
+    won: bool  # this caller now holds the lease: it computes and stores (with a fresh
+    # value too: an early recomputation, Policy.early_recompute)
 
 
 class LeaseStore(Protocol):
@@ -51,7 +52,8 @@ class LeaseStore(Protocol):
 
     def read(self) -> steps.Plan:
         """The value if fresh; else take the lease if nobody holds it, and give any stale
-        value there is: a :class:`Read`."""
+        value there is: a :class:`Read`. A store that supports early recomputation may
+        also hand the lease out with a fresh value close to its expiry."""
 
     def store(self, value: Any) -> steps.Plan:
         """Store the computed value (fresh, and stale after it expires) and release."""
@@ -97,20 +99,26 @@ class Compute:
 class Policy:
     lease_timeout: float
     stale_timeout: float | None  # None: no stale values; waiters wait for the fresh one
+    #: Seconds before expiry in which one caller may recompute a still fresh entry while
+    #: the others keep getting it; None: recompute only after expiry.
+    early_recompute: float | None = None
 
     @classmethod
     def from_options(cls, options: Any) -> Policy | None:
-        """OPTIONS LEASE_TIMEOUT and STALE_TIMEOUT; None when herd protection is off."""
+        """OPTIONS LEASE_TIMEOUT, STALE_TIMEOUT and EARLY_RECOMPUTE; None when herd
+        protection is off."""
         lease = seconds(options, "LEASE_TIMEOUT", None, allow_none=True)
         stale = seconds(options, "STALE_TIMEOUT", None, allow_none=True)
+        early = seconds(options, "EARLY_RECOMPUTE", None, allow_none=True)
         if lease is None:
-            if stale is not None:
-                raise ImproperlyConfigured(
-                    "OPTIONS['STALE_TIMEOUT'] needs OPTIONS['LEASE_TIMEOUT'] (stale values "
-                    "are served only while a lease holder recomputes)"
-                )
+            for name, given in (("STALE_TIMEOUT", stale), ("EARLY_RECOMPUTE", early)):
+                if given is not None:
+                    raise ImproperlyConfigured(
+                        f"OPTIONS[{name!r}] needs OPTIONS['LEASE_TIMEOUT'] (only a lease "
+                        "holder recomputes)"
+                    )
             return None
-        return cls(lease, stale)
+        return cls(lease, stale, early)
 
 
 # --- the decisions ------------------------------------------------------------------------
@@ -120,29 +128,46 @@ def plan(
     policy: Policy, store: LeaseStore, default: Any, clock: Callable[[], float] = time.monotonic
 ) -> steps.Plan:
     """One herd-proof ``get_or_set``, as steps; returns the value. A waiter polls with a
-    growing pause; after twice LEASE_TIMEOUT without a fresh value or a lease of its own
+    growing pause; after twice LEASE_TIMEOUT (a store's ``patience``, if it has one)
+    without a fresh value or a lease of its own
     (a store that keeps failing), it computes anyway: the caller always gets a value, as
     Django's ``get_or_set`` promises."""
-    give_up = clock() + 2 * policy.lease_timeout
+    # A store whose leases may outlive LEASE_TIMEOUT (memcached's whole seconds) says how
+    # long to wait instead, so nobody gives up while a live lease is still in force.
+    patience = getattr(store, "patience", 2 * policy.lease_timeout)
+    give_up = clock() + patience
     pause = FIRST_POLL
     while True:
         read: Read = yield from store.read()
-        if read.fresh:
+        if read.fresh and not read.won:
             return read.value
         if read.won:
             try:
                 value = yield Compute(default)
+            except Exception:
+                yield from store.release()
+                if not read.fresh:
+                    raise
+                # An early recomputation that failed: the entry is still fresh, and a
+                # get_or_set that finds its entry never raises the default's errors.
+                logger.warning("Early recomputation failed; serving the present value",
+                               exc_info=True)
+                return read.value
             except BaseException:
                 yield from store.release()
                 raise
-            yield from store.store(value)
+            try:
+                yield from store.store(value)
+            except BaseException:  # not stored (too large...): others need not wait for it
+                yield from store.release()
+                raise
             return value
         if read.value is not MISSING:
             return read.value  # stale, while the lease holder recomputes
         if clock() >= give_up:
             logger.warning(
-                "get_or_set waited %.1f s (twice LEASE_TIMEOUT) without a fresh value or "
-                "the lease; computing without it", 2 * policy.lease_timeout,
+                "get_or_set waited %.1f s (twice the lease's lifetime) without a fresh value or "
+                "the lease; computing without it", patience,
             )
             return (yield Compute(default))
         yield steps.Sleep(pause)

@@ -31,8 +31,9 @@ def free_port() -> int:
 class MemcachedNode:
     """One memcached process on a loopback port that stays the same across restarts."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.extra_args = extra_args  # e.g. ("-C",): no CAS
         self.process: subprocess.Popen | None = None
 
     @property
@@ -47,7 +48,7 @@ class MemcachedNode:
         if self.running:
             return
         self.process = subprocess.Popen(
-            services.memcached_argv(self.port),
+            [*services.memcached_argv(self.port), *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

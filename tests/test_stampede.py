@@ -103,7 +103,7 @@ class StampedeContract(CacheFixture):
         guarded = self.guarded(**options)
         guarded.get_or_set("hot", "old", timeout=1)
         time.sleep(2.5)  # past expiry + STALE_TIMEOUT
-        holder = stampede.AddLeaseStore(guarded, guarded.stampede, "hot", 60, None)
+        holder = guarded._lease_store("hot", 60, None)  # the backend's own store
         assert steps.run(holder.read()).won  # someone else recomputes...
         started = time.monotonic()
         waiter = self.guarded(**{**options, "LEASE_TIMEOUT": 1})
@@ -113,7 +113,7 @@ class StampedeContract(CacheFixture):
     def test_a_lease_holder_that_died_is_replaced_by_one_winner(self, cache):
         options = {"LEASE_TIMEOUT": 1}
         crashed = self.guarded(**options)
-        holder = stampede.AddLeaseStore(crashed, crashed.stampede, "hot", 60, None)
+        holder = crashed._lease_store("hot", 60, None)
         assert steps.run(holder.read()).won
         compute = Computation(seconds=0.1)
         started = time.monotonic()
@@ -158,6 +158,27 @@ class StampedeContract(CacheFixture):
         assert asyncio.run(herd()) == ["fresh"] * 64
         assert len(calls) == 1
 
+    def test_coroutines_on_an_expired_key_compute_once_and_get_the_stale_value(self, cache):
+        options = {**self.lease, "STALE_TIMEOUT": 30}
+        guarded = self.guarded(**options)
+        guarded.get_or_set("hot", "old", timeout=1)
+        time.sleep(2.1)  # expired (memcached counts whole seconds): only the stale copy
+        calls = []
+
+        async def compute():
+            calls.append(1)
+            await asyncio.sleep(COMPUTE)
+            return "new"
+
+        async def herd():
+            return await asyncio.gather(*(guarded.aget_or_set("hot", compute, timeout=60)
+                                          for _ in range(64)))
+
+        values = asyncio.run(herd())
+        assert len(calls) == 1
+        assert values.count("new") == 1 and values.count("old") == 63
+        assert guarded.get("hot") == "new"
+
     def test_aget_or_set_awaits_an_async_default_with_or_without_protection(self, cache):
         async def compute():
             return "awaited"
@@ -180,6 +201,8 @@ class StampedeContract(CacheFixture):
             ({"STALE_TIMEOUT": 5}, "STALE_TIMEOUT.*needs.*LEASE_TIMEOUT"),
             ({"LEASE_TIMEOUT": 0}, "LEASE_TIMEOUT"),
             ({"LEASE_TIMEOUT": 1, "STALE_TIMEOUT": "5"}, "STALE_TIMEOUT"),
+            ({"EARLY_RECOMPUTE": 5}, "EARLY_RECOMPUTE.*needs.*LEASE_TIMEOUT"),
+            ({"LEASE_TIMEOUT": 1, "EARLY_RECOMPUTE": -1}, "EARLY_RECOMPUTE"),
         ],
     )
     def test_bad_options_name_the_option(self, options, message):

@@ -1,7 +1,8 @@
 """Each cache operation written once, run by the sync API and by the async API.
 
 An operation is a generator (a *plan*) that yields the IO it needs — one op on one node
-(``yield from node.call_plan(op)``), a :class:`Fanout` of batches on many nodes, a
+(``yield Call(node, op)``, or ``Get(node, key)``: one step, so the blocking path runs it
+as one plain call), a :class:`Fanout` of batches on many nodes, a
 ``Sleep`` (shared: :mod:`django_kvcache.steps`) — and gets each result back (or its
 exception thrown in). Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
 clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift

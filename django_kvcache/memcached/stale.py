@@ -20,55 +20,20 @@ import os
 import socket
 import threading
 import weakref
-from typing import Iterable
 
+from django_kvcache import outdated
 from django_kvcache.memcached import wire
 
 #: Remembered keys per node before we give up listing them and flush the node instead.
-LIMIT = 10_000
+LIMIT = outdated.LIMIT
 
 
-class OutdatedCopies:
-    def __init__(self) -> None:
-        self.keys: set[str] = set()
-        self.flush = False
-        self.pending = False  # read without the lock on every request: keep it a plain bool
-        self.lock = threading.Lock()
-        _all.add(self)
+class OutdatedCopies(outdated.OutdatedCopies):
+    """The shared record (:mod:`django_kvcache.outdated`) with memcached's clean-up."""
 
-    def add(self, keys: Iterable[str]) -> None:
-        with self.lock:
-            if not self.flush:
-                self.keys.update(keys)
-                if len(self.keys) > LIMIT:
-                    self.keys, self.flush = set(), True
-            self.pending = True
-
-    def add_everything(self) -> None:
-        """The node missed a flush: everything on it is outdated."""
-        with self.lock:
-            self.keys, self.flush, self.pending = set(), True, True
-
-    def take(self) -> tuple[set[str], bool]:
-        """Everything to clean up, now owned by the caller (``put_back`` if that fails,
-        ``done`` once it succeeded). ``pending`` stays set meanwhile, so other threads
-        wait for the clean-up instead of reading what it is about to delete."""
-        with self.lock:
-            keys, flush = self.keys, self.flush
-            self.keys, self.flush = set(), False
-        return keys, flush
-
-    def done(self) -> None:
-        """The clean-up landed: nothing pending unless more was added meanwhile."""
-        with self.lock:
-            self.pending = bool(self.keys) or self.flush
-
-    def put_back(self, keys: set[str], flush: bool) -> None:
-        with self.lock:
-            self.flush = self.flush or flush
-            if not self.flush:
-                self.keys |= keys
-            self.pending = True
+    @property
+    def limit(self) -> int:
+        return LIMIT
 
     @staticmethod
     def op(keys: set[str], flush: bool) -> wire.Op:
@@ -76,9 +41,6 @@ class OutdatedCopies:
         if flush:
             return wire.flush_all()
         return wire.delete_many(key.encode() for key in keys)
-
-    def _after_fork(self) -> None:
-        self.lock = threading.Lock()
 
 
 class LateWrites:
@@ -120,7 +82,7 @@ class LateWrites:
         self.lock, self.repairing = threading.Lock(), threading.Lock()
 
 
-_all: weakref.WeakSet[OutdatedCopies | LateWrites] = weakref.WeakSet()
+_all: weakref.WeakSet[LateWrites] = weakref.WeakSet()
 
 
 def _new_locks_after_fork() -> None:

@@ -1,6 +1,8 @@
 """Keeping a MySQLCache table under ``MAX_ENTRIES`` without ever counting it.
 
-1. Expired rows go first, oldest first, through the expiry index in batches.
+1. Expired rows go first, oldest first, through the expiry index in batches (with
+   STALE_TIMEOUT, only those expired longer ago than that: the others are stale values
+   ``get_or_set`` may still serve).
 2. If a row still exists at offset ``MAX_ENTRIES`` the table is over its limit: the
    entries closest to expiry are evicted until ``MAX_ENTRIES - MAX_ENTRIES // CULL_FREQUENCY``
    remain (``CULL_FREQUENCY`` 0 or 1, and ``MAX_ENTRIES`` 0, empty the table).
@@ -62,6 +64,7 @@ class Cull:
         max_batches: int | None = None,
         check_limit: bool = True,
         batch_size: int | None = None,
+        keep_stale_ms: int = 0,
     ) -> None:
         self.execute = execute
         self.sql = sql
@@ -70,10 +73,15 @@ class Cull:
         self.batches_left = max_batches if max_batches is not None else float("inf")
         self.check_limit = check_limit
         self.batch_size = batch_size or BATCH_SIZE
+        #: STALE_TIMEOUT in ms: expired rows are kept this long for ``get_or_set`` to
+        #: serve while one caller recomputes (eviction over MAX_ENTRIES still takes them
+        #: first, as they expire first).
+        self.keep_stale_ms = max(keep_stale_ms, 0)
 
     def run(self, now_ms: int) -> int:
         """Delete expired rows, then evict if over the limit; returns the rows deleted."""
-        deleted = self.delete_in_batches(self.sql.delete_expired, [now_ms])
+        expired_before = now_ms - self.keep_stale_ms
+        deleted = self.delete_in_batches(self.sql.delete_expired, [expired_before])
         if not self.check_limit:
             return deleted
         if self.execute(self.sql.row_at, [self.max_entries], fetchone) is None:

@@ -2,12 +2,15 @@
 
 Every caller runs ``get_or_set(key, compute)`` in its own thread (its own cache instance,
 as Django gives one per thread), released together at a barrier; ``compute`` takes
-``COMPUTE_MS``. Three rounds per cache and N (``--callers``): the key present (*fresh*: every call is a
-plain get, the baseline at that concurrency), missing (*cold*), and just expired after a
-first value was stored (*expired*). Reported: how many times the value
+``COMPUTE_MS``. Four rounds per cache and N (``--callers``): the key present (*fresh*: every call is a
+plain get, the baseline at that concurrency), missing (*cold*), just expired after a
+first value was stored (*expired*), and about to expire, inside ``EARLY_RECOMPUTE``
+(*early*: one caller may recompute it while every other one still gets the present value).
+Reported: how many times the value
 was computed, the callers' p50/p99 latency, and the same for the callers that did not
 compute (the ones herd protection lets wait, or answers with the stale value). Our backends run with herd protection
-(``LEASE_TIMEOUT`` and ``STALE_TIMEOUT``); the others as they are, recomputing N times.
+(``LEASE_TIMEOUT``, ``STALE_TIMEOUT`` and ``EARLY_RECOMPUTE``); the others as they are,
+recomputing N times.
 """
 from __future__ import annotations
 
@@ -22,11 +25,15 @@ from kvcache_bench.context import Context
 
 COMPUTE_MS = 50
 #: Our caches' options in this scenario (docs/stampede.rst).
-PROTECTION = {"LEASE_TIMEOUT": 5, "STALE_TIMEOUT": 60}
+PROTECTION = {"LEASE_TIMEOUT": 5, "STALE_TIMEOUT": 60, "EARLY_RECOMPUTE": 3}
 EXPIRY = 1  # seconds: the first value's timeout in the "expired" round
+#: The "early" round's first value: stored for EARLY_EXPIRY seconds, the herd released
+#: EARLY_WAIT seconds later — inside EARLY_RECOMPUTE, before expiry, on memcached's whole
+#: seconds too (an item set for n seconds lives between n - 1 and n).
+EARLY_EXPIRY, EARLY_WAIT = 4, 2.1
 #: fresh: the key is there (the same calls as plain gets: the baseline); cold: missing;
-#: expired: stored with EXPIRY and expired since.
-STATES = ("fresh", "cold", "expired")
+#: expired: stored with EXPIRY and expired since; early: about to expire.
+STATES = ("fresh", "cold", "expired", "early")
 BARRIER_TIMEOUT = 60.0
 
 
@@ -46,6 +53,10 @@ def run(context: Context) -> dict[str, Any]:
             for spec, callers in rounds:
                 if state == "fresh":  # the baseline: every call is one plain get
                     spec.build().set(key(spec, callers, state), "fresh", timeout=300)
+                if state == "early":
+                    spec.build().get_or_set(key(spec, callers, state), "first",
+                                            timeout=EARLY_EXPIRY)
+                    time.sleep(EARLY_WAIT)
                 results.append(_herd(spec, key(spec, callers, state), callers, state))
                 bar.update()
     return {"compute_ms": COMPUTE_MS, "callers": list(context.parameters.callers),

@@ -1,0 +1,213 @@
+"""MySQLCache's herd-protection primitive: a lease row beside the entry, and stale rows.
+
+The shared policy (:mod:`django_kvcache.stampede`) decides when to compute, wait or serve
+stale; this module gives it, for one key, the two things MySQL can do in one statement:
+
+* **read** — ``SELECT … WHERE cache_key IN (entry, lease)``: the entry with its expiry,
+  live or not, and its lease row. Fresh, stale (expired less than ``STALE_TIMEOUT``
+  ago: the row is still there, since culling keeps it that long) and missing are told
+  apart in Python from that one answer, with the application's clock as everywhere.
+* **take the lease** — one conditional upsert of the lease row (``Statements.lease_take``):
+  inserted if absent, taken over if expired or still exactly as the caller read it
+  (compared by its ``value``: a token or a released marker, unique to each holder).
+  The winner is known from ``LAST_INSERT_ID`` (0 only for the winner).
+
+A lease row lives under a derived key on the entry's shard (routing follows the entry's
+key), so the table's schema is unchanged. Its key is 250 characters without the digest
+marker at the digest position: no caller's key is ever stored in that form
+(:func:`django_kvcache.mysql.keys.stored_key`), and it starts with ``kvcache-lease:``,
+which no prefix operation of a cache with the default ``KEY_FUNCTION`` can match. Its
+``value`` is the holder's token while held, and a released marker with that token once
+released; a released row stays for LEASE_TIMEOUT (then culling deletes it), so a caller
+that read the lease free just before someone else took, used and released it finds the
+row changed and does not compute a second time.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+import uuid
+from functools import partial
+from operator import attrgetter, methodcaller
+from typing import Any, Callable, Protocol, Sequence
+
+from asgiref.sync import sync_to_async
+
+from django_kvcache import steps
+from django_kvcache.mysql.keys import MAX_KEY_LENGTH
+from django_kvcache.mysql.sql import FOREVER, Statements
+from django_kvcache.stampede import MISSING, Policy, Read
+
+LEASE_KEY_HEAD = "kvcache-lease:"
+#: ``flags`` of a lease row (never read as an entry: its key is no caller's).
+LEASE_FLAGS = 0
+#: A released lease row's value starts with this, followed by the releaser's token (so
+#: no two states of a lease row are alike); a held one holds its holder's token.
+RELEASED = b"released:"
+#: Steepness of the early-recomputation rule: with ``r`` seconds left of an entry and
+#: EARLY_RECOMPUTE ``E``, a reader recomputes with probability ``exp(-3 r / E)`` — 5 %
+#: as the window opens, 37 % two thirds of the way in, 100 % at expiry.
+EARLY_STEEPNESS = 3.0
+
+Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
+Work = Callable[[Execute, Statements], Any]
+Row = tuple[bytes, int, int]  # value, flags, expires
+fetchall = methodcaller("fetchall")
+lastrowid = attrgetter("lastrowid")
+rowcount = attrgetter("rowcount")
+
+
+def lease_key(entry_key: str) -> str:
+    """The lease row's key for an entry's stored key: exactly 250 characters, with dots
+    (not the digest marker) where a digested key has its marker."""
+    digest = hashlib.sha256(entry_key.encode("utf-8", "surrogatepass")).hexdigest()
+    return (LEASE_KEY_HEAD + digest).ljust(MAX_KEY_LENGTH, ".")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def early_draw(expires: int, now: int, early_ms: int, draw: float) -> bool:
+    """XFetch-style: whether a reader of a fresh entry expiring at ``expires`` recomputes
+    it now, given a uniform ``draw`` in [0, 1). Never before the last ``early_ms``."""
+    left = expires - now
+    if expires >= FOREVER or left >= early_ms:
+        return False
+    return draw < math.exp(-EARLY_STEEPNESS * max(left, 0) / early_ms)
+
+
+class LeaseHost(Protocol):
+    """What the store needs of MySQLCache (``django_kvcache.backends.mysql``)."""
+
+    def make_and_validate_key(self, key: Any, version: int | None = None) -> str: ...
+
+    def decode(self, data: bytes, flags: int, key: str) -> Any: ...
+
+    def set(self, key: Any, value: Any, timeout: Any = ..., version: int | None = None) -> None: ...
+
+    def _lease_call(self, key: str, write: bool, work: Work, fallback: Any) -> Any:
+        """``work(execute, statements)`` on the primary of ``key``'s shard; ``fallback``
+        when IGNORE_EXCEPTIONS hides an unreachable server."""
+
+
+class Blocking:
+    """A step: a blocking call, run in Django's sync thread on the async API (Django's
+    database layer is sync-only, as every MySQLCache call)."""
+
+    __slots__ = ("function", "args")
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self.function, self.args = function, args
+
+    def run(self) -> Any:
+        return self.function(*self.args)
+
+    def arun(self) -> Any:
+        return sync_to_async(self.function, thread_sensitive=True)(*self.args)
+
+
+#: What the read found when the shard was unreachable under IGNORE_EXCEPTIONS.
+UNREACHABLE: Any = object()
+
+
+class MySQLLeaseStore:
+    """:class:`django_kvcache.stampede.LeaseStore` for one key of a MySQLCache."""
+
+    def __init__(
+        self,
+        cache: LeaseHost,
+        policy: Policy,
+        key: Any,
+        timeout: Any,
+        version: int | None,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.key = key
+        self.timeout = timeout
+        self.version = version
+        self.draw = draw
+        self.entry_key = cache.make_and_validate_key(key, version)
+        self.lease_key = lease_key(self.entry_key)
+        self.token = uuid.uuid4().hex.encode()
+        self.lease_ms = math.ceil(policy.lease_timeout * 1000)
+        stale = policy.stale_timeout
+        self.stale_ms = None if stale is None else math.ceil(stale * 1000)
+        early = policy.early_recompute
+        self.early_ms = None if early is None else math.ceil(early * 1000)
+
+    def _call(self, write: bool, work: Work, fallback: Any) -> Blocking:
+        return Blocking(self.cache._lease_call, self.entry_key, write, work, fallback)
+
+    # --- the statements ----------------------------------------------------------------
+
+    def _select(self, execute: Execute, sql: Statements) -> tuple[int, list[Any]]:
+        now = now_ms()
+        rows = execute(sql.lease_read, (self.entry_key, self.lease_key), fetchall)
+        return now, rows
+
+    def _take(self, seen: bytes | None, execute: Execute, sql: Statements) -> bool:
+        """``seen``: the lease row's value as read (None: no row)."""
+        now = now_ms()
+        params = (self.lease_key, self.token, LEASE_FLAGS, now + self.lease_ms, now, seen,
+                  self.token, now, seen)
+        # Not retried after a lost reply: a second run would find our own row and lose.
+        return execute(sql.lease_take, params, lastrowid, False) == 0
+
+    def _release(self, execute: Execute, sql: Statements) -> None:
+        params = (RELEASED + self.token, now_ms() + self.lease_ms, self.lease_key, self.token)
+        execute(sql.lease_release, params, rowcount)
+
+    def _drop(self, execute: Execute, sql: Statements) -> None:
+        execute(sql.lease_drop, (self.lease_key, self.token), rowcount)
+
+    # --- the plans ---------------------------------------------------------------------
+
+    def read(self) -> steps.Plan:
+        found = yield self._call(False, self._select, UNREACHABLE)
+        if found is UNREACHABLE:  # logged by the cache; compute, as a plain miss would
+            return Read(MISSING, False, True)
+        now, rows = found
+        entry: Row | None = None
+        lease: Row | None = None
+        for key, data, flags, expires in rows:
+            if key == self.entry_key:
+                entry = (data, flags, expires)
+            else:
+                lease = (data, flags, expires)
+        value, fresh = self._entry_value(entry, now)
+        if fresh and not self._recompute_early(entry, now):
+            return Read(value, True, False)
+        seen = None if lease is None else bytes(lease[0])
+        if seen is not None and lease[2] > now and not seen.startswith(RELEASED):
+            return Read(value, fresh, False)  # someone holds it: fresh, stale or nothing
+        won = yield self._call(True, partial(self._take, seen), True)
+        return Read(value if fresh or not won else MISSING, fresh, won)
+
+    def _entry_value(self, entry: Row | None, now: int) -> tuple[Any, bool]:
+        """The entry's value and whether it is fresh; MISSING when there is no value to
+        give (none, past the stale window, or corrupt: a logged miss)."""
+        if entry is None:
+            return MISSING, False
+        data, flags, expires = entry
+        fresh = expires > now
+        if not fresh and (self.stale_ms is None or expires + self.stale_ms <= now):
+            return MISSING, False
+        value = self.cache.decode(data, flags, self.entry_key)
+        return value, fresh and value is not MISSING
+
+    def _recompute_early(self, entry: Row | None, now: int) -> bool:
+        if self.early_ms is None or entry is None:
+            return False
+        return early_draw(entry[2], now, self.early_ms, self.draw())
+
+    def store(self, value: Any) -> steps.Plan:
+        yield Blocking(self.cache.set, self.key, value, self.timeout, self.version)
+        yield self._call(True, self._release, None)
+
+    def release(self) -> steps.Plan:
+        yield self._call(True, self._drop, None)
