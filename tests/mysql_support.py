@@ -6,7 +6,8 @@ transaction; the ones that need real commits use ``transaction=True``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -89,3 +90,13 @@ def cache(mysql_tables: None, db: None) -> Iterator[MySQLCache]:
     cache.clear()
     yield cache
     cache.clear()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False

@@ -15,12 +15,15 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import MySQLdb
 import pytest
 from django.db import OperationalError, connections
 
+from django_kvcache import outdated
+
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.mysql.shards import ShardDown, is_unreachable
-from tests.mysql_support import register_alias, unregister_alias
+from tests.mysql_support import register_alias, unregister_alias, wait_for
 from tests.servers import MariaDBServer
 
 OWN = "kvcache_shard_faults"
@@ -77,15 +80,6 @@ def keys_by_shard(cache: MySQLCache, count: int = 40) -> tuple[list[str], list[s
         key = f"key{i}"
         (healthy if cache._shard_for(cache.make_key(key)).alias == HEALTHY else own).append(key)
     return healthy, own
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def ignored_lines(caplog: Any) -> list[str]:
@@ -208,6 +202,144 @@ def test_a_restarted_shard_serves_again_after_the_retry_window(own_shard, caplog
                for r in caplog.records)
 
 
+# --- a shard failing in the middle of a *_many -------------------------------------------
+
+
+def waiting_on(server: Any, statement_start: str) -> bool:
+    """Whether ``server`` is running a statement starting with ``statement_start``."""
+    observer = MySQLdb.connect(**observer_params(server))
+    try:
+        observer.query(b"SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE "
+                       + observer.string_literal((statement_start + "%").encode()))
+        return observer.store_result().fetch_row()[0][0] > 0
+    finally:
+        observer.close()
+
+
+def observer_params(server: Any) -> dict[str, Any]:
+    entry = server.connection_settings()
+    return {"host": entry["HOST"], "port": int(entry["PORT"]), "user": entry["USER"],
+            "password": entry["PASSWORD"], "database": entry["NAME"], "charset": "utf8mb4"}
+
+
+@pytest.mark.parametrize("ignore", [True, False])
+def test_a_shard_that_dies_with_a_statement_in_flight(own_shard, ignore):
+    """Both shards have their SELECT; the own shard's waits for a table lock, then its
+    server stops. Under IGNORE_EXCEPTIONS its keys are misses and the healthy shard's
+    rows are returned; without, the call raises. The healthy shard's connection is
+    usable afterwards either way: its reply was read."""
+    cache = make_cache(ignore, RETRY_TIMEOUT=59)  # a health record of its own
+    healthy, own = keys_by_shard(cache)
+    items = {key: key.upper() for key in healthy + own}
+    assert cache.set_many(items) == []
+    locker = MySQLdb.connect(**observer_params(own_shard))
+    locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            outcome.append(cache.get_many(items))
+        except Exception as exc:  # checked below
+            outcome.append(exc)
+        try:  # the same thread's connection to the healthy shard
+            outcome.append(MySQLCache(TABLE, {"OPTIONS": {"DATABASE": HEALTHY}}).get_many(healthy))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert wait_for(lambda: waiting_on(own_shard, "SELECT `cache_key`"))
+    finally:
+        own_shard.stop()
+        thread.join(30)
+    got, afterwards = outcome
+    if ignore:
+        assert got == {key: items[key] for key in healthy}
+    else:
+        assert isinstance(got, OperationalError) and is_unreachable(got)
+    assert afterwards == {key: items[key] for key in healthy}
+    assert cache.metrics()["shards"][HEALTHY]["errors"] == 0
+
+
+# --- writes a shard missed while it could not be reached ---------------------------------
+
+
+@pytest.mark.parametrize("ignore", [True, False])
+def test_a_write_missed_while_down_is_not_served_after_restart(own_shard, ignore, caplog):
+    caplog.set_level(logging.WARNING)
+    cache = make_cache(ignore, RETRY_TIMEOUT=0.3)
+    healthy, own = keys_by_shard(cache)
+    items = {key: "old" for key in healthy + own}
+    cache.set_many(items)
+    own_shard.stop()
+    changed, deleted, batch, untouched = own[0], own[1], own[2:5], own[5:]
+
+    def write(call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except OperationalError:  # without IGNORE_EXCEPTIONS each write raises
+            assert not ignore
+
+    write(lambda: cache.set(changed, "new"))
+    write(lambda: cache.delete(deleted))
+    write(lambda: cache.set_many({key: "new" for key in batch + healthy}))
+    if ignore:
+        assert cache.metrics()["shards"][OWN]["outdated_keys"] == 5
+    own_shard.start()
+    expected = {key: "new" for key in healthy} | dict.fromkeys(untouched, "old")
+    assert wait_for(lambda: got_without_error(cache, items) == expected)
+    assert cache.metrics()["shards"][OWN]["outdated_keys"] == 0
+    assert any(r.getMessage().startswith(f"MySQL shard {OWN} answers again: deleted the 5 key")
+               for r in caplog.records)
+    cache.set(changed, "newer")  # the shard serves again as usual
+    assert cache.get(changed) == "newer"
+
+
+def got_without_error(cache: MySQLCache, keys: Any) -> Any:
+    try:
+        return cache.get_many(keys)
+    except OperationalError:
+        return None
+
+
+def test_a_missed_clear_or_too_many_missed_writes_clear_the_shard(own_shard, monkeypatch):
+    monkeypatch.setattr(outdated, "LIMIT", 3)
+    make_cache(True)  # the table, emptied
+    cache = MySQLCache(TABLE, {"KEY_PREFIX": "mine", "OPTIONS": {
+        "DATABASES": [HEALTHY, OWN], "IGNORE_EXCEPTIONS": True, "RETRY_TIMEOUT": 0.3}})
+    healthy, own = keys_by_shard(cache)
+    cache.set_many(dict.fromkeys(healthy + own, "old"))
+    other = MySQLCache(TABLE, {"KEY_PREFIX": "other", "OPTIONS": {"DATABASE": OWN}})
+    other.set("kept", "other cache")
+    own_shard.stop()
+    for key in own[:4]:  # one over the limit: the record gives up listing keys
+        cache.set(key, "new")
+    assert cache.metrics()["shards"][OWN]["flush_pending"] is True
+    own_shard.start()
+    *listed, probe = own
+    assert wait_for(lambda: serves(cache, probe))  # its first call cleared it
+    assert cache.get_many(listed) == {}  # even the keys not written during the outage
+    assert cache.get_many(healthy) == dict.fromkeys(healthy, "old")
+    assert other.get("kept") == "other cache"  # only this cache's keys (its KEY_PREFIX)
+
+    cache.set_many(dict.fromkeys(own, "old"))
+    own_shard.stop()
+    cache.clear()  # the healthy shard is cleared, the stopped one missed it
+    own_shard.start()
+    assert wait_for(lambda: serves(cache, probe))
+    assert cache.get_many(listed) == {}
+
+
+def serves(cache: MySQLCache, key: str) -> bool:
+    """Whether the shard of ``key`` stores and returns a value (not marked down)."""
+    try:
+        cache.set(key, "probe")
+        return cache.get(key) == "probe"
+    except OperationalError:
+        return False
+
+
 # --- under load, both policies --------------------------------------------------------------
 
 
@@ -275,6 +407,8 @@ def test_restart_under_load_with_exceptions_ignored(own_shard):
     assert {result for _, shard, result, _ in load.outcomes if shard == "healthy"} == {"ok"}
     own_misses = [t for t, shard, result, _ in load.outcomes if shard == "own" and result != "ok"]
     assert own_misses and all(down <= t for t in own_misses)
+    # A set skipped while the shard was down is deleted there before it serves again.
+    assert "stale" not in {result for _, _, result, _ in load.outcomes}
     assert any(s == "healthy" and down < t < back for t, s, _, _ in load.outcomes)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 from typing import Any, Iterator
 
 import pytest
@@ -17,14 +18,16 @@ from django.conf import settings
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.db import connections
+from django.db import OperationalError, connections, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
-from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.maintenance import create_tables_in, cull_all, migration_source
+from django_kvcache.mysql.server import DISCONNECTED, NOT_SENT, Pending, error_code, run_each
+from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
-from tests.mysql_support import BACKEND, now_ms
+from tests.mysql_support import BACKEND, now_ms, wait_for
 
 SHARDS = list(settings.SHARD_ALIASES)
 REPLICA = "shard2_replica"
@@ -202,6 +205,229 @@ def test_a_batch_on_one_shard_sends_nothing_to_the_others(cache):
     assert {alias: len(sql) for alias, sql in sent.per_alias().items()} == {
         "shard1": 0, "shard2": 0, "shard3": 2
     }
+
+
+# --- all shards in one round trip -----------------------------------------------------------
+
+
+def session_counts(aliases: list[str]) -> dict[str, Counter]:
+    """The server's count of statements by kind on this thread's session of each alias
+    (counted by the server: no debug cursor involved, so the pipelined path runs)."""
+    counts = {}
+    for alias in aliases:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SHOW SESSION STATUS WHERE Variable_name IN "
+                           "('Com_select', 'Com_insert', 'Com_delete')")
+            counts[alias] = Counter({name: int(value) for name, value in cursor.fetchall()})
+    return counts
+
+
+def test_pipelined_many_operations_send_one_statement_per_shard(cache):
+    items = {f"m{i}": i for i in range(60)}
+    cache.get_many(["warm-up"])
+    for operation, kind in [(lambda: cache.set_many(items), "Com_insert"),
+                            (lambda: cache.get_many([*items, "missing"]), "Com_select"),
+                            (lambda: cache.delete_many(items), "Com_delete")]:
+        before = session_counts(SHARDS)
+        operation()
+        after = session_counts(SHARDS)
+        for alias in SHARDS:
+            assert after[alias] - before[alias] == Counter({kind: 1}), (alias, kind)
+    assert cache.get_many(items) == {}
+
+
+def raw_connection(alias: str) -> Any:
+    """A DB-API connection of its own to ``alias``'s (test) database."""
+    connection = connections[alias]
+    return connection.get_new_connection(connection.get_connection_params())
+
+
+def waiting(alias: str, statement_start: str) -> int:
+    """Statements starting with ``statement_start`` that the server is running for
+    other sessions (here: waiting for a table lock)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                       "WHERE INFO LIKE %s AND ID <> CONNECTION_ID()", (statement_start + "%",))
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.parametrize("operation, statement_start", [
+    ("get_many", "SELECT `cache_key`"),
+    ("set_many", f"INSERT INTO `{TABLE}`"),
+    ("delete_many", f"DELETE FROM `{TABLE}` WHERE `cache_key` IN"),
+])
+def test_every_shard_has_its_statement_before_any_reply_is_read(cache, operation, statement_start):
+    """Each shard's table is locked by another session, so no statement can answer: a
+    backend that waits for a reply before sending the next statement leaves two shards
+    without theirs. The servers' process lists show all three at once."""
+    items = {f"lock{i}": i for i in range(30)}
+    cache.set_many(items)
+    calls = {"get_many": lambda c: c.get_many(items), "set_many": lambda c: c.set_many(items),
+             "delete_many": lambda c: c.delete_many(items)}
+    lockers = {alias: raw_connection(alias) for alias in SHARDS}
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:  # on this thread's connections, not connected yet
+            # CULL_PROBABILITY 0: a cull would go first and wait on the lock itself
+            thread_cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASES": SHARDS, "CULL_PROBABILITY": 0}})
+            outcome.append(calls[operation](thread_cache))
+        except Exception as exc:  # reported by the assertion below
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=call)
+    try:
+        for locker in lockers.values():
+            locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
+        thread.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(
+            waiting(alias, statement_start) for alias in SHARDS
+        ):
+            time.sleep(0.02)
+        sent = {alias: waiting(alias, statement_start) for alias in SHARDS}
+    finally:
+        for locker in lockers.values():
+            locker.query(b"UNLOCK TABLES")
+            locker.close()
+        thread.join(30)
+    assert sent == dict.fromkeys(SHARDS, 1)
+    assert outcome == [{"get_many": items, "set_many": [], "delete_many": None}[operation]]
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_a_lost_reply_is_sent_again_only_for_an_idempotent_statement(cache, idempotent):
+    """run_each's retry rule, per statement: shard2's INSERT waits for a table lock when
+    its connection is killed (the reply is lost). An idempotent statement runs again on a
+    fresh connection; one that must not run twice reports the error. shard1's reply is
+    read either way, and every connection works afterwards."""
+    locker = raw_connection("shard2")
+    locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
+    session: list[int] = []
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            connections["shard2"].ensure_connection()
+            session.append(connections["shard2"].connection.thread_id())
+            statements = [
+                Pending(connections["shard1"], "SELECT %s", [7]),
+                Pending(connections["shard2"], f"INSERT INTO `{TABLE}` VALUES (%s, %s, 0, %s)",
+                        ["lost-reply", b"v", FOREVER], idempotent=idempotent),
+            ]
+            run_each(statements)
+            outcome.extend(statements)
+            for alias in ("shard1", "shard2"):
+                with connections[alias].cursor() as cursor:
+                    cursor.execute("SELECT 1")
+                    outcome.append(cursor.fetchone())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert wait_for(lambda: waiting("shard2", f"INSERT INTO `{TABLE}`"))
+        with connections["shard2"].cursor() as cursor:
+            cursor.execute("KILL CONNECTION %s", (session[0],))
+    finally:
+        locker.query(b"UNLOCK TABLES")
+        locker.close()
+        thread.join(30)
+    first, second, *usable = outcome
+    assert (first.outcome, first.error) == (((7,),), None)
+    assert usable == [(1,), (1,)]
+    if idempotent:
+        assert (second.outcome, second.error) == (1, None)
+        assert "lost-reply" in keys_on("shard2")
+    else:
+        assert isinstance(second.error, OperationalError)
+        assert error_code(second.error) in DISCONNECTED - NOT_SENT
+        assert "lost-reply" not in keys_on("shard2")
+
+
+def test_hits_and_misses_on_every_shard_with_awkward_keys_and_values(cache):
+    awkward = ["it's", 'say"hi"', "back\\slash", "percent%s%%%d", "été😀", "semi;colon--"]
+    items = {f"{text}-{i}": bytes(range(256)) + text.encode() + bytes([i]) for i, text in
+             enumerate(awkward * 6)}
+    items.update({f"n{i}": i for i in range(20)})
+    stored = dict(list(items.items())[::2])  # every other key is a miss
+    assert cache.set_many(stored) == []
+    router = KvcacheRouter(SHARDS, [1.0] * len(SHARDS))
+    shard_of = {key: SHARDS[router.node_for(cache.make_key(key))] for key in items}
+    for alias in SHARDS:  # hits and misses on every shard
+        assert {key in stored for key in items if shard_of[key] == alias} == {True, False}
+    assert cache.get_many(items) == stored
+    cache.delete_many(list(stored)[:10])
+    assert cache.get_many(items) == dict(list(stored.items())[10:])
+
+
+def test_debug_logging_and_execute_wrappers_see_every_statement(cache, settings):
+    """While Django watches statements the shards are asked through its cursor, one
+    after another: connection.queries and execute wrappers see every statement."""
+    items = {f"d{i}": i for i in range(30)}
+    cache.set_many(items)
+    settings.DEBUG = True
+    for alias in SHARDS:
+        reset_queries_of(alias)
+    assert cache.get_many(items) == items
+    logged = {alias: [q["sql"] for q in connections[alias].queries] for alias in SHARDS}
+    assert all(len(sql) == 1 and sql[0].startswith("SELECT `cache_key`") for sql in logged.values())
+    settings.DEBUG = False
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql.split()[0])
+        return execute(sql, params, many, context)
+
+    with ExitStack() as stack:
+        for alias in SHARDS:
+            stack.enter_context(connections[alias].execute_wrapper(wrapper))
+        cache.delete_many(items)
+    assert seen == ["DELETE"] * len(SHARDS)
+
+
+def test_inside_transactions_the_shards_are_asked_through_the_cursor(cache):
+    items = {f"t{i}": i for i in range(30)}
+    with ExitStack() as stack:
+        for alias in SHARDS:
+            stack.enter_context(transaction.atomic(using=alias))
+        assert cache.set_many(items) == []
+        assert cache.get_many(items) == items
+        cache.delete_many(list(items)[:10])
+    assert cache.get_many(items) == dict(list(items.items())[10:])
+
+
+def reset_queries_of(alias: str) -> None:
+    connections[alias].queries_log.clear()
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_a_statement_error_on_one_shard_leaves_the_others_usable(ignore):
+    """shard3 lacks the table: the call raises after reading every shard's reply (in both
+    policies: a missing table is no unreachable server), and every connection still
+    works afterwards."""
+    table = "kvcache_shards_partial"
+    drop(table)
+    cache = sharded(table=table, IGNORE_EXCEPTIONS=ignore)
+    with connections["shard3"].cursor() as cursor:
+        cursor.execute(f"DROP TABLE `{table}`")
+    items = {f"e{i}": i for i in range(30)}
+    try:
+        for call in (lambda: cache.get_many(items), lambda: cache.set_many(items),
+                     lambda: cache.delete_many(items)):
+            with pytest.raises(CacheTableMissing, match="shard3"):
+                call()
+            for alias in SHARDS:  # an unread reply would make this "commands out of sync"
+                with connections[alias].cursor() as cursor:
+                    cursor.execute("SELECT 1")
+                    assert cursor.fetchone() == (1,)
+        on_others = sharded("shard1", "shard2", table=table)
+        assert on_others.set_many({"x": 1}) == [] and on_others.get_many(["x"]) == {"x": 1}
+    finally:
+        drop(table)
 
 
 # --- operations over every shard ------------------------------------------------------------
@@ -432,8 +658,10 @@ def test_metrics_list_every_shard_and_replica(cache):
     assert set(metrics["shards"]) == {"shard2", REPLICA}
     assert set(cache.metrics()["shards"]) == set(SHARDS)
     assert cache.metrics()["shards"]["shard1"] == {
-        "errors": 0, "ignored": 0, "skipped": 0, "down": False, "consecutive_failures": 0
+        "errors": 0, "ignored": 0, "skipped": 0, "down": False, "consecutive_failures": 0,
+        "outdated_keys": 0, "flush_pending": False,
     }
+    assert "outdated_keys" not in metrics["shards"][REPLICA]  # a primary's record
 
 
 def test_default_key_function_is_what_routing_hashes(cache):

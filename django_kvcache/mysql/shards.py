@@ -8,10 +8,12 @@ shard from the list moves only that shard's keys.
 
 Health (down after ``FAILURE_THRESHOLD`` connection failures in a row, retried after
 ``RETRY_TIMEOUT``) is the process-wide record of :mod:`django_kvcache.health`; counters
-are process-wide too, per table and alias, so they survive Django's per-thread instances.
+are process-wide too, per table and alias, so they survive Django's per-thread instances,
+and so are the keys a shard missed a write of while it failed (``MissedWrites``).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, cast
 
@@ -20,6 +22,7 @@ from django.db import OperationalError, connections, router
 
 from django_kvcache.mysql.server import DISCONNECTED, error_code
 from django_kvcache.options import seconds
+from django_kvcache.outdated import OutdatedCopies
 from django_kvcache.routing import KvcacheRouter, Router, parse_weights
 
 #: Health records of shards are named with this kind ("MySQL shard cache2 is down ...").
@@ -145,3 +148,31 @@ def make_shards(options: Mapping[str, Any], model: type) -> tuple[list[Shard], R
 
 def read_your_writes(options: Mapping[str, Any]) -> float:
     return cast(float, seconds(options, "READ_YOUR_WRITES", DEFAULT_READ_YOUR_WRITES))
+
+
+class MissedWrites(OutdatedCopies):
+    """The keys of one cache whose copy on one shard may be older than this process's
+    last write (:mod:`django_kvcache.outdated`), and the lock held while deleting them,
+    so that other threads wait for the clean-up instead of reading what it deletes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cleaning = threading.Lock()
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self.cleaning = threading.Lock()
+
+
+#: (table, primary alias, the cache's own-keys pattern) -> its record, process-wide.
+_missed_writes: dict[tuple[str, str, str | None], MissedWrites] = {}
+
+
+def missed_writes(table: str, alias: str, scope: str | None) -> MissedWrites:
+    """The record of a cache (``scope``: the LIKE pattern of its own keys, which a flush
+    deletes; ``None``: the whole table) on one shard's primary."""
+    key = (table, alias, scope)
+    record = _missed_writes.get(key)
+    if record is None:
+        record = _missed_writes.setdefault(key, MissedWrites())
+    return record

@@ -1,10 +1,14 @@
 """``shards``: MySQLCache over 1, 2, 3 MariaDB servers (``OPTIONS["DATABASES"]``).
 
 Per shard count: the latency of ``get_many`` and ``set_many`` of ``--batch`` keys (one
-statement per shard, shards asked one after another), and the throughput of 8 threads
-each repeating ``get_many`` + ``set_many`` of its own keys. From 2 shards on it also
-times ``get_many`` fanned out over a thread pool (one thread per shard, connections
-kept), the parallel path the backend does not take: the figure says whether it would pay.
+statement per shard, every shard's statement sent before any reply is read: one round
+trip), and the throughput of 8 threads each repeating ``get_many`` + ``set_many`` of its
+own keys. From 2 shards on, each is also measured "sequential": the same calls with a
+pass-through ``connection.execute_wrapper()`` on every shard alias, which makes the
+backend ask the shards one after another through Django's cursor (its path while
+statements are watched) — the path of the previous version, measured in the same rounds
+for an A/B comparison. ``get_many threads`` fans ``get_many`` out over a thread pool
+instead (one thread per shard, connections kept), the path the backend does not take.
 
 The shards are the main MariaDB and the extra ones ``scripts/services.py up`` starts
 (``KVCACHE_MYSQL_SHARD_PORTS``); their aliases are registered for the run only. Run it
@@ -15,7 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
@@ -81,13 +86,17 @@ def run(context: Context) -> dict[str, Any]:
             for round_index in range(p.rounds):
                 for n in rotated(counts, round_index):
                     cache = caches[n]
-                    timed = {
-                        "set_many": time_calls(lambda _: cache.set_many(items), range(p.calls)),
-                        "get_many": time_calls(lambda _: cache.get_many(keys), range(p.calls)),
-                    }
+                    timed = {}
+                    for sequential in rotated([False, True] if n > 1 else [False], round_index):
+                        suffix = " sequential" if sequential else ""
+                        with watched(aliases[:n], sequential):
+                            timed["set_many" + suffix] = time_calls(
+                                lambda _: cache.set_many(items), range(p.calls))
+                            timed["get_many" + suffix] = time_calls(
+                                lambda _: cache.get_many(keys), range(p.calls))
                     if n in pools:
                         fan_out = parallel_get_many(context, aliases[:n], pools[n])
-                        timed["get_many parallel"] = time_calls(lambda _: fan_out(keys), range(p.calls))
+                        timed["get_many threads"] = time_calls(lambda _: fan_out(keys), range(p.calls))
                     for operation, outcome in timed.items():
                         durations.setdefault((n, operation), []).extend(outcome.durations)
                         if operation.startswith("get_many") and any(r != items for r in outcome.results):
@@ -96,8 +105,10 @@ def run(context: Context) -> dict[str, Any]:
         for (n, operation), taken in sorted(durations.items()):
             results.append({"operation": operation, "shards": n, **summarize(taken)})
         for n in counts:
-            results.append({"operation": f"throughput x{WORKERS}", "shards": n,
-                            **throughput(context, aliases[:n], p.iterations, values)})
+            for sequential in [False, True] if n > 1 else [False]:
+                operation = f"throughput x{WORKERS}" + (" sequential" if sequential else "")
+                results.append({"operation": operation, "shards": n, **throughput(
+                    context, aliases[:n], p.iterations, values, sequential)})
     finally:
         for pool in pools.values():
             pool.shutdown()
@@ -107,6 +118,22 @@ def run(context: Context) -> dict[str, Any]:
             with connections[alias].cursor() as cursor:
                 cursor.execute(f"DROP TABLE IF EXISTS `{widest.table}`")
     return {"counts": counts, "keys": p.batch, "workers": WORKERS, "results": results}
+
+
+def passthrough(execute: Callable[..., Any], sql: str, params: Any, many: bool,
+                context: dict[str, Any]) -> Any:
+    return execute(sql, params, many, context)
+
+
+@contextmanager
+def watched(aliases: list[str], on: bool) -> Iterator[None]:
+    """While ``on``: a pass-through execute wrapper on each alias (this thread's
+    connections), so the backend sends through the cursor, one shard after another."""
+    with ExitStack() as stack:
+        if on:
+            for alias in aliases:
+                stack.enter_context(connections[alias].execute_wrapper(passthrough))
+        yield
 
 
 def parallel_get_many(context: Context, aliases: list[str],
@@ -135,7 +162,7 @@ def parallel_get_many(context: Context, aliases: list[str],
 
 
 def throughput(context: Context, aliases: list[str], iterations: int,
-               values: list[bytes]) -> dict[str, Any]:
+               values: list[bytes], sequential: bool = False) -> dict[str, Any]:
     """8 threads, each ``iterations`` times set_many + get_many of its own keys."""
     barrier = threading.Barrier(WORKERS)
     operations = [0] * WORKERS
@@ -148,10 +175,11 @@ def throughput(context: Context, aliases: list[str], iterations: int,
             cache.get_many(list(items))  # connect before the clock starts
             barrier.wait(120)
             started = time.monotonic()
-            for _ in range(iterations):
-                cache.set_many(items)
-                cache.get_many(list(items))
-                operations[worker] += 2
+            with watched(aliases, sequential):
+                for _ in range(iterations):
+                    cache.set_many(items)
+                    cache.get_many(list(items))
+                    operations[worker] += 2
             spans.append((started, time.monotonic()))
         finally:
             connections.close_all()
