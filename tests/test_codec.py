@@ -345,3 +345,28 @@ def test_typical_payloads_are_still_compressed(value):
     data, flags = Codec.from_options({}).encode(value)
     assert flags == FLAG_PICKLE | FLAG_ZLIB
     assert len(data) < len(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+
+
+class UnscreenedCompressor(CountingCompressor):
+    """A compressor that declares it fails fast on random bytes: no sample check first."""
+
+    screens_random = False
+
+
+def test_compressor_that_does_not_screen_gets_random_bytes_and_they_stay_raw():
+    codec = Codec.from_options({"COMPRESSOR": "tests.test_codec.UnscreenedCompressor"})
+    CountingCompressor.calls = 0
+    value = random.Random(7).randbytes(3000)
+    data, flags = codec.encode(value)
+    assert CountingCompressor.calls == 1  # tried, because the compressor asked not to be screened
+    assert flags == FLAG_PICKLE  # zlib output was larger, so the raw pickle is kept
+    assert codec.decode(data, flags) == value
+
+
+def test_a_backend_default_compressor_applies_only_when_the_option_is_absent():
+    default = "tests.test_codec.CountingCompressor"
+    assert isinstance(Codec.from_options({}, default_compressor=default).compressor, CountingCompressor)
+    assert Codec.from_options({"COMPRESSOR": None}, default_compressor=default).compressor is None
+    chosen = Codec.from_options({"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"},
+                                default_compressor=default)
+    assert type(chosen.compressor).__name__ == "ZlibCompressor"

@@ -15,7 +15,7 @@ from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX, INT64_MIN
 from django_kvcache.mysql.keys import DIGEST_MARKER, MAX_KEY_LENGTH, stored_key
 from django_kvcache.mysql.server import ServerInfo, parse_version, server_info
-from django_kvcache.mysql.sql import FOREVER, Statements, create_table_sql
+from django_kvcache.mysql.sql import FOREVER, HEX_LIMIT, Statements, create_table_sql, value_sql
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     MYISAM_TABLE,
     TABLE,
@@ -61,6 +61,21 @@ def test_values_are_stored_as_raw_codec_bytes(cache):
     assert stored[":1:number"] == (b"42", FLAG_INTEGER)
     assert stored[":1:text"] == cache.codec.encode("é")
     assert stored[":1:text"][1] == FLAG_PICKLE
+
+
+@pytest.mark.parametrize("size", [0, 1, HEX_LIMIT - 64, HEX_LIMIT + 64])
+def test_values_either_side_of_the_hex_literal_limit_round_trip(cache, size):
+    """Up to HEX_LIMIT bytes a stored value is a hex literal in the statement, above it an
+    escaped parameter: every byte (quotes, backslashes, NUL, %) survives both, in each
+    statement that writes values."""
+    special = b"'\\%s%%\0\""
+    data = (special + random.Random(size).randbytes(size))[:size]
+    stored = cache.codec.encode(data)[0]  # random: not compressed, pickled (a few bytes more)
+    assert (value_sql(stored)[1] == ()) is (size < HEX_LIMIT)
+    cache.set("set", data)
+    assert cache.add("add", data) is True
+    cache.set_many({"many": data, "other": b"x"})
+    assert cache.get_many(["set", "add", "many"]) == {"set": data, "add": data, "many": data}
 
 
 def test_expiry_is_epoch_milliseconds_and_forever_sorts_last(cache):
@@ -445,7 +460,11 @@ def test_row_alias_form_only_where_the_server_has_it(version, row_alias):
     info = ServerInfo("mariadb" in version.lower(), parse_version(version), 16 << 20)
     assert info.row_alias is row_alias
     statements = Statements("t", connections["default"].ops.quote_name, info.row_alias)
-    upserts = [statements.set, statements.add, statements.set_many(3)]
+    hex_value = value_sql(b"v")[0]
+    upserts = [
+        statements.set_row(hex_value), statements.add_row(hex_value),
+        statements.set_many([hex_value] * 3),
+    ]
     for upsert in upserts:
         if row_alias:
             assert " AS new ON DUPLICATE KEY UPDATE " in upsert and "VALUES(`" not in upsert

@@ -68,6 +68,17 @@ def test_round_trip_and_flag():
     assert codec.decode(data, flags) == value
 
 
+def test_random_bytes_are_tried_without_the_sample_check_and_kept_raw(monkeypatch):
+    calls = []
+    monkeypatch.setattr("django_kvcache.codec.looks_compressible", calls.append)
+    codec = Codec.from_options({"COMPRESSOR": ZSTD})
+    value = random.Random(3).randbytes(1500)
+    data, flags = codec.encode(value)
+    assert calls == []  # zstd fails fast on random bytes: no screening
+    assert flags == FLAG_PICKLE  # not smaller, so stored as the plain pickle
+    assert codec.decode(data, flags) == value
+
+
 def test_switching_compressor_keeps_old_entries_readable_both_ways():
     zlib_codec, zstd_codec = Codec.from_options({}), Codec.from_options({"COMPRESSOR": ZSTD})
     value = small_value()

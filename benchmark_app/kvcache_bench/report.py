@@ -101,7 +101,15 @@ def async_text(scenario: dict[str, Any]) -> str:
     lines = [[e["client"], e["operation"], e["nodes"], e["coroutines"], f"{e['ops_per_s']:,.0f}",
               micros(e["p99_us"])] for e in scenario["results"]]
     header = ["client", "operation", "nodes", "coroutines", "ops/s", "p99"]
-    return f"async: concurrent coroutines on one event loop ({FILLER_LABEL})\n\n" + table(header, lines)
+    text = f"async: concurrent coroutines on one event loop ({FILLER_LABEL})\n\n" + table(header, lines)
+    latency = scenario.get("latency") or []
+    if latency:
+        rows = [[e["client"], e["nodes"], e["keys"], micros(e["sync"]["median_us"]),
+                 micros(e["async"]["median_us"]), f"{e['async_vs_sync_median']:.2f}x"]
+                for e in latency]
+        text += ("\n\nget_many one call at a time: sync against native aget_many\n\n"
+                 + table(["client", "nodes", "keys", "sync median", "async median", "async/sync"], rows))
+    return text
 
 
 def concurrency_text(concurrency: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ import re
 import select
 from dataclasses import dataclass
 from operator import methodcaller
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 from weakref import WeakKeyDictionary
 
 from django.core.exceptions import ImproperlyConfigured
@@ -137,24 +137,34 @@ def run(
     if not idempotent and not in_transaction(connection):
         close_if_hung_up(connection)
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            return read(cursor)
+        return execute(connection, sql, params, read)
     except OperationalError as exc:
-        code = error_code(exc)
-        if in_transaction(connection):
+        if not may_run_again(connection, exc, sql, idempotent):
             raise
-        if code in DISCONNECTED:
-            connection.close()  # the next call starts on a fresh connection either way
-        if not may_retry(code, idempotent):
-            if code in DISCONNECTED:
-                logger.warning(
-                    "Not retried after error %s (the server may have run it): %s", code, sql
-                )
-            raise
+    return execute(connection, sql, params, read)
+
+
+def execute(connection: BaseDatabaseWrapper, sql: str, params: Any, read: Callable[[Any], T]) -> T:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return read(cursor)
+
+
+def may_run_again(
+    connection: BaseDatabaseWrapper, exc: OperationalError, sql: str, idempotent: bool
+) -> bool:
+    """``run()``'s rules after ``exc``: whether ``sql`` may run once more. A dropped
+    connection is closed either way, so the next statement starts on a fresh one."""
+    code = error_code(exc)
+    if in_transaction(connection):
+        return False
+    if code in DISCONNECTED:
+        connection.close()
+    if may_retry(code, idempotent):
+        return True
+    if code in DISCONNECTED:
+        logger.warning("Not retried after error %s (the server may have run it): %s", code, sql)
+    return False
 
 
 def may_retry(code: int | None, idempotent: bool) -> bool:
@@ -181,3 +191,150 @@ def readable(fd: int) -> bool:
         poller.register(fd, select.POLLIN)
         return bool(poller.poll(0))
     return bool(select.select([fd], [], [], 0)[0])
+
+
+# --- several connections in one round trip ----------------------------------------------
+#
+# mysqlclient's connection has public ``send_query()`` / ``read_query_result()`` (the C
+# API's mysql_send_query / mysql_read_query_result, in mysqlclient since 1.3.2): sending
+# every shard's statement before reading any reply makes a batch over N servers cost one
+# round trip instead of N, from the calling thread.
+
+
+@dataclass
+class Pending:
+    """One statement of ``run_each``: its outcome (the rows of a SELECT, else the affected
+    row count) or its error once ``run_each`` returns."""
+
+    connection: BaseDatabaseWrapper
+    sql: str  # with ``%s`` placeholders, as for ``cursor.execute``
+    params: Sequence[Any]
+    idempotent: bool = True
+    outcome: Any = None
+    error: Exception | None = None
+
+
+def pipelinable(connection: BaseDatabaseWrapper) -> bool:
+    """Whether statements may bypass Django's cursor on ``connection``: only outside a
+    transaction (``run()``'s retry rules), and when nobody watches statements (DEBUG or
+    ``assertNumQueries`` logging, ``connection.execute_wrapper()`` instrumentation), so
+    that those still see every statement, sent through the cursor."""
+    if connection.queries_logged or connection.execute_wrappers or connection.in_atomic_block:
+        return False
+    return autocommits(connection)
+
+
+def autocommits(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection`` is (or, not connected yet, will be) in autocommit mode —
+    asked without connecting: its server may be down."""
+    if connection.connection is None:  # it connects in the mode its settings ask for
+        return bool(connection.settings_dict["AUTOCOMMIT"])
+    return bool(connection.autocommit)
+
+
+def literal(raw: Any, value: Any) -> bytes:
+    """``value`` as an SQL literal, escaped by the DB-API connection ``raw`` (its
+    character set and ``NO_BACKSLASH_ESCAPES`` mode): strings and bytes through
+    ``string_literal``, bytes marked ``_binary``, numbers through ``escape``."""
+    if isinstance(value, str):
+        return raw.string_literal(value.encode(raw.encoding))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return b"_binary" + raw.string_literal(bytes(value))
+    if isinstance(value, int) and not isinstance(value, bool):
+        escaped = raw.escape(value, raw.encoders)
+        return escaped.encode("ascii") if isinstance(escaped, str) else escaped
+    raise TypeError(f"no SQL literal for {type(value).__name__} in a pipelined statement")
+
+
+def statement_bytes(raw: Any, sql: str, params: Sequence[Any]) -> bytes:
+    """The statement as the driver sends it: ``%s`` replaced by escaped literals."""
+    return sql.encode(raw.encoding) % tuple(literal(raw, value) for value in params)
+
+
+def rows_or_count(cursor: Any) -> Any:
+    """What ``run_each`` reads from a statement run through a cursor (after a retry)."""
+    return cursor.fetchall() if cursor.description is not None else cursor.rowcount
+
+
+def send(pending: Pending) -> bool:
+    """Send one statement without waiting for its reply; False (and ``pending.error``) when
+    it could not be sent."""
+    connection = pending.connection
+    try:
+        # What Django's cursor() does first: the CONN_HEALTH_CHECKS ping, connecting.
+        connection.close_if_health_check_failed()
+        connection.ensure_connection()
+        if not pending.idempotent:
+            close_if_hung_up(connection)
+            connection.ensure_connection()
+        raw = connection.connection
+        query = statement_bytes(raw, pending.sql, pending.params)
+        with connection.wrap_database_errors:
+            raw.send_query(query)
+    except Exception as exc:  # this statement's error: the others go on
+        pending.error = exc
+        return False
+    return True
+
+
+def run_each(statements: list[Pending]) -> None:
+    """Send every statement (each on its own connection), then read every reply.
+
+    Never raises for a statement: each ``Pending`` gets its outcome or its error. Every
+    reply sent for is read before anything is retried, so no connection is left with an
+    unread result; a connection whose reply could not be read is closed. A failed
+    statement then follows ``run()``'s rules, each on its own: retried once through the
+    cursor (on a fresh connection after a dropped one) when it may run again, so a lost
+    reply of a statement that must not run twice (``idempotent=False``) stays an error.
+    The callers use it only where ``pipelinable()`` holds.
+    """
+    sent: list[Pending] = []
+    try:
+        for pending in statements:
+            if send(pending):
+                sent.append(pending)
+    except BaseException:  # interrupted between two sends: no reply is left unread
+        for pending in sent:
+            pending.connection.close()
+        raise
+    read = 0
+    try:
+        for pending in sent:
+            receive(pending)
+            read += 1
+    finally:
+        for pending in sent[read:]:  # interrupted (KeyboardInterrupt...): drop unread replies
+            pending.connection.close()
+    for pending in statements:
+        exc = pending.error
+        if isinstance(exc, OperationalError) and may_run_again(
+            pending.connection, exc, pending.sql, pending.idempotent
+        ):
+            try:
+                pending.outcome = execute(
+                    pending.connection, pending.sql, pending.params, rows_or_count
+                )
+                pending.error = None
+            except Exception as again:
+                pending.error = again
+
+
+def receive(pending: Pending) -> None:
+    """Read the reply of ``pending``'s statement: its rows or its affected row count."""
+    connection = pending.connection
+    raw = connection.connection
+    try:
+        with connection.wrap_database_errors:
+            raw.read_query_result()
+    except Exception as exc:  # an error reply carries no result set: nothing left unread
+        pending.error = exc
+        return
+    try:
+        with connection.wrap_database_errors:
+            result = raw.store_result()
+            pending.outcome = raw.affected_rows() if result is None else result.fetch_row(0)
+    except BaseException as exc:
+        connection.close()  # rows may be left unread on it
+        if not isinstance(exc, Exception):
+            raise
+        pending.error = exc

@@ -1,8 +1,10 @@
 """The SQL text of every MySQLCache operation, built once per table and server flavour.
 
-Only ``%s`` parameters carry keys, values and times; the table name is quoted by the
-connection (and its ``%`` doubled, since the driver %-formats statements with
-parameters). Times are epoch milliseconds computed in Python (see ``docs/mysql.rst``).
+``%s`` parameters carry keys and times; values up to HEX_LIMIT bytes are written into the
+statement as hex literals (:func:`value_sql`), larger ones are parameters too. The table
+name is quoted by the connection (and its ``%`` doubled, since the driver %-formats
+statements with parameters). Times are epoch milliseconds computed in Python (see
+``docs/mysql.rst``).
 """
 from __future__ import annotations
 
@@ -56,6 +58,24 @@ def drop_table_sql(table: str, quote_name: Callable[[str], str]) -> str:
     return f"DROP TABLE IF EXISTS {quote_name(table)}"
 
 
+#: Values up to this size go into statements as hex literals (``X'…'``): building one
+#: costs a quarter of escaping the bytes as a string literal (2.4 against 10.8 µs for a
+#: 2 KB value here) and the server parses it faster too (a ``set_many`` of 20 such values:
+#: 630 against 930 µs). Hex doubles the bytes, so larger values stay escaped parameters,
+#: whose size is close to the value's: the largest value a statement can carry stays
+#: about ``max_allowed_packet``.
+HEX_LIMIT = 512 * 1024
+
+
+def value_sql(data: bytes) -> tuple[str, tuple[bytes, ...]]:
+    """The SQL text of a stored value and the parameters it needs: a hex literal and none,
+    or ``%s`` and the bytes. A hex literal has only hex digits, ``X`` and quotes, so the
+    driver's %-formatting of the statement leaves it alone."""
+    if len(data) <= HEX_LIMIT:
+        return f"X'{data.hex()}'", ()
+    return "%s", (data,)
+
+
 @lru_cache(maxsize=32)
 def placeholders(count: int, width: int = 1) -> str:
     """``%s, %s`` (width 1) or ``(%s, %s), (%s, %s)`` (width 2) for ``count`` items."""
@@ -84,16 +104,17 @@ class Statements:
 
         self.get = f"SELECT `value`, `flags` FROM {t} WHERE `cache_key` = %s AND {live}"
         self.has_key = f"SELECT 1 FROM {t} WHERE `cache_key` = %s AND {live}"
-        self.set = insert + "(%s, %s, %s, %s)" + self.new_row + self.overwrite_all()
+        # set and add put the value's SQL (value_sql) between a head and a tail.
+        self.row_head = insert + "(%s, "
+        self.set_tail = ", %s, %s)" + self.new_row + self.overwrite_all()
         # The IFs read the old `expires`, so it is assigned last. A live row is left as it
         # is and reports its expiry through LAST_INSERT_ID (never 0), which tells "not
         # added" apart from an insert: CLIENT.FOUND_ROWS makes rowcount 1 for both.
         # The stored row's columns are qualified: next to MySQL's row alias `new`, a bare
         # column name must not be read as ambiguous.
         old_live = f"{t}.`expires` > %s"
-        self.add = (
-            insert
-            + "(%s, %s, %s, %s)"
+        self.add_tail = (
+            ", %s, %s)"
             + self.new_row
             + f"`value` = IF({old_live}, {t}.`value`, {self.new('value')}), "
             + f"`flags` = IF({old_live}, {t}.`flags`, {self.new('flags')}), "
@@ -102,6 +123,7 @@ class Statements:
         self.touch = f"UPDATE {t} SET `expires` = %s WHERE `cache_key` = %s AND {live}"
         self.delete = f"DELETE FROM {t} WHERE `cache_key` = %s"
         self.delete_live = f"DELETE FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.delete_expired_key = f"DELETE FROM {t} WHERE `cache_key` = %s AND `expires` + 0 <= %s"
         # LAST_INSERT_ID hands the new value back without a second statement (as unsigned:
         # the caller wraps it back). Signed BIGINT arithmetic fails with error 1690 on
         # overflow, which aborts the statement and leaves the value unchanged.
@@ -141,6 +163,11 @@ class Statements:
             f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {like} ORDER BY `cache_key`"
         )
         self.delete_with_prefix = f"DELETE FROM {t} WHERE {like}"
+        # With STALE_TIMEOUT, what expired under the prefix goes too (never served stale).
+        self.delete_expired_with_prefix = (
+            f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' "
+            "AND `expires` + 0 <= %s"
+        )
         # For training a compression dictionary: a scan, kept out of the request path.
         self.sample = f"SELECT `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
 
@@ -157,6 +184,40 @@ class Statements:
         )
         self.evict_all = f"DELETE FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s"
 
+        self.ttl = f"SELECT `expires` FROM {t} WHERE `cache_key` = %s AND {live}"
+        # Herd protection (``django_kvcache.mysql.lease``): an entry and its lease row in
+        # one primary-key read, live or not (the caller tells fresh, stale and missing).
+        self.lease_read = (
+            f"SELECT `cache_key`, `value`, `flags`, `expires` FROM {t} "
+            "WHERE `cache_key` IN (%s, %s)"
+        )
+        # Take the lease row if it is gone, expired, or still exactly as the caller read
+        # it: a compare-and-set on `value`, which holds the holder's token, or once
+        # released a released marker with that token, so no two states are alike. The
+        # second IF reads the `value` the first assigned: our own (unique) token there
+        # means we took it; it repeats the take's condition for MariaDB's
+        # SIMULTANEOUS_ASSIGNMENT mode, where it reads the row as it was (the token is
+        # compared as a parameter: on MariaDB 10.11, with
+        # VALUES(`value`) in that condition, LAST_INSERT_ID(expr) is not reported to the
+        # client). A row left alone reports its (positive) expiry through
+        # LAST_INSERT_ID, so the caller won if and only if LAST_INSERT_ID is 0 — the row
+        # count cannot say, since CLIENT.FOUND_ROWS counts an untouched row as 1, like an
+        # insert.
+        self.lease_take = (
+            insert
+            + "(%s, %s, %s, %s)"
+            + self.new_row
+            + f"`value` = IF({t}.`expires` <= %s OR {t}.`value` = %s, "
+            + f"{self.new('value')}, {t}.`value`), "
+            + f"`expires` = IF({t}.`value` = %s OR {t}.`expires` <= %s OR {t}.`value` = %s, "
+            + f"{self.new('expires')}, LAST_INSERT_ID({t}.`expires`))"
+        )
+        # Only the holder's own lease (its token): after LEASE_TIMEOUT it may be another's.
+        self.lease_release = (
+            f"UPDATE {t} SET `value` = %s, `expires` = %s WHERE `cache_key` = %s AND `value` = %s"
+        )
+        self.lease_drop = f"DELETE FROM {t} WHERE `cache_key` = %s AND `value` = %s"
+
     def new(self, column: str) -> str:
         """The inserted row's ``column`` inside ``ON DUPLICATE KEY UPDATE``."""
         return f"new.`{column}`" if self.row_alias else f"VALUES(`{column}`)"
@@ -164,8 +225,18 @@ class Statements:
     def overwrite_all(self) -> str:
         return ", ".join(f"`{c}` = {self.new(c)}" for c in ("value", "flags", "expires"))
 
-    def set_many(self, rows: int) -> str:
-        return self.insert + placeholders(rows, 4) + self.new_row + self.overwrite_all()
+    def set_row(self, value: str) -> str:
+        """Upsert one row; ``value`` is its value's SQL (:func:`value_sql`)."""
+        return self.row_head + value + self.set_tail
+
+    def add_row(self, value: str) -> str:
+        """Insert one row unless a live one is there (LAST_INSERT_ID 0 when added)."""
+        return self.row_head + value + self.add_tail
+
+    def set_many(self, values: list[str]) -> str:
+        """Upsert one row per value's SQL (:func:`value_sql`)."""
+        rows = ", ".join(["(%s, " + value + ", %s, %s)" for value in values])
+        return self.insert + rows + self.new_row + self.overwrite_all()
 
     def get_many(self, keys: int) -> str:
         return f"{self.select_many}({placeholders(keys)})"

@@ -5,7 +5,7 @@ our codec: the CPU time per value to encode and to decode (best of several passe
 this process), and the bytes stored as a share of the serialized payload. The first row
 is django-mysql's policy done the same way (pickle, zlib level 6 from 5000 bytes) and
 the second no compression at all, so each setting's price reads against both.
-The last row uses a zstd dictionary trained on 2000 other values of the same mix (another
+The last rows use a zstd dictionary trained on 2000 other values of the same mix (another
 seed), as ``kvcache_train_dictionary`` trains one on a site's live entries. This is the
 measurement behind the defaults (docs/codec.rst, "Choosing compression").
 """
@@ -20,12 +20,15 @@ from typing import Any, Callable, Sequence
 
 from django_kvcache.codec import Codec
 from django_kvcache.zstd import train_dictionary, zstd_module
+from kvcache_bench.caches import PEERS
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
 
 PASSES = 5
 #: Values of the mix (another seed) a dictionary is trained on.
 DICTIONARY_SAMPLES = 2000
+#: Where the compact MySQL variant starts compressing (docs/codec.rst, "Choosing compression").
+COMPACT_MYSQL_MIN_LENGTH = 1000
 ZSTD = "django_kvcache.zstd.ZstdCompressor"
 #: (label, OPTIONS) of each setting measured; zstd ones only where zstd is installed.
 SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -34,7 +37,7 @@ SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("zlib-6 from 400", {"COMPRESS_LEVEL": 6, "COMPRESS_MIN_LENGTH": 400}),
     *((f"zstd-{level} from {n}", {"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": level,
                                   "COMPRESS_MIN_LENGTH": n})
-      for level in (1, 3) for n in (400, 4000)),
+      for level in (1, 3) for n in (400, 2000, 4000)),
 )
 
 
@@ -45,21 +48,55 @@ def run(context: Context) -> dict[str, Any]:
                 if zstd_module() is not None or options.get("COMPRESSOR") != ZSTD]
     with tempfile.TemporaryDirectory() as folder:
         if zstd_module() is not None:
-            settings.append(("zstd-3 + dictionary from 400", {
-                "COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": 400,
-                "COMPRESS_DICTIONARY": _trained_dictionary(context, folder)}))
+            settings.extend(
+                (f"zstd-3 + dictionary from {n}", {
+                    "COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n,
+                    "COMPRESS_DICTIONARY": trained_dictionary(context, folder)})
+                for n in sorted({400, COMPACT_MYSQL_MIN_LENGTH}))
         return _run_settings(context, values, payload, settings)
 
 
-def _trained_dictionary(context: Context, folder: str) -> str:
-    """A 16 KB dictionary trained on other values of the same mix (another seed), as
-    ``kvcache_train_dictionary`` would train one on a site's live entries."""
+def trained_dictionary(context: Context, folder: str) -> str:
+    """The path of a 16 KB dictionary trained on DICTIONARY_SAMPLES values of the same mix
+    drawn with another seed (``--seed`` + 1), never the values then measured, as
+    ``kvcache_train_dictionary`` trains one on a site's live entries."""
     p = context.parameters
     samples = make_values(p.seed + 1, DICTIONARY_SAMPLES, p.values, 0).entries
-    path = Path(folder) / "mix.zstd"
-    path.write_bytes(train_dictionary(
-        [_serialized(value) for value in samples if type(value) is not int]))
+    path = Path(folder) / f"{p.values}-{p.seed + 1}.zstd"
+    if not path.exists():
+        path.write_bytes(train_dictionary(
+            [_serialized(value) for value in samples if type(value) is not int]))
     return str(path)
+
+
+#: How the compact variants' setting reads in the results.
+COMPACT_SETTING = "zstd-3 + dictionary from {min_length}"
+
+
+def compact_variants(context: Context, folder: str) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """Our recommended setting where bytes matter more than CPU, per cache family, as
+    ``(cache name, setting, OPTIONS)``: zstd level 3 with a dictionary trained on the mix
+    (``trained_dictionary``), from 400 bytes on memcached and from
+    COMPACT_MYSQL_MIN_LENGTH on MySQL. Empty when zstd is not installed."""
+    if zstd_module() is None:
+        return {}
+    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": trained_dictionary(context, folder)}
+    return {
+        family: (f"{name} zstd+dict", COMPACT_SETTING.format(min_length=min_length),
+                 {**options, "COMPRESS_MIN_LENGTH": min_length})
+        for family, name, min_length in (("kv-memcached", "kv-memcached", 400),
+                                         ("kv-mysql", "kv-mysql-innodb", COMPACT_MYSQL_MIN_LENGTH))
+    }
+
+
+def variant_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str) -> None:
+    """``peer``/``vs_peer`` of each variant entry (one with ``variant_of``): its metric over
+    the peer of the cache it is a variant of, as ``add_peer_ratios`` does for that cache."""
+    by_subject = {entry[subject]: entry[metric] for entry in results}
+    for entry in results:
+        peer = PEERS.get(entry.get("variant_of") or "")
+        if peer and by_subject.get(peer):
+            entry["peer"], entry["vs_peer"] = peer, round(entry[metric] / by_subject[peer], 3)
 
 
 def _run_settings(context: Context, values: Sequence[Any], payload: int,

@@ -14,14 +14,17 @@ way ``rows`` grows its tables, then:
 """
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 from typing import Any
 
-from kvcache_bench.caches import add_peer_ratios, memcached_families, memcached_spec
+from kvcache_bench.caches import CacheSpec, add_peer_ratios, memcached_families, memcached_spec
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
 from kvcache_bench.payloads import payload_size
+from kvcache_bench.scenarios.codec import compact_variants, variant_peer_ratios
 from kvcache_bench.servers import dedicated_node, node_stats
-from kvcache_bench.storage import bulk_load, create_storage, table_usage
+from kvcache_bench.storage import bulk_load, create_storage, drop_storage, table_usage
 
 MIB = 1024 * 1024
 MIN_NODE_MB = 64
@@ -32,32 +35,62 @@ def run(context: Context) -> dict[str, Any]:
     entries = make_values(p.seed, p.storage_entries, p.values, 0).entries
     items = {f"storage.{index}": value for index, value in enumerate(entries)}
     payload = sum(payload_size(value) for value in entries)
-    tables = [spec for spec in context.caches if spec.table is not None]
-    families = memcached_families(context.caches)
-    results = []
-    with context.progress("storage", len(tables) + len(families)) as bar:
-        for spec in tables:
-            create_storage(spec, context.cache(spec))
-            bulk_load(spec, context.cache(spec), items)
-            usage = table_usage(spec)
-            if usage["rows"] != len(items):
-                context.failures.append(f"storage: {spec.name} holds {usage['rows']} rows "
-                                        f"after {len(items)} entries were written")
-            results.append(_entry(spec.name, "key and value columns", usage["column_bytes"], items,
-                                  payload, data_length=usage["data_length"],
-                                  index_length=usage["index_length"]))
-            bar.update()
-        for family in families:
-            results.append(_memcached_entry(context, family, items, payload))
-            bar.update()
+    with tempfile.TemporaryDirectory() as folder:
+        variants = compact_variants(context, folder)
+        tables: list[tuple[CacheSpec, str | None]] = []
+        for spec in context.caches:
+            if spec.table is not None:
+                tables.append((spec, None))
+                if spec.family in variants and spec.name == variants[spec.family][0].split()[0]:
+                    name, _, options = variants[spec.family]
+                    variant = dataclasses.replace(spec, name=name, location=f"{spec.table}_compact",
+                                                  options={**spec.options, **options})
+                    tables.append((variant, spec.name))
+        families = [(family, None) for family in memcached_families(context.caches)]
+        if "kv-memcached" in dict(families) and "kv-memcached" in variants:
+            families.append(("kv-memcached", variants["kv-memcached"]))
+        results = []
+        with context.progress("storage", len(tables) + len(families)) as bar:
+            for spec, variant_of in tables:
+                results.append(_table_entry(context, spec, variant_of, items, payload))
+                bar.update()
+            for family, variant in families:
+                results.append(_memcached_entry(context, family, variant, items, payload))
+                bar.update()
     add_peer_ratios(results, "stored_bytes")
+    variant_peer_ratios(results, "stored_bytes", subject="cache")
     return {"entries": len(items), "payload_bytes": payload, "results": results}
 
 
-def _memcached_entry(context: Context, family: str, items: dict[str, Any], payload: int) -> dict[str, Any]:
+def _table_entry(context: Context, spec: CacheSpec, variant_of: str | None, items: dict[str, Any],
+                 payload: int) -> dict[str, Any]:
+    cache = spec.build() if variant_of else context.cache(spec)
+    try:
+        create_storage(spec, cache)
+        bulk_load(spec, cache, items)
+        usage = table_usage(spec)
+    finally:
+        if variant_of:  # a table of this scenario's own: no run-end clean-up knows it
+            cache.close()
+            drop_storage(spec)
+    if usage["rows"] != len(items):
+        context.failures.append(f"storage: {spec.name} holds {usage['rows']} rows "
+                                f"after {len(items)} entries were written")
+    entry = _entry(spec.name, "key and value columns", usage["column_bytes"], items, payload,
+                   data_length=usage["data_length"], index_length=usage["index_length"])
+    entry["variant_of"] = variant_of
+    return entry
+
+
+def _memcached_entry(context: Context, family: str, variant: tuple[str, str, dict[str, Any]] | None,
+                     items: dict[str, Any], payload: int) -> dict[str, Any]:
     memory_mb = max(MIN_NODE_MB, 2 * payload // MIB + 8)  # room for all: nothing evicted
+    name = variant[0] if variant else family
     with dedicated_node(memory_mb) as node:
-        cache = memcached_spec(family, context.token, [node], 1).build()
+        spec = memcached_spec(family, context.token, [node], 1)
+        if variant:
+            spec = dataclasses.replace(spec, options=variant[2])
+        cache = spec.build()
         try:
             before = node_stats(node)
             failed = cache.set_many(items)
@@ -66,9 +99,11 @@ def _memcached_entry(context: Context, family: str, items: dict[str, Any], paylo
             cache.close()
     stored = after["curr_items"] - before["curr_items"]
     if failed or stored != len(items) or after["evictions"]:
-        context.failures.append(f"storage: {family} kept {stored} of {len(items)} entries "
+        context.failures.append(f"storage: {name} kept {stored} of {len(items)} entries "
                                 f"({len(failed)} failed, {after['evictions']} evicted)")
-    return _entry(family, "memcached bytes stat", after["bytes"] - before["bytes"], items, payload)
+    entry = _entry(name, "memcached bytes stat", after["bytes"] - before["bytes"], items, payload)
+    entry["variant_of"] = family if variant else None
+    return entry
 
 
 def _entry(cache: str, measured: str, stored: int, items: dict[str, Any], payload: int,
