@@ -65,24 +65,31 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
 
 def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
     """Create the missing tables of the caches that live in ``database``; returns
-    ``{alias: SQL}`` as ``create_tables``.
-
-    Django's test runner calls ``createcachetable --database <alias>`` for each test
-    database it creates, and not for a ``TEST["MIRROR"]`` alias, which at that moment
-    still points at the real database. So a cache whose alias is ``database``, or mirrors
-    it in tests, gets its table through ``database``'s connection.
-    """
-    if connections[database].vendor != "mysql":
-        return {}
+    ``{alias: SQL}`` as ``create_tables``."""
     done = {}
-    for alias, cache in mysql_caches().items():
-        if database not in own_databases(cache) or cache.table_exists(database):
+    for alias, cache in caches_in(database).items():
+        if cache.table_exists(database):
             continue
         done[alias] = cache.create_table_sql(database)
         if not dry_run:
             cache.create_table(database)
             logger.info("Created table %r of cache %r in database %r", cache.table, alias, database)
     return done
+
+
+def caches_in(database: str) -> dict[str, MySQLCache]:
+    """The MySQLCaches whose table lives in ``database``.
+
+    Django's test runner calls ``createcachetable --database <alias>`` for each test
+    database it creates, and not for a ``TEST["MIRROR"]`` alias, which at that moment
+    still points at the real database. So a cache whose alias is ``database``, or mirrors
+    it in tests, counts as living there.
+    """
+    if connections[database].vendor != "mysql":
+        return {}
+    return {
+        alias: cache for alias, cache in mysql_caches().items() if database in own_databases(cache)
+    }
 
 
 def own_databases(cache: MySQLCache) -> set[str]:

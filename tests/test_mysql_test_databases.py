@@ -97,3 +97,22 @@ def test_createcachetable_creates_the_tables_of_its_database_only(runner_databas
     out = StringIO()
     call_command("createcachetable", "--database", DEFAULT_DB_ALIAS, "--dry-run", stdout=out)
     assert out.getvalue() == ""
+
+
+def test_createcachetable_reports_each_table_as_django_does(runner_databases):
+    """At verbosity 2 Django says which cache tables it created and which existed."""
+    def run() -> str:
+        out = StringIO()
+        call_command("createcachetable", "--database", PRIMARY, verbosity=2, stdout=out)
+        return out.getvalue()
+
+    try:
+        first, second = run(), run()
+    finally:
+        for cache in ("own", "mirrored"):
+            with connections[PRIMARY].cursor() as cursor:
+                cursor.execute(caches[cache].drop_table_sql())
+    for table in ("kvcache_tdb_own", "kvcache_tdb_mirrored"):
+        assert f"Cache table '{table}' created." in first
+        assert f"Cache table '{table}' already exists." in second
+    assert "created" not in second

@@ -10,7 +10,7 @@ from typing import Any
 
 from django.core.management.commands import createcachetable
 
-from django_kvcache.maintenance import create_tables_in
+from django_kvcache.maintenance import caches_in, create_tables_in
 
 
 class Command(createcachetable.Command):
@@ -23,9 +23,13 @@ class Command(createcachetable.Command):
         super().handle(*tablenames, **options)
         if tablenames:  # Django's legacy form names DatabaseCache tables only
             return
-        created = create_tables_in(options["database"], dry_run=options["dry_run"])
-        for alias, statement in created.items():
-            if options["dry_run"]:
-                self.stdout.write(f"{statement};")
-            elif options["verbosity"] >= 2:
-                self.stdout.write(f"Cache table of '{alias}' created.")
+        database, dry_run, verbosity = options["database"], options["dry_run"], options["verbosity"]
+        created = create_tables_in(database, dry_run=dry_run)
+        for alias, cache in caches_in(database).items():  # in Django's words and verbosity
+            if alias not in created:
+                if verbosity >= 2:
+                    self.stdout.write(f"Cache table '{cache.table}' already exists.")
+            elif dry_run:
+                self.stdout.write(f"{created[alias]};")
+            elif verbosity >= 2:
+                self.stdout.write(f"Cache table '{cache.table}' created.")
