@@ -62,6 +62,7 @@ class KVCache(BaseCache):
             "COMPRESS_DICTIONARY",
             "LEASE_TIMEOUT",
             "STALE_TIMEOUT",
+            "EARLY_RECOMPUTE",
             "SIGNING_KEY",
         }
     )
@@ -173,12 +174,22 @@ class KVCache(BaseCache):
     def _lease_store(self, key: Any, timeout: Any, version: Any) -> stampede.LeaseStore | None:
         """The herd-protection primitive for ``key``; None when it is off (or the entry
         would expire at once, where there is nothing to protect)."""
-        if self.stampede is None:
-            return None
-        seconds = self.timeout_seconds(timeout)
-        if seconds is not None and seconds <= 0:
+        if not self._protects(timeout):
             return None
         return stampede.AddLeaseStore(self, self.stampede, key, timeout, version)
+
+    def _protects(self, timeout: Any) -> bool:
+        """Whether get_or_set with ``timeout`` takes a lease: herd protection is on and
+        the entry would not expire at once."""
+        if self.stampede is None:
+            return False
+        seconds = self.timeout_seconds(timeout)
+        return seconds is None or seconds > 0
+
+    def ttl(self, key: Any, version: int | None = None) -> float | None:
+        """Seconds until ``key`` expires, with django-redis's meaning: ``None`` for an
+        entry that never expires, ``0`` for a missing (or expired) one."""
+        raise NotImplementedError(f"{self.backend_name} does not implement ttl()")
 
     def decr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         check_delta(delta)  # before negating: -True would pass as -1
@@ -197,6 +208,7 @@ class KVCache(BaseCache):
     ahas_key = delegate_to_sync("has_key")
     aincr = delegate_to_sync("incr")
     adecr = delegate_to_sync("decr")
+    attl = delegate_to_sync("ttl")
     aincr_version = delegate_to_sync("incr_version")
     adecr_version = delegate_to_sync("decr_version")
     aclear = delegate_to_sync("clear")

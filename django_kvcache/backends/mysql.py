@@ -16,6 +16,7 @@ See ``docs/mysql.rst`` for the schema, every option and the SQL of each operatio
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import time
@@ -40,35 +41,45 @@ from django_kvcache.failure_log import FailureLog
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql import culling
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
+from django_kvcache.mysql.lease import MySQLLeaseStore, Work
 from django_kvcache.mysql.shards import (
     SHARD_KIND,
+    MissedWrites,
     Shard,
     ShardDown,
     ShardStats,
     is_unreachable,
     make_shards,
+    missed_writes,
     read_your_writes,
     shard_stats,
 )
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.server import (
     PACKET_HEADROOM,
+    Pending,
+    autocommits,
     error_code,
     in_transaction,
     is_lock_conflict,
+    pipelinable,
     run,
+    run_each,
     server_info,
     statement_budget,
 )
 from django_kvcache.mysql.sql import (
     FOREVER,
+    HEX_LIMIT,
     Statements,
     check_engine,
     create_table_sql,
     drop_table_sql,
+    value_sql,
 )
 from django_kvcache.options import flag, fraction, integer, seconds
 from django_kvcache.signals import node_up
+from django_kvcache.stampede import LeaseStore
 
 logger = logging.getLogger(__name__)
 #: Shard failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
@@ -107,6 +118,11 @@ lastrowid = attrgetter("lastrowid")
 T = TypeVar("T")
 #: ``_call``'s fallback meaning "raise even under IGNORE_EXCEPTIONS" (incr, maintenance).
 RAISE: Any = object()
+#: ``_call``'s ``stale`` for a write that reaches every key (clear, delete_with_prefix).
+EVERYTHING: Any = object()
+#: A *_many's one statement for a shard's keys: ``(statements, keys, connection) -> (sql,
+#: params)``.
+Builder = Callable[[Statements, list[str], BaseDatabaseWrapper], tuple[str, list[Any]]]
 
 
 def update_outcome(cursor: Any) -> tuple[int, int, int]:
@@ -122,15 +138,16 @@ def update_outcome(cursor: Any) -> tuple[int, int, int]:
 
 
 def row_size(data: bytes) -> int:
-    """Statement bytes one row takes: exact escaping for large values, a bound for small."""
-    if len(data) <= ALWAYS_FITS:
-        return KEY_BYTES + 2 * len(data)
+    """Statement bytes one row takes: a hex literal's for values up to HEX_LIMIT, exact
+    escaping for larger ones (``value_sql``)."""
+    if len(data) <= HEX_LIMIT:
+        return KEY_BYTES + 2 * len(data) + 3
     return KEY_BYTES + len(data) + sum(data.count(byte) for byte in ESCAPED_BYTES)
 
 
 def needs_budget(rows: list[tuple[Any, str, bytes, int]]) -> bool:
     """Whether rows of ``(caller key, stored key, bytes, flags)`` may exceed ALWAYS_FITS."""
-    return len(rows) * KEY_BYTES + 2 * sum(len(row[2]) for row in rows) > ALWAYS_FITS
+    return sum(row_size(row[2]) for row in rows) > ALWAYS_FITS
 
 
 def now_ms() -> int:
@@ -198,6 +215,7 @@ class MySQLCache(KVCache):
         self._tracks_writes = any(s.replica or s.alias is None for s in self.shards)
         self._written_at: dict[int, float] = {}  # shard index -> monotonic time of last write
         self._health: dict[str, NodeHealth] = {}
+        self._missed: dict[str, MissedWrites] = {}  # primary alias -> its record
         self._statements: dict[str, Statements] = {}
         self.stats = _stats.setdefault(self.table, TableStats())
 
@@ -218,12 +236,12 @@ class MySQLCache(KVCache):
             return self.shards[0]
         return self.shards[self.router.node_for(key)]
 
-    def _by_shard(self, keys: list[str]) -> Iterable[tuple[Shard, list[str]]]:
-        """``keys`` grouped by shard: one statement per shard, shards in turn."""
+    def _by_shard(self, keys: list[str]) -> list[tuple[Shard, list[str]]]:
+        """``keys`` grouped by shard: one statement per shard."""
         if self.router is None:
-            return ((self.shards[0], keys),)
+            return [(self.shards[0], keys)]
         shards = self.shards
-        return ((shards[index], group) for index, group in self.router.group(keys).items())
+        return [(shards[index], group) for index, group in self.router.group(keys).items()]
 
     def _read_alias(self, shard: Shard) -> str:
         """The shard's reader, unless this thread wrote to it within READ_YOUR_WRITES."""
@@ -257,46 +275,208 @@ class MySQLCache(KVCache):
         write: bool,
         work: Callable[[BaseDatabaseWrapper, Statements], T],
         fallback: Any = RAISE,
+        stale: Any = None,
+        primary: bool = False,
     ) -> T:
-        """``work(connection, statements)`` on the shard's primary (``write``) or reader.
+        """``work(connection, statements)`` on the shard's primary (``write``, or a read
+        with ``primary``) or reader.
 
         An unreachable server raises, unless IGNORE_EXCEPTIONS turns it into ``fallback``
-        (a miss, a no-op); with RAISE it raises either way but still counts.
+        (a miss, a no-op); with RAISE it raises either way but still counts. A write
+        that fails so leaves the shard's older copies of ``stale`` (keys, or EVERYTHING)
+        in place: they are deleted there before the shard serves again (``_attempt``).
         """
-        if write:
-            alias = shard.primary()
-            if self._tracks_writes:  # before the write: a lost reply may still have applied
-                self._written_at[shard.index] = time.monotonic()
-        else:
-            alias = self._read_alias(shard)
-        if self.ignore_exceptions:
-            return self._guarded(alias, work, fallback)
-        try:
-            return work(*self._db(alias))
-        except OperationalError as exc:
-            if is_unreachable(exc):
-                shard_stats(self.table, alias).errors += 1
-            raise
+        return self._call_on(shard, self._route(shard, write, primary), work, fallback, stale)
 
-    def _guarded(
-        self, alias: str, work: Callable[[BaseDatabaseWrapper, Statements], T], fallback: Any
+    def _route(self, shard: Shard, write: bool, primary: bool = False) -> str:
+        """The alias a call goes to (a read with ``primary`` goes to the primary too); a
+        write starts this thread's read-your-writes window."""
+        if not write:
+            return shard.primary() if primary else self._read_alias(shard)
+        if self._tracks_writes:  # before the write: a lost reply may still have applied
+            self._written_at[shard.index] = time.monotonic()
+        return shard.primary()
+
+    def _call_on(
+        self,
+        shard: Shard,
+        alias: str,
+        work: Callable[[BaseDatabaseWrapper, Statements], T],
+        fallback: Any,
+        stale: Any,
     ) -> T:
-        """``_call`` under IGNORE_EXCEPTIONS: the alias's health decides whether to try."""
-        health = self._health_of(alias)
-        stats = shard_stats(self.table, alias)
-        if health.down_until and not health.may_try():
-            stats.skipped += 1
-            return self._ignored(alias, stats, self._skipped(alias, health), fallback)
+        if self.ignore_exceptions:
+            skipped = self._skip(shard, alias, fallback, stale)
+            if skipped is not None:
+                return skipped[0]  # type: ignore[no-any-return]
         try:
-            result = work(*self._db(alias))
+            result = self._attempt(shard, alias, work)
         except OperationalError as exc:
-            if not is_unreachable(exc):
-                raise
-            stats.errors += 1
-            health.failed(f"{type(exc).__name__}: {exc}")
-            return self._ignored(alias, stats, exc, fallback)
-        health.succeeded()
+            return self._failure(shard, alias, exc, fallback, stale)  # type: ignore[no-any-return]
+        if self.ignore_exceptions:
+            self._health_of(alias).succeeded()
         return result
+
+    def _skip(self, shard: Shard, alias: str, fallback: Any, stale: Any) -> tuple[Any] | None:
+        """Under IGNORE_EXCEPTIONS: ``(fallback,)`` when the alias is marked down and not
+        due for a probe (nothing is tried), else ``None``."""
+        health = self._health_of(alias)
+        if not health.down_until or health.may_try():
+            return None
+        stats = shard_stats(self.table, alias)
+        stats.skipped += 1
+        self._missed_write(shard, stale)
+        return (self._ignored(alias, stats, self._skipped(alias, health), fallback),)
+
+    def _failure(
+        self, shard: Shard, alias: str, exc: Exception, fallback: Any, stale: Any
+    ) -> Any:
+        """After ``exc`` on ``alias``: ``fallback`` when IGNORE_EXCEPTIONS ignores it, else
+        raise it. Only an unreachable server counts, marks health and records ``stale``."""
+        if not (isinstance(exc, OperationalError) and is_unreachable(exc)):
+            raise exc
+        stats = shard_stats(self.table, alias)
+        stats.errors += 1
+        self._missed_write(shard, stale)
+        if not self.ignore_exceptions:
+            raise exc
+        self._health_of(alias).failed(f"{type(exc).__name__}: {exc}")
+        return self._ignored(alias, stats, exc, fallback)
+
+    def _attempt(
+        self, shard: Shard, alias: str, work: Callable[[BaseDatabaseWrapper, Statements], T]
+    ) -> T:
+        """``work`` on ``alias``, once the shard's copies outdated by missed writes are gone."""
+        if self._missed_writes(shard).pending:  # one bool read while nothing was missed
+            self._clean_up(shard)
+        return work(*self._db(alias))
+
+    # --- writes a shard missed ---------------------------------------------------------
+
+    def _missed_writes(self, shard: Shard) -> MissedWrites:
+        alias = shard.primary()
+        record = self._missed.get(alias)
+        if record is None:
+            record = missed_writes(self.table, alias, self._own_keys_pattern())
+            self._missed[alias] = record
+        return record
+
+    def _missed_write(self, shard: Shard, stale: Any) -> None:
+        if stale is EVERYTHING:
+            self._missed_writes(shard).add_everything()
+        elif stale:
+            self._missed_writes(shard).add(stale)
+
+    def _clean_up(self, shard: Shard) -> None:
+        """Delete on the shard's primary the keys it missed writes of (or this cache's
+        whole content after a missed clear, or past the record's key limit). One thread
+        at a time; the others wait, then find nothing left to do."""
+        record = self._missed_writes(shard)
+        with record.cleaning:
+            if not record.pending:
+                return
+            keys, flush = record.take()
+            try:
+                connection, sql = self._db(shard.primary())
+                if flush:
+                    self._clear(connection, sql)
+                elif keys:
+                    self._delete_keys(sorted(keys), connection, sql)
+            except BaseException:
+                record.put_back(keys, flush)
+                raise
+            record.done()
+        if self._tracks_writes:  # a write: read it back from the primary, not a replica
+            self._written_at[shard.index] = time.monotonic()
+        logger.warning(
+            "%s %s answers again: deleted %s written while it could not be reached",
+            SHARD_KIND, shard.primary(),
+            f"the {len(keys)} key(s)" if not flush else "every entry of this cache",
+        )
+
+    # --- one statement per shard, all shards in one round trip ------------------------
+
+    def _on_shards(
+        self,
+        write: bool,
+        groups: list[tuple[Shard, list[str]]],
+        work: Callable[[list[str], BaseDatabaseWrapper, Statements], T],
+        fallback: Any,
+        builder: Builder | None = None,
+        read: Callable[[Any], T] | None = None,
+    ) -> list[Any]:
+        """``work(keys, connection, statements)`` for each group of keys on its shard,
+        with ``_call``'s policies; the answers (or ``fallback``) in group order.
+
+        With a ``builder`` (each group needs exactly one statement) over two shards or
+        more, every shard's statement is sent before any reply is read (``run_each``):
+        one round trip instead of one per shard. ``read`` turns a reply (rows, or the
+        affected row count) into ``work``'s answer. Where statements must be seen by
+        Django (DEBUG, ``execute_wrapper``) or a transaction is open, shards are asked
+        one after another through the cursor instead.
+        """
+        aliases = [self._route(shard, write) for shard, _ in groups]
+        if builder is None or len(groups) < 2 or not all(
+            pipelinable(connections[alias]) for alias in aliases
+        ):
+            return [
+                self._call_on(shard, alias, partial(work, keys), fallback, keys if write else None)
+                for (shard, keys), alias in zip(groups, aliases)
+            ]
+        assert read is not None
+        answers: list[Any] = [fallback] * len(groups)
+        sending: dict[int, Pending] = {}
+        error: Exception | None = None  # the first, raised once every shard had its turn
+        for index, ((shard, keys), alias) in enumerate(zip(groups, aliases)):
+            stale = keys if write else None
+            if self.ignore_exceptions:
+                skipped = self._skip(shard, alias, fallback, stale)
+                if skipped is not None:
+                    continue
+            try:
+                pending = self._attempt(shard, alias, partial(self._pending, builder, keys))
+            except OperationalError as exc:
+                try:
+                    self._failure(shard, alias, exc, fallback, stale)
+                except OperationalError as raised:  # the other shards still get theirs
+                    error = error or raised
+                continue
+            sending[index] = pending
+        run_each(list(sending.values()))  # every reply is read before anything raises
+        for index, pending in sending.items():
+            shard, keys = groups[index]
+            if pending.error is None:
+                answers[index] = read(pending.outcome)
+                if self.ignore_exceptions:
+                    self._health_of(aliases[index]).succeeded()
+                continue
+            try:
+                self._failure(
+                    shard, aliases[index], self._table_error(pending), fallback,
+                    keys if write else None,
+                )
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return answers
+
+    @staticmethod
+    def _pending(
+        builder: Builder, keys: list[str], connection: BaseDatabaseWrapper, sql: Statements
+    ) -> Pending:
+        statement, params = builder(sql, keys, connection)
+        return Pending(connection, statement, params)
+
+    def _table_error(self, pending: Pending) -> Exception:
+        """``pending``'s error; a missing table says how to create it (as ``_run``)."""
+        exc = pending.error
+        assert exc is not None
+        if isinstance(exc, ProgrammingError) and error_code(exc) == NO_SUCH_TABLE:
+            missing = CacheTableMissing(self._missing_table_message(pending.connection.alias))
+            missing.__cause__ = exc
+            return missing
+        return exc
 
     def _health_of(self, alias: str) -> NodeHealth:
         health = self._health.get(alias)
@@ -411,17 +591,30 @@ class MySQLCache(KVCache):
         if not key_map:
             return {}
         now = now_ms()
+        groups = self._by_shard(list(key_map))
+
+        def select(sql: Statements, keys: list[str], _: Any) -> tuple[str, list[Any]]:
+            return sql.get_many(len(keys)), [now, *keys]
+
+        answers = self._on_shards(
+            False, groups, partial(self._select_many, now), (),
+            select if self._one_statement(groups) else None, list,
+        )
         found = {}
-        for shard, stored in self._by_shard(list(key_map)):
-            rows = self._call(shard, False, partial(self._select_many, stored, now), ())
+        for rows in answers:
             for key, data, flags in rows:
                 value = self.decode(data, flags, key)
                 if value is not MISSING:
                     found[key_map[key]] = value
         return found
 
+    @staticmethod
+    def _one_statement(groups: list[tuple[Shard, list[str]]]) -> bool:
+        """Whether each group's keys fit one statement without asking the server."""
+        return all(len(keys) * KEY_BYTES <= ALWAYS_FITS for _, keys in groups)
+
     def _select_many(
-        self, keys: list[str], now: int, connection: BaseDatabaseWrapper, sql: Statements
+        self, now: int, keys: list[str], connection: BaseDatabaseWrapper, sql: Statements
     ) -> list[tuple[str, bytes, int]]:
         rows: list[tuple[str, bytes, int]] = []
         for chunk in self._key_chunks(connection, keys):
@@ -435,12 +628,12 @@ class MySQLCache(KVCache):
     ) -> None:
         key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
+        shard = self._shard_for(key)
         if expires is None:
-            self._call(self._shard_for(key), True, partial(self._delete_row, key), None)
+            self._call(shard, True, partial(self._delete_row, key), None, (key,))
             return
         data, flags = self._encode(value)
-        shard = self._shard_for(key)
-        self._call(shard, True, partial(self._set_row, key, data, flags, expires), None)
+        self._call(shard, True, partial(self._set_row, key, data, flags, expires), None, (key,))
 
     def _delete_row(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> int:
         return self._run(connection, sql.delete, (key,), rowcount)
@@ -454,11 +647,12 @@ class MySQLCache(KVCache):
         connection: BaseDatabaseWrapper,
         sql: Statements,
     ) -> None:
-        if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
+        if row_size(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             self._delete_row(key, connection, sql)  # never leave an older value
             return
         self._maybe_cull(connection, sql)
-        self._run(connection, sql.set, (key, data, flags, expires), rowcount)
+        value, blob = value_sql(data)
+        self._run(connection, sql.set_row(value), (key, *blob, flags, expires), rowcount)
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -480,12 +674,13 @@ class MySQLCache(KVCache):
         connection: BaseDatabaseWrapper,
         sql: Statements,
     ) -> bool:
-        if len(data) > ALWAYS_FITS and not self._fits(connection, data, key):
+        if row_size(data) > ALWAYS_FITS and not self._fits(connection, data, key):
             return False
         self._maybe_cull(connection, sql)
         now = now_ms()
-        params = (key, data, flags, expires, now, now, now)
-        return self._run(connection, sql.add, params, lastrowid, idempotent=False) == 0
+        value, blob = value_sql(data)
+        params = (key, *blob, flags, expires, now, now, now)
+        return self._run(connection, sql.add_row(value), params, lastrowid, idempotent=False) == 0
 
     def _encode(self, value: Any) -> tuple[bytes, int]:
         data, flags, saved = self.codec.encode_measured(value)
@@ -512,20 +707,40 @@ class MySQLCache(KVCache):
             self.make_and_validate_key(key, version): (key, *self._encode(value))
             for key, value in data.items()
         }
+        groups = self._by_shard(list(rows))
+
+        def rows_of(keys: list[str]) -> list[tuple[Any, str, bytes, int]]:
+            return [(rows[key][0], key, rows[key][1], rows[key][2]) for key in keys]
+
+        def write(keys: list[str], connection: BaseDatabaseWrapper, sql: Statements) -> list[Any]:
+            return self._write_rows(rows_of(keys), expires, connection, sql)
+
+        def upsert(
+            sql: Statements, keys: list[str], connection: BaseDatabaseWrapper
+        ) -> tuple[str, list[Any]]:
+            self._maybe_cull(connection, sql)
+            values: list[str] = []
+            params: list[Any] = []
+            for key in keys:
+                value, blob = value_sql(rows[key][1])
+                values.append(value)
+                params += (key, *blob, rows[key][2], expires)
+            return sql.set_many(values), params
+
+        # One statement per shard when no shard's rows come near ALWAYS_FITS (the usual
+        # batch): then none is too large either, and every answer is "nothing failed".
+        single = not any(needs_budget(rows_of(keys)) for _, keys in groups)
+        answers = self._on_shards(
+            True, groups, write, None, upsert if single else None, lambda _: []
+        )
         failed: list[Any] = []
-        for shard, keys in self._by_shard(list(rows)):
-            shard_rows = [(rows[key][0], key, rows[key][1], rows[key][2]) for key in keys]
-            unreachable = [row[0] for row in shard_rows]
-            too_large = self._call(
-                shard, True, partial(self._write_rows, shard_rows, expires), None
-            )
+        for (shard, keys), too_large in zip(groups, answers):
             if too_large is None:  # ignored: the shard was not reached
-                failed += unreachable
+                failed += [rows[key][0] for key in keys]
                 continue
             if too_large:  # an older value must not outlive a failed write
-                self._call(shard, True, partial(self._delete_keys, [
-                    self.make_and_validate_key(key, version) for key in too_large
-                ]), None)
+                stored = [self.make_and_validate_key(key, version) for key in too_large]
+                self._call(shard, True, partial(self._delete_keys, stored), None, stored)
                 failed += too_large
         return failed
 
@@ -550,27 +765,34 @@ class MySQLCache(KVCache):
         ``max_allowed_packet`` allows; returns the caller keys of rows too large for any."""
         budget = statement_budget(connection) if needs_budget(rows) else ALWAYS_FITS
         failed: list[Any] = []
+        values: list[str] = []
         params: list[Any] = []
         size = 0
-        for caller_key, key, blob, flags in rows:
-            size_of_row = row_size(blob)
+        for caller_key, key, data, flags in rows:
+            size_of_row = row_size(data)
             if size_of_row > budget:
                 self._too_large(caller_key, size_of_row, budget)
                 failed.append(caller_key)
                 continue
             if size + size_of_row > budget:
-                self._run(connection, sql.set_many(len(params) // 4), params, rowcount)
-                params, size = [], 0
-            params += (key, blob, flags, expires)
+                self._run(connection, sql.set_many(values), params, rowcount)
+                values, params, size = [], [], 0
+            value, blob = value_sql(data)
+            values.append(value)
+            params += (key, *blob, flags, expires)
             size += size_of_row
-        if params:
-            self._run(connection, sql.set_many(len(params) // 4), params, rowcount)
+        if values:
+            self._run(connection, sql.set_many(values), params, rowcount)
         return failed
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
         expires = self._expires(timeout)
-        return self._call(self._shard_for(key), True, partial(self._touch, key, expires), False)
+        # A touch that would have deleted the entry (timeout <= 0) and failed leaves it.
+        stale = (key,) if expires is None else None
+        return self._call(
+            self._shard_for(key), True, partial(self._touch, key, expires), False, stale
+        )
 
     def _touch(
         self, key: str, expires: int | None, connection: BaseDatabaseWrapper, sql: Statements
@@ -642,20 +864,34 @@ class MySQLCache(KVCache):
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         key = self.make_and_validate_key(key, version)
-        return self._call(self._shard_for(key), True, partial(self._delete_live, key), False)
+        shard = self._shard_for(key)
+        return self._call(shard, True, partial(self._delete_live, key), False, (key,))
 
     def _delete_live(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> bool:
         # Not retried after a lost reply: the row may be gone by our own hand, and a retry
         # would answer False for a delete that happened (its effect repeats, its answer not).
-        statement, params = sql.delete_live, (key, now_ms())
-        return self._run(connection, statement, params, rowcount, idempotent=False) > 0
+        now = now_ms()
+        statement, params = sql.delete_live, (key, now)
+        deleted = self._run(connection, statement, params, rowcount, idempotent=False) > 0
+        if not deleted and self.stampede is not None and self.stampede.stale_timeout:
+            # An expired row kept for STALE_TIMEOUT goes too: a deleted entry must never be
+            # served stale. Only a row that is still expired: a concurrent set stays.
+            self._run(connection, sql.delete_expired_key, (key, now), rowcount)
+        return deleted
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
         stored = list(self.make_keys(keys, version))
         if not stored:
             return
-        for shard, shard_keys in self._by_shard(stored):
-            self._call(shard, True, partial(self._delete_keys, shard_keys), None)
+        groups = self._by_shard(stored)
+
+        def delete(sql: Statements, keys: list[str], _: Any) -> tuple[str, list[Any]]:
+            return sql.delete_keys(len(keys)), keys
+
+        self._on_shards(
+            True, groups, self._delete_keys, None,
+            delete if self._one_statement(groups) else None, lambda _: None,
+        )
 
     def _delete_keys(
         self, keys: list[str], connection: BaseDatabaseWrapper, sql: Statements
@@ -667,7 +903,7 @@ class MySQLCache(KVCache):
         """Delete this cache's entries on every shard: those under its KEY_PREFIX (every
         version) when it has one and the default KEY_FUNCTION, else every row of the table."""
         for shard in self.shards:
-            self._call(shard, True, self._clear, None)
+            self._call(shard, True, self._clear, None, EVERYTHING)
 
     def _clear(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
         # DELETE, not TRUNCATE: TRUNCATE commits the caller's open transaction.
@@ -709,7 +945,8 @@ class MySQLCache(KVCache):
         return found
 
     def delete_with_prefix(self, prefix: str, version: int | None = None) -> int:
-        """Delete every live entry whose key starts with ``prefix``; returns how many."""
+        """Delete every live entry whose key starts with ``prefix``; returns how many.
+        With STALE_TIMEOUT, expired entries kept for ``get_or_set`` go too (uncounted)."""
         return sum(self._prefix_query("delete_with_prefix", prefix, version, rowcount, 0))
 
     def _prefix_query(
@@ -724,9 +961,14 @@ class MySQLCache(KVCache):
 
         def query(connection: BaseDatabaseWrapper, sql: Statements) -> Any:
             # A delete's count is its answer: not retried after a lost reply (_delete_live).
-            return self._run(connection, getattr(sql, statement), params, read, idempotent=not write)
+            answer = self._run(connection, getattr(sql, statement), params, read, idempotent=not write)
+            if write and self._stale_ms:  # as delete(): a deleted entry is never served stale
+                self._run(connection, sql.delete_expired_with_prefix, params, rowcount)
+            return answer
 
-        answers = [self._call(shard, write, query, fallback) for shard in self.shards]
+        # A missed prefix delete cannot be listed key by key: the shard is cleared instead.
+        stale = EVERYTHING if write else None
+        answers = [self._call(shard, write, query, fallback, stale) for shard in self.shards]
         return answers if write else [row for rows in answers for row in rows]
 
     @staticmethod
@@ -736,7 +978,9 @@ class MySQLCache(KVCache):
     def metrics(self) -> dict[str, Any]:
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
-        size), and under ``"shards"`` each alias's unreachable-server counters and health."""
+        size), and under ``"shards"`` each alias's unreachable-server counters and health,
+        and for each primary the keys it missed writes of (``outdated_keys``, and
+        ``flush_pending`` past the record's limit or after a missed clear)."""
         shards = {}
         for shard in self.shards:
             aliases = [shard.primary()] + ([shard.replica] if shard.replica else [])
@@ -747,6 +991,8 @@ class MySQLCache(KVCache):
                     "down": health.down,
                     "consecutive_failures": health.failures,
                 }
+            missed = self._missed_writes(shard)
+            shards[aliases[0]].update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
         return {**asdict(self.stats), "shards": shards}
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
@@ -764,6 +1010,57 @@ class MySQLCache(KVCache):
         rows = [row for shard in self.shards for row in self._call(shard, False, sample)]
         random.shuffle(rows)
         return [(bytes(data), flags) for data, flags in rows[:count]]
+
+    # --- ttl and herd protection -----------------------------------------------------
+
+    def ttl(self, key: Any, version: int | None = None) -> float | None:
+        """Seconds until ``key`` expires, as a float (millisecond precision); ``None`` if
+        it never expires; ``0.0`` if it is missing or expired — also while an expired
+        entry is kept for STALE_TIMEOUT (only ``get_or_set`` serves it). An unreachable
+        shard under IGNORE_EXCEPTIONS gives ``0.0``, logged as for ``get``."""
+        key = self.make_and_validate_key(key, version)
+        row = self._call(self._shard_for(key), False, partial(self._ttl, key), None)
+        if row is None:
+            return 0.0
+        expires, now = row
+        if expires >= FOREVER:
+            return None
+        return max(expires - now, 0) / 1000
+
+    def _ttl(self, key: str, connection: BaseDatabaseWrapper, sql: Statements) -> Any:
+        now = now_ms()
+        row = self._run(connection, sql.ttl, (key, now), fetchone)
+        return None if row is None else (row[0], now)
+
+    def _lease_store(self, key: Any, timeout: Any, version: Any) -> LeaseStore | None:
+        """A lease row beside the entry, and expired rows kept for STALE_TIMEOUT
+        (``django_kvcache.mysql.lease``)."""
+        if self.stampede is None or self._expires(timeout) is None:
+            return None
+        store = MySQLLeaseStore(self, self.stampede, key, timeout, version)
+        primary = connections[self._shard_for(store.entry_key).primary()]
+        if primary.in_atomic_block or not autocommits(primary):
+            # A lease row written inside a transaction stays locked, and invisible, until
+            # the transaction ends: every other caller's take would wait on that lock
+            # (innodb_lock_wait_timeout), not LEASE_TIMEOUT. Plain get_or_set instead.
+            return None
+        return store
+
+    def _lease_call(self, key: str, write: bool, work: Work, fallback: Any) -> Any:
+        """``work(execute, statements)`` for the lease store, on the primary of the shard
+        that owns ``key`` (an entry's stored key: its lease row lives beside it). Reads
+        go to the primary too, where leases are taken, without counting as a write."""
+
+        def on_connection(connection: BaseDatabaseWrapper, sql: Statements) -> Any:
+            return work(partial(self._run, connection), sql)
+
+        return self._call(self._shard_for(key), write, on_connection, fallback, primary=True)
+
+    @property
+    def _stale_ms(self) -> int:
+        """Milliseconds culling keeps an expired row: STALE_TIMEOUT, else 0."""
+        stale = self.stampede.stale_timeout if self.stampede is not None else None
+        return 0 if stale is None else math.ceil(stale * 1000)
 
     # --- culling ---------------------------------------------------------------------
 
@@ -783,6 +1080,7 @@ class MySQLCache(KVCache):
             self._cull_frequency,
             max_batches,
             batch_size=culling.FULL_CULL_BATCH_SIZE,
+            keep_stale_ms=self._stale_ms,
         ).run(now_ms())
 
     def _maybe_cull(self, connection: BaseDatabaseWrapper, sql: Statements) -> None:
@@ -795,6 +1093,7 @@ class MySQLCache(KVCache):
             self._cull_frequency,
             max_batches=culling.WRITE_PATH_BATCHES,
             check_limit=culling.draw_limit_check(self._max_entries, random.random()),
+            keep_stale_ms=self._stale_ms,
         )
         try:
             cull.run(now_ms())
