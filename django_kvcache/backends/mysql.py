@@ -62,7 +62,7 @@ from django_kvcache.mysql.server import (
     error_code,
     in_transaction,
     is_lock_conflict,
-    pipelinable,
+    may_bypass_cursor,
     run,
     run_each,
     server_info,
@@ -132,7 +132,8 @@ def update_outcome(cursor: Any) -> tuple[int, int, int]:
     changed count is only in the server's info line ("Rows matched: 1  Changed: 1 ...").
     """
     # No info line at all only when no row matched (seen on an empty MyISAM table).
-    counts = (cursor.db.connection.info() or "").partition("Changed: ")[2].split()
+    # The DB-API connection, under Django's cursor wrapper or not.
+    counts = (cursor.connection.info() or "").partition("Changed: ")[2].split()
     changed = int(counts[0]) if counts else 0
     return cursor.rowcount, changed, cursor.lastrowid
 
@@ -417,7 +418,7 @@ class MySQLCache(KVCache):
         """
         aliases = [self._route(shard, write) for shard, _ in groups]
         if builder is None or len(groups) < 2 or not all(
-            pipelinable(connections[alias]) for alias in aliases
+            may_bypass_cursor(connections[alias]) for alias in aliases
         ):
             return [
                 self._call_on(shard, alias, partial(work, keys), fallback, keys if write else None)

@@ -145,7 +145,19 @@ def run(
 
 
 def execute(connection: BaseDatabaseWrapper, sql: str, params: Any, read: Callable[[Any], T]) -> T:
-    with connection.cursor() as cursor:
+    raw = connection.connection
+    if raw is not None and may_bypass_cursor(connection):
+        # Nobody watches statements and no transaction is open: the DB-API cursor of the
+        # open connection, without the ~25 µs of Django's cursor wrappers (a third of a
+        # primary-key SELECT's time), errors translated as Django's cursor does.
+        with connection.wrap_database_errors:
+            cursor = raw.cursor()
+            try:
+                cursor.execute(sql, params)
+                return read(cursor)
+            finally:
+                cursor.close()
+    with connection.cursor() as cursor:  # connects; shows the statement to its watchers
         cursor.execute(sql, params)
         return read(cursor)
 
@@ -214,7 +226,7 @@ class Pending:
     error: Exception | None = None
 
 
-def pipelinable(connection: BaseDatabaseWrapper) -> bool:
+def may_bypass_cursor(connection: BaseDatabaseWrapper) -> bool:
     """Whether statements may bypass Django's cursor on ``connection``: only outside a
     transaction (``run()``'s retry rules), and when nobody watches statements (DEBUG or
     ``assertNumQueries`` logging, ``connection.execute_wrapper()`` instrumentation), so
@@ -286,7 +298,7 @@ def run_each(statements: list[Pending]) -> None:
     statement then follows ``run()``'s rules, each on its own: retried once through the
     cursor (on a fresh connection after a dropped one) when it may run again, so a lost
     reply of a statement that must not run twice (``idempotent=False``) stays an error.
-    The callers use it only where ``pipelinable()`` holds.
+    The callers use it only where ``may_bypass_cursor()`` holds.
     """
     sent: list[Pending] = []
     try:
