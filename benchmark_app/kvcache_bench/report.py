@@ -61,7 +61,17 @@ def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
         f"ops, {mix} values: CPU time of the benchmark process per call (mean; the client's work "
         "only, the servers' CPU is not included)",
         *_blocks(ops["operations"], caches, cpu),
+        *_floor_block(ops.get("floor", [])),
     ])
+
+
+def _floor_block(floor: list[dict[str, Any]]) -> list[str]:
+    if not floor:
+        return []
+    rows = [[e["cache"], e["floor"], micros(e["median_us"]), micros(e.get("cpu_us")),
+             f"{e['get_hit_over_floor']:.2f}x" if e.get("get_hit_over_floor") else "-"] for e in floor]
+    return ["ops: the floor under a MySQL get, a bare mysqlclient primary-key SELECT of the same rows",
+            table(["cache", "floor", "median", "cpu", "get hit / floor"], rows)]
 
 
 def _blocks(operations: Sequence[str], caches: Sequence[str], cells: dict[tuple[str, str], str]) -> list[str]:

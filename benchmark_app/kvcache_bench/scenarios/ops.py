@@ -7,6 +7,15 @@ before anything is timed. Entries an operation needs (the hits) are written befo
 timed calls, without the clock running. Every result is checked after the round's timed
 calls, and so is what the cache holds afterwards. Besides each call's wall time, the
 process CPU time of the timed calls is kept (the client's work; not the servers').
+
+The floor under a MySQL ``get``: in every round of "get hit", right after each kvcache
+MySQL cache's timed gets and on the same rows, a bare mysqlclient connection (the
+cache's database settings, no Django) runs the primary-key ``SELECT value, flags`` of
+each key, once in autocommit mode (each statement its own snapshot, as every cache
+needs to see other writers) and once in mysqlclient's default mode with one transaction
+per round (the round's SELECTs share one snapshot: cheaper for the server, but a
+connection that stays in one transaction reads the rows of its snapshot forever, so no
+cache can run that way). Reported as ``floor`` beside the results.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
+from django.db import connections
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
@@ -178,6 +188,48 @@ OPERATIONS: tuple[Operation, ...] = (
 )
 
 
+#: The floor's connection modes: (label, autocommit).
+FLOOR_MODES = (("mysqlclient SELECT, autocommit", True),
+               ("mysqlclient SELECT, one transaction per round", False))
+
+
+@dataclass
+class Floor:
+    """Bare mysqlclient connections to one kvcache MySQL cache's database, one per mode."""
+
+    select: str
+    connections: dict[str, Any]
+
+    @classmethod
+    def open(cls, spec: CacheSpec) -> Floor:
+        import MySQLdb
+
+        params = connections[spec.database or "default"].get_connection_params()
+        opened = {}
+        for label, autocommit in FLOOR_MODES:
+            opened[label] = raw = MySQLdb.connect(**params)
+            raw.autocommit(autocommit)
+        return cls(f"SELECT `value`, `flags` FROM `{spec.table}` WHERE `cache_key` = %s", opened)
+
+    def time(self, label: str, keys: list[str]) -> Any:
+        raw = self.connections[label]
+        raw.commit()  # without autocommit: a fresh snapshot, which sees this round's rows
+        cursor = raw.cursor()
+
+        def select(key: str) -> Any:
+            cursor.execute(self.select, (key,))
+            return cursor.fetchone()
+
+        try:
+            return time_calls(select, keys)
+        finally:
+            cursor.close()
+
+    def close(self) -> None:
+        for raw in self.connections.values():
+            raw.close()
+
+
 @dataclass
 class Outcome:
     """What one cache did with one operation over the rounds kept."""
@@ -189,9 +241,11 @@ class Outcome:
 
 
 def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round,
-              outcome: Outcome, kept: bool) -> None:
+              outcome: Outcome, kept: bool,
+              floor: tuple[Floor, dict[str, Outcome]] | None = None) -> None:
     """Prepare, time and check one round; add its figures to ``outcome`` if ``kept``
-    (problems always count, warm-up included)."""
+    (problems always count, warm-up included). With ``floor``, time the floor's
+    SELECTs of the rows just read, into its outcomes."""
     cache = context.cache(spec)
     prepared = operation.prepare(r)
     if prepared.preload:
@@ -205,6 +259,8 @@ def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round,
     if kept:
         outcome.durations += timed.durations
         outcome.cpu_ns += timed.cpu_ns
+    if floor is not None:
+        _time_floor(cache, prepared, *floor, kept)
     # Drop the round's entries: tables stay small (their growth is the rows scenario's
     # subject) and so do the shared memcached nodes.
     written = list(dict.fromkeys([*prepared.preload, *prepared.stored]))
@@ -212,10 +268,57 @@ def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round,
         cache.delete_many(written)
 
 
+def _time_floor(cache: BaseCache, prepared: Prepared, floor: Floor,
+                outcomes: dict[str, Outcome], kept: bool) -> None:
+    keys = [cache.make_key(call.argument) for call in prepared.calls]
+    for label, _ in FLOOR_MODES:
+        timed = floor.time(label, keys)
+        if any(row is None for row in timed.results):
+            outcomes[label].problems.append("a row the cache had just read was not found")
+        if kept:
+            outcomes[label].durations += timed.durations
+            outcomes[label].cpu_ns += timed.cpu_ns
+
+
+def _floors(context: Context) -> dict[str, Floor]:
+    return {spec.name: Floor.open(spec) for spec in context.caches if spec.family == "kv-mysql"}
+
+
+def _floor_results(context: Context, floors: dict[str, dict[str, Outcome]],
+                   results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each floor's figures and the cache's ``get hit`` median over the floor's."""
+    gets = {e["cache"]: e for e in results if e["operation"] == "get hit"}
+    entries = []
+    for name, outcomes in floors.items():
+        for label, outcome in outcomes.items():
+            if outcome.problems:
+                context.failures.append(f"ops: floor of {name}, {label}: {outcome.problems[0]}")
+            figures = summarize(outcome.durations, outcome.cpu_ns)
+            entries.append({"cache": name, "floor": label, **figures,
+                            "get_hit_over_floor": round(gets[name]["median_us"] / figures["median_us"], 3)
+                            if figures["median_us"] else None})
+    return entries
+
+
 def run(context: Context) -> dict[str, Any]:
+    outcomes: dict[tuple[str, str], Outcome] = defaultdict(Outcome)
+    floors = _floors(context)
+    floor_outcomes: dict[str, dict[str, Outcome]] = {name: defaultdict(Outcome) for name in floors}
+    try:
+        _rounds(context, outcomes, floors, floor_outcomes)
+    finally:
+        for floor in floors.values():
+            floor.close()
+    results = _results(context, outcomes)
+    add_ratios(results, context.reference)
+    return {"operations": [op.name for op in OPERATIONS], "results": results,
+            "floor": _floor_results(context, floor_outcomes, results)}
+
+
+def _rounds(context: Context, outcomes: dict[tuple[str, str], Outcome],
+            floors: dict[str, Floor], floor_outcomes: dict[str, dict[str, Outcome]]) -> None:
     p = context.parameters
     values = context.values
-    outcomes: dict[tuple[str, str], Outcome] = defaultdict(Outcome)
     rounds = range(-p.warmup_rounds, p.rounds)  # negative rounds: warm-up, checked, not kept
     total = len(rounds) * len(OPERATIONS) * len(context.caches)
     with context.progress("ops", total) as bar:
@@ -223,12 +326,12 @@ def run(context: Context) -> dict[str, Any]:
             for op_index, operation in enumerate(OPERATIONS):
                 r = Round(f"{operation.name.replace(' ', '_')}.{round_index}", p.calls, p.batch, values)
                 for spec in rotated(context.caches, round_index + op_index):
+                    floor = None
+                    if operation.name == "get hit" and spec.name in floors:
+                        floor = (floors[spec.name], floor_outcomes[spec.name])
                     one_round(context, spec, operation, r, outcomes[spec.name, operation.name],
-                              kept=round_index >= 0)
+                              kept=round_index >= 0, floor=floor)
                     bar.update()
-    results = _results(context, outcomes)
-    add_ratios(results, context.reference)
-    return {"operations": [op.name for op in OPERATIONS], "results": results}
 
 
 def add_ratios(results: list[dict[str, Any]], reference: str | None) -> None:
