@@ -79,6 +79,8 @@ def mysql_tables(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]
         make_cache(TABLE)
         make_cache(MYISAM_TABLE, OPTIONS={"ENGINE": "MyISAM"})
         yield
+        # A fault test may have left this thread's connection dead (server restarted).
+        connections["default"].close()
         drop_table(TABLE)
         drop_table(MYISAM_TABLE)
 
