@@ -146,7 +146,7 @@ def run(
 
 def execute(connection: BaseDatabaseWrapper, sql: str, params: Any, read: Callable[[Any], T]) -> T:
     if may_bypass_cursor(connection):
-        connection.close_if_health_check_failed()  # as connection.cursor() would
+        check_before_bypass(connection)
         if connection.connection is not None:
             return execute_directly(connection, sql, params, read)
     with connection.cursor() as cursor:  # connects; shows the statement to its watchers
@@ -160,10 +160,10 @@ def execute_directly(
     """``sql`` on the backend's own cursor of the open connection (``create_cursor()``:
     for MySQL the DB-API cursor with Django's error-code mapping), without the wrappers
     of ``connection.cursor()`` (~25 µs a statement here, a third of a primary-key
-    SELECT). What they do that matters outside a transaction is done here: the thread
-    check, Django's exceptions, closing the cursor whatever happens; ``create_cursor``
-    itself carries Django's check against a sync call inside an event loop."""
-    connection.validate_thread_sharing()
+    SELECT). What they do that matters outside a transaction is done here (after
+    ``check_before_bypass``): Django's exceptions, closing the cursor whatever happens;
+    ``create_cursor`` itself carries Django's check against a sync call inside an event
+    loop."""
     with connection.wrap_database_errors:
         cursor = connection.create_cursor()
         try:
@@ -240,6 +240,14 @@ class Pending:
     error: Exception | None = None
 
 
+def check_before_bypass(connection: BaseDatabaseWrapper) -> None:
+    """What ``connection.cursor()`` checks first, for a statement that bypasses it: the
+    CONN_HEALTH_CHECKS ping (a dead connection is closed, so the next use reconnects)
+    and that this thread may use the connection."""
+    connection.close_if_health_check_failed()
+    connection.validate_thread_sharing()
+
+
 def may_bypass_cursor(connection: BaseDatabaseWrapper) -> bool:
     """Whether statements may bypass Django's cursor on ``connection``: only outside a
     transaction (``run()``'s retry rules), and when nobody watches statements (DEBUG or
@@ -287,8 +295,7 @@ def send(pending: Pending) -> bool:
     it could not be sent."""
     connection = pending.connection
     try:
-        # What Django's cursor() does first: the CONN_HEALTH_CHECKS ping, connecting.
-        connection.close_if_health_check_failed()
+        check_before_bypass(connection)
         connection.ensure_connection()
         if not pending.idempotent:
             close_if_hung_up(connection)
