@@ -29,15 +29,11 @@ class OutdatedCopies:
         self.lock = threading.Lock()
         _all.add(self)
 
-    @property
-    def limit(self) -> int:
-        return LIMIT
-
     def add(self, keys: Iterable[str]) -> None:
         with self.lock:
             if not self.flush:
                 self.keys.update(keys)
-                if len(self.keys) > self.limit:
+                if len(self.keys) > LIMIT:
                     self.keys, self.flush = set(), True
             self.pending = True
 

@@ -267,9 +267,9 @@ def test_writes_missed_during_a_partition_are_deleted_before_the_node_serves(two
 
 
 def test_too_many_missed_writes_flush_the_node(two_nodes, paused, monkeypatch):
-    from django_kvcache.memcached import stale
+    from django_kvcache import outdated
 
-    monkeypatch.setattr(stale, "LIMIT", 3)
+    monkeypatch.setattr(outdated, "LIMIT", 3)
     node, stop = paused
     cache = build(two_nodes, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2)
     untouched, *written = keys_on(cache, node, 6)

@@ -4,7 +4,7 @@ A write that fails, times out or is skipped because the node is down leaves the 
 previous value in place. Once the node answers again — it may only have been
 unreachable, not restarted — that value would be served as if current. So every such
 key is remembered for its node and deleted there before the node serves anything else
-(past ``LIMIT`` keys the whole node is flushed instead).
+(past ``outdated.LIMIT`` keys the whole node is flushed instead).
 
 This covers the writes this process dropped; another process that dropped writes does
 the same when it next uses the node.
@@ -24,16 +24,10 @@ import weakref
 from django_kvcache import outdated
 from django_kvcache.memcached import wire
 
-#: Remembered keys per node before we give up listing them and flush the node instead.
-LIMIT = outdated.LIMIT
-
 
 class OutdatedCopies(outdated.OutdatedCopies):
-    """The shared record (:mod:`django_kvcache.outdated`) with memcached's clean-up."""
-
-    @property
-    def limit(self) -> int:
-        return LIMIT
+    """The shared record (:mod:`django_kvcache.outdated`, which flushes the node past
+    its ``LIMIT`` keys) with memcached's clean-up."""
 
     @staticmethod
     def op(keys: set[str], flush: bool) -> wire.Op:
