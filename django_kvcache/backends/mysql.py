@@ -75,6 +75,7 @@ from django_kvcache.mysql.sql import (
     check_engine,
     create_table_sql,
     drop_table_sql,
+    now_ms,
     value_sql,
 )
 from django_kvcache.options import flag, fraction, integer, seconds
@@ -149,10 +150,6 @@ def row_size(data: bytes) -> int:
 def needs_budget(rows: list[tuple[Any, str, bytes, int]]) -> bool:
     """Whether rows of ``(caller key, stored key, bytes, flags)`` may exceed ALWAYS_FITS."""
     return sum(row_size(row[2]) for row in rows) > ALWAYS_FITS
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class CacheTableMissing(ProgrammingError):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-import time
 import uuid
 from functools import partial
 from operator import attrgetter, methodcaller
@@ -37,7 +36,7 @@ from asgiref.sync import sync_to_async
 
 from django_kvcache import steps
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
-from django_kvcache.mysql.sql import FOREVER, Statements
+from django_kvcache.mysql.sql import FOREVER, Statements, now_ms
 from django_kvcache.stampede import MISSING, Policy, Read
 
 LEASE_KEY_HEAD = "kvcache-lease:"
@@ -64,10 +63,6 @@ def lease_key(entry_key: str) -> str:
     (not the digest marker) where a digested key has its marker."""
     digest = hashlib.sha256(entry_key.encode("utf-8", "surrogatepass")).hexdigest()
     return (LEASE_KEY_HEAD + digest).ljust(MAX_KEY_LENGTH, ".")
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def early_draw(expires: int, now: int, early_ms: int, draw: float) -> bool:

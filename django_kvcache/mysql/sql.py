@@ -9,6 +9,7 @@ statements with parameters). Times are epoch milliseconds computed in Python (se
 from __future__ import annotations
 
 import re
+import time
 from functools import lru_cache
 from typing import Callable
 
@@ -19,6 +20,12 @@ from django_kvcache.mysql.keys import LIKE_ESCAPE, MAX_KEY_LENGTH
 #: ``expires`` of an entry that never expires. The largest BIGINT sorts such rows last in
 #: the expiry index, so eviction reaches them only after every entry that does expire.
 FOREVER = 2**63 - 1
+
+
+def now_ms() -> int:
+    """The application's clock as the ``expires`` column counts: ms since the epoch."""
+    return time.time_ns() // 1_000_000
+
 
 INT64_RANGE = "-9223372036854775808 AND 9223372036854775807"
 INTEGER_FLAGS = "2, 4"  # codec.FLAG_INTEGER and codec.FLAG_LONG: decimal text
