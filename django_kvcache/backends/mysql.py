@@ -448,9 +448,10 @@ class MySQLCache(KVCache):
                 if self.ignore_exceptions:
                     self._health_of(aliases[index]).succeeded()
                 continue
+            alias = aliases[index]
             try:
                 self._failure(
-                    shard, aliases[index], self._table_error(pending), fallback,
+                    shard, alias, self._table_error(pending.error, alias), fallback,
                     keys if write else None,
                 )
             except Exception as exc:
@@ -466,12 +467,11 @@ class MySQLCache(KVCache):
         statement, params = builder(sql, keys, connection)
         return Pending(connection, statement, params)
 
-    def _table_error(self, pending: Pending) -> Exception:
-        """``pending``'s error; a missing table says how to create it (as ``_run``)."""
-        exc = pending.error
-        assert exc is not None
+    def _table_error(self, exc: Exception, alias: str) -> Exception:
+        """``exc``; for a missing table, an error caused by it that says how to create the
+        table."""
         if isinstance(exc, ProgrammingError) and error_code(exc) == NO_SUCH_TABLE:
-            missing = CacheTableMissing(self._missing_table_message(pending.connection.alias))
+            missing = CacheTableMissing(self._missing_table_message(alias))
             missing.__cause__ = exc
             return missing
         return exc
@@ -512,9 +512,7 @@ class MySQLCache(KVCache):
         try:
             return run(connection, statement, params, read, idempotent)
         except ProgrammingError as exc:
-            if error_code(exc) != NO_SUCH_TABLE:
-                raise
-            raise CacheTableMissing(self._missing_table_message(connection.alias)) from exc
+            raise self._table_error(exc, connection.alias)
 
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
