@@ -77,7 +77,7 @@ def make(options=None, **params):
         ({"MAX_ENTRIES": "many"}, "MAX_ENTRIES"),
         ({"MAX_ENTRIES": True}, "MAX_ENTRIES"),
         ({"CULL_FREQUENCY": "1.5"}, "CULL_FREQUENCY"),
-        ({"COMPRESS_LEVEL": 12}, "COMPRESS_LEVEL"),
+        ({"COMPRESS_LEVEL": 99}, "COMPRESS_LEVEL"),  # beyond zlib's and zstd's
         ({"SERIALIZER": "nowhere.Serializer"}, "SERIALIZER"),
     ],
 )

@@ -24,6 +24,7 @@ from django_kvcache.codec import (
     JSONSerializer,
     PickleSerializer,
 )
+from django_kvcache.zstd import FLAG_ZSTD, zstd_module
 from tests.models import Poll
 
 COMPRESSIBLE = "django-kvcache " * 1000
@@ -59,9 +60,14 @@ VALUES = [
 ]
 
 
+#: These tests are about zlib and the flag layout other clients share; the default
+#: compressor (zstd where installed) has its own tests at the end and in test_zstd.py.
+ZLIB = {"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"}
+
+
 @pytest.fixture
 def codec() -> Codec:
-    return Codec.from_options({})
+    return Codec.from_options(ZLIB)
 
 
 def same(a, b) -> bool:
@@ -114,15 +120,15 @@ def test_incompressible_payload_is_kept_raw(codec):
 
 
 def test_short_payload_is_not_compressed():
-    codec = Codec.from_options({"COMPRESS_MIN_LENGTH": 1000})
+    codec = Codec.from_options({**ZLIB, "COMPRESS_MIN_LENGTH": 1000})
     value = "a" * 500
     assert codec.encode(value)[1] == FLAG_PICKLE
     assert codec.encode("a" * 2000)[1] == FLAG_PICKLE | FLAG_ZLIB
 
 
 def test_compression_level_is_used():
-    fast = Codec.from_options({"COMPRESS_LEVEL": 1}).encode(COMPRESSIBLE + str(list(range(3000))))
-    best = Codec.from_options({"COMPRESS_LEVEL": 9}).encode(COMPRESSIBLE + str(list(range(3000))))
+    fast = Codec.from_options({**ZLIB, "COMPRESS_LEVEL": 1}).encode(COMPRESSIBLE + str(list(range(3000))))
+    best = Codec.from_options({**ZLIB, "COMPRESS_LEVEL": 9}).encode(COMPRESSIBLE + str(list(range(3000))))
     assert len(best[0]) < len(fast[0])
 
 
@@ -168,7 +174,7 @@ def test_json_serializer_round_trip_and_flag():
 
 def test_json_codec_refuses_pickle_entries():
     """An entry pickled by someone else is never unpickled by a JSON-configured cache."""
-    pickled = Codec.from_options({}).encode({"x": 1})
+    pickled = Codec.from_options(ZLIB).encode({"x": 1})
     codec = Codec.from_options({"SERIALIZER": "django_kvcache.codec.JSONSerializer"})
     with pytest.raises(CorruptValue):
         codec.decode(*pickled)
@@ -227,7 +233,7 @@ def test_corrupt_entries_raise_corrupt_value(codec, data, flags):
         ({"SERIALIZER": "no.such.Serializer"}, "SERIALIZER"),
         ({"SERIALIZER": 3}, "SERIALIZER"),
         ({"COMPRESSOR": "django_kvcache.codec.Nope"}, "COMPRESSOR"),
-        ({"COMPRESS_LEVEL": 10}, "COMPRESS_LEVEL"),
+        ({**ZLIB, "COMPRESS_LEVEL": 10}, "COMPRESS_LEVEL"),
         ({"COMPRESS_LEVEL": "1"}, "COMPRESS_LEVEL"),
         ({"COMPRESS_MIN_LENGTH": -1}, "COMPRESS_MIN_LENGTH"),
         ({"COMPRESS_MIN_LENGTH": 1.5}, "COMPRESS_MIN_LENGTH"),
@@ -252,13 +258,13 @@ def test_signed_pickle_round_trip_and_flag():
     codec = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k1"})
     for value in [{"a": 1}, COMPRESSIBLE, Poll(id=1, question="q", answers=0)]:
         data, flags = codec.encode(value)
-        assert flags & ~FLAG_ZLIB == FLAG_SIGNED_PICKLE
+        assert flags & ~(FLAG_ZLIB | FLAG_ZSTD) == FLAG_SIGNED_PICKLE
         assert same(codec.decode(data, flags), value)
 
 
 def test_signed_pickle_rejects_unsigned_and_tampered_entries():
     codec = Codec.from_options({"SERIALIZER": SIGNED, "SIGNING_KEY": "k1", "COMPRESSOR": None})
-    unsigned = Codec.from_options({}).encode({"x": 1})
+    unsigned = Codec.from_options(ZLIB).encode({"x": 1})
     with pytest.raises(CorruptValue):
         codec.decode(*unsigned)
     data, flags = codec.encode({"x": 1})
@@ -342,7 +348,7 @@ def test_random_bytes_are_not_sent_to_the_compressor(size):
     ids=["html", "records", "json-text"],
 )
 def test_typical_payloads_are_still_compressed(value):
-    data, flags = Codec.from_options({}).encode(value)
+    data, flags = Codec.from_options(ZLIB).encode(value)
     assert flags == FLAG_PICKLE | FLAG_ZLIB
     assert len(data) < len(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
 
@@ -370,3 +376,50 @@ def test_a_backend_default_compressor_applies_only_when_the_option_is_absent():
     chosen = Codec.from_options({"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"},
                                 default_compressor=default)
     assert type(chosen.compressor).__name__ == "ZlibCompressor"
+
+
+# --- the default compressor: zstd where installed, zlib where not --------------------------
+
+
+def test_the_default_compressor_is_zstd_where_it_is_installed():
+    if zstd_module() is None:
+        pytest.skip("zstd not installed (a backend extra brings it)")
+    data, flags = Codec.from_options({}).encode(COMPRESSIBLE)
+    assert flags == FLAG_PICKLE | FLAG_ZSTD
+    assert pickle.loads(zstd_module().decompress(data)) == COMPRESSIBLE
+
+
+def test_without_zstd_the_default_is_zlib_and_the_check_says_so(monkeypatch, settings):
+    # What a process without backports.zstd (before Python 3.14) sees: the import fails.
+    monkeypatch.setattr("django_kvcache.codec.zstd_module", lambda: None)
+    monkeypatch.setattr("django_kvcache.checks.zstd_module", lambda: None)
+    data, flags = Codec.from_options({}).encode(COMPRESSIBLE)
+    assert flags == FLAG_PICKLE | FLAG_ZLIB
+    assert pickle.loads(zlib.decompress(data)) == COMPRESSIBLE
+
+    from django.core.cache import caches
+
+    from django_kvcache.checks import check_default_compressor
+
+    settings.CACHES = {
+        "defaulted": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                      "LOCATION": "127.0.0.1:1"},
+        "chosen": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                   "LOCATION": "127.0.0.1:1", "OPTIONS": ZLIB},
+        "django": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    }
+    try:
+        messages = check_default_compressor()
+        assert [m.id for m in messages] == ["kvcache.W002"]
+        assert "'defaulted'" in messages[0].msg and "zstd" in messages[0].hint
+    finally:
+        for alias in settings.CACHES:
+            caches[alias].close()
+
+
+def test_the_check_is_silent_where_zstd_is_installed():
+    if zstd_module() is None:
+        pytest.skip("zstd not installed (a backend extra brings it)")
+    from django_kvcache.checks import check_default_compressor
+
+    assert check_default_compressor() == []

@@ -19,6 +19,7 @@ from pymemcache.serde import compressed_serde
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
 from django_kvcache.memcached import ValueTooLarge, wire
+from django_kvcache.zstd import FLAG_ZSTD
 from tests.servers import MemcachedNode, memcached_node
 
 THIRTY_DAYS = 30 * 24 * 3600
@@ -371,7 +372,10 @@ def test_corrupt_entry_is_a_logged_miss(cache, caplog):
     assert cache.get("good") == "value"  # the connection is still in step
 
 
-def test_values_are_readable_by_pymemcache_compressed_serde_and_back(cache):
+def test_values_are_readable_by_pymemcache_compressed_serde_and_back(make_cache):
+    # pymemcache decompresses zlib (flag 8) only: the setting a rolling switch between
+    # the two clients uses (docs/memcached.rst).
+    cache = make_cache(OPTIONS={"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
     value = {"text": "compressible " * 500}
     cache.set("shared", value)
     theirs = Client(
@@ -387,6 +391,19 @@ def test_values_are_readable_by_pymemcache_compressed_serde_and_back(cache):
     text_writer.set(":1:text", "plain text")  # flag 16
     assert cache.get("text") == "plain text"
     text_writer.close()
+
+
+def test_pymemcache_reads_our_zstd_values_as_misses_never_as_wrong_values(cache):
+    if cache.codec.compressor is None or cache.codec.compressor.flag != FLAG_ZSTD:
+        pytest.skip("the default compressor is zlib here (zstd not installed)")
+    cache.set("zstd", {"text": "compressible " * 500})
+    theirs = Client(
+        cache._node(":1:zstd").pool.address.server, serde=compressed_serde, default_noreply=False
+    )
+    try:
+        assert theirs.get(":1:zstd") is None  # flag 1024 is not theirs: the unpickle fails
+    finally:
+        theirs.close()
 
 
 # --- multi-key paths ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import random
 import threading
@@ -14,7 +15,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from django_kvcache.codec import FLAG_PICKLE, FLAG_ZLIB, Codec, CorruptValue
-from django_kvcache.zstd import FLAG_ZSTD, train_dictionary, zstd_module
+from django_kvcache.zstd import FLAG_ZSTD, thread_compressor, train_dictionary, zstd_module
 
 zstd = zstd_module()
 pytestmark = pytest.mark.skipif(zstd is None, reason="zstd not installed (extra 'zstd')")
@@ -80,7 +81,8 @@ def test_random_bytes_are_tried_without_the_sample_check_and_kept_raw(monkeypatc
 
 
 def test_switching_compressor_keeps_old_entries_readable_both_ways():
-    zlib_codec, zstd_codec = Codec.from_options({}), Codec.from_options({"COMPRESSOR": ZSTD})
+    zlib_codec = Codec.from_options({"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
+    zstd_codec = Codec.from_options({"COMPRESSOR": ZSTD})
     value = small_value()
     zlib_data, zlib_flags = zlib_codec.encode(value)
     zstd_data, zstd_flags = zstd_codec.encode(value)
@@ -136,12 +138,17 @@ def test_threads_each_reuse_their_own_compressor():
     errors: list[BaseException] = []
     compressors = []  # the objects themselves: ids of freed ones could be reused
 
+    def current():
+        return thread_compressor(zstd, codec.compressor.level, codec.compressor.dictionary)
+
     def work(value):
         try:
+            first = current()
             for _ in range(200):
                 data, flags = codec.encode(value)
                 assert codec.decode(data, flags) == value
-            compressors.append(codec.compressor.local.compressor)
+            assert current() is first
+            compressors.append(first)
         except BaseException as exc:  # reported below, in the test's thread
             errors.append(exc)
 
@@ -154,12 +161,39 @@ def test_threads_each_reuse_their_own_compressor():
     assert len({id(compressor) for compressor in compressors}) == len(values)
 
 
+def test_cache_instances_share_their_thread_compressor_and_dictionary(dictionaries):
+    # Django builds a cache instance per thread and per async context (each ASGI
+    # request): none of them may pay for a new compressor or read the dictionary again.
+    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]}
+    first, second = Codec.from_options(options), Codec.from_options(options)
+    assert first.compressor.dictionary is second.compressor.dictionary
+    assert thread_compressor(zstd, 3, first.compressor.dictionary) is thread_compressor(
+        zstd, 3, second.compressor.dictionary)
+    plain = Codec.from_options({"COMPRESSOR": ZSTD})
+    assert thread_compressor(zstd, 3, None) is not thread_compressor(
+        zstd, 3, first.compressor.dictionary)
+    value = small_value()
+    assert dictionary_id(first.encode(value)[0]) == dictionary_id(second.encode(value)[0]) != 0
+    assert dictionary_id(plain.encode(value)[0]) == 0
+
+
+def test_a_rewritten_dictionary_file_is_read_again(tmp_path, dictionaries):
+    path = tmp_path / "current.zstd"
+    path.write_bytes(open(dictionaries[0], "rb").read())
+    before = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+    path.write_bytes(open(dictionaries[1], "rb").read())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    after = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+    assert list(before.compressor.dictionaries) != list(after.compressor.dictionaries)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": 99}, "COMPRESS_LEVEL"),
         ({"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": "3"}, "COMPRESS_LEVEL"),
-        ({"COMPRESS_DICTIONARY": "/some/path"}, "COMPRESS_DICTIONARY.*ZstdCompressor"),
+        ({"COMPRESSOR": "django_kvcache.codec.ZlibCompressor", "COMPRESS_DICTIONARY": "/some/path"},
+         "COMPRESS_DICTIONARY.*ZstdCompressor"),
         ({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": "/no/such/file"}, "/no/such/file"),
         ({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": 5}, "COMPRESS_DICTIONARY"),
     ],
