@@ -408,6 +408,11 @@ def test_codec_weighs_each_compression_setting_against_django_mysql_s(
     assert realistic["none"]["vs_payload"] == 1.0
     for entry in realistic.values():
         assert entry["encode_us"] > 0 and entry["decode_us"] > 0
+    # Each row is the compressor it is named after, whatever the default is here.
+    for setting, entry in realistic.items():
+        if setting.startswith(("zlib", "zstd")):
+            expected = "ZlibCompressor" if setting.startswith("zlib") else "ZstdCompressor"
+            assert entry["compressor"] == expected, setting
     # Compressing small values shrinks them, and a trained dictionary shrinks them more.
     assert realistic["zlib-1 from 400"]["vs_payload"] < 0.5
     assert (realistic["zstd-3 + dictionary from 400"]["stored_bytes"]

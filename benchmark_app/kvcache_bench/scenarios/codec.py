@@ -30,11 +30,14 @@ DICTIONARY_SAMPLES = 2000
 #: Where the compact MySQL variant starts compressing (docs/codec.rst, "Choosing compression").
 COMPACT_MYSQL_MIN_LENGTH = 1000
 ZSTD = "django_kvcache.zstd.ZstdCompressor"
+ZLIB = "django_kvcache.codec.ZlibCompressor"
 #: (label, OPTIONS) of each setting measured; zstd ones only where zstd is installed.
+#: Each names its compressor: the default one depends on what is installed.
 SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("none", {"COMPRESSOR": None}),
-    *((f"zlib-1 from {n}", {"COMPRESS_MIN_LENGTH": n}) for n in (400, 1000, 2000, 4000, 8000)),
-    ("zlib-6 from 400", {"COMPRESS_LEVEL": 6, "COMPRESS_MIN_LENGTH": 400}),
+    *((f"zlib-1 from {n}", {"COMPRESSOR": ZLIB, "COMPRESS_MIN_LENGTH": n})
+      for n in (400, 1000, 2000, 4000, 8000)),
+    ("zlib-6 from 400", {"COMPRESSOR": ZLIB, "COMPRESS_LEVEL": 6, "COMPRESS_MIN_LENGTH": 400}),
     *((f"zstd-{level} from {n}", {"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": level,
                                   "COMPRESS_MIN_LENGTH": n})
       for level in (1, 3) for n in (400, 2000, 4000)),
@@ -107,6 +110,7 @@ def _run_settings(context: Context, values: Sequence[Any], payload: int,
             codec = Codec.from_options(options)
             results.append(_measure(label, values, payload, codec.encode,
                                     lambda encoded, codec=codec: codec.decode(*encoded)))
+            results[-1]["compressor"] = type(codec.compressor).__name__ if codec.compressor else None
             bar.update()
     return {"values": len(values), "payload_bytes": payload, "passes": PASSES,
             "results": results}
