@@ -100,11 +100,12 @@ def thread_compressor(zstd: ModuleType, level: int, dictionary: Any) -> Any:
     by_setting = getattr(_compressors, "by_setting", None)
     if by_setting is None:
         by_setting = _compressors.by_setting = {}
-    key = (level, id(dictionary))  # dictionaries live on in _loaded_dictionary's cache
-    compressor = by_setting.get(key)
-    if compressor is None:
-        compressor = by_setting[key] = zstd.ZstdCompressor(level, zstd_dict=dictionary)
-    return compressor
+    # The entry keeps its dictionary alive, so no other dictionary can take its id.
+    entry = by_setting.get((level, id(dictionary)))
+    if entry is None:
+        entry = by_setting[level, id(dictionary)] = (
+            dictionary, zstd.ZstdCompressor(level, zstd_dict=dictionary))
+    return entry[1]
 
 
 class ZstdCompressor:
