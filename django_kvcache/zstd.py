@@ -77,7 +77,8 @@ def load_dictionaries(paths: list[str]) -> list[Any]:
     for path in paths:
         try:
             stat = Path(path).stat()
-            dictionaries.append(_loaded_dictionary(path, stat.st_mtime_ns, stat.st_size))
+            version = (stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+            dictionaries.append(_loaded_dictionary(path, version))
         except (OSError, zstd.ZstdError, ValueError) as exc:
             raise ImproperlyConfigured(
                 f"OPTIONS['COMPRESS_DICTIONARY']: cannot load {path!r}: {exc}"
@@ -86,10 +87,11 @@ def load_dictionaries(paths: list[str]) -> list[Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _loaded_dictionary(path: str, mtime_ns: int, size: int) -> Any:
+def _loaded_dictionary(path: str, version: tuple[int, ...]) -> Any:
     """One ZstdDict per file version: Django builds a cache instance per thread and per
     async context (each ASGI request), and each would otherwise read the file again and
-    give the compressor cache below a new key."""
+    give the compressor cache below a new key. ``version`` (inode, mtime, ctime, size)
+    changes when the file is replaced or rewritten, even within one mtime tick."""
     zstd = require_zstd("OPTIONS['COMPRESS_DICTIONARY']")
     return zstd.ZstdDict(Path(path).read_bytes())
 
@@ -98,6 +100,9 @@ def _loaded_dictionary(path: str, mtime_ns: int, size: int) -> Any:
 #: (a one-shot ``zstd.compress`` is 3-4x a reused compressor at 1 KB), too much to pay
 #: in every cache instance, and there is one per ASGI request.
 _compressors = threading.local()
+#: A process uses one or two settings; more means dictionaries being replaced, and the
+#: old entries would keep their dictionaries alive for the thread's life.
+MAX_THREAD_COMPRESSORS = 8
 
 
 def thread_compressor(zstd: ModuleType, level: int, dictionary: Any) -> Any:
@@ -107,6 +112,8 @@ def thread_compressor(zstd: ModuleType, level: int, dictionary: Any) -> Any:
     # The entry keeps its dictionary alive, so no other dictionary can take its id.
     entry = by_setting.get((level, id(dictionary)))
     if entry is None:
+        if len(by_setting) >= MAX_THREAD_COMPRESSORS:
+            by_setting.clear()
         entry = by_setting[level, id(dictionary)] = (
             dictionary, zstd.ZstdCompressor(level, zstd_dict=dictionary))
     return entry[1]

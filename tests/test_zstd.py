@@ -132,49 +132,87 @@ def test_a_value_whose_dictionary_is_not_listed_is_corrupt_not_wrong(dictionarie
             reader.decode(data, flags)
 
 
-def test_threads_each_reuse_their_own_compressor():
-    codec = Codec.from_options({"COMPRESSOR": ZSTD})
-    values = [small_value(seed) for seed in range(8)]
+@pytest.fixture
+def compressors_built(monkeypatch):
+    """The thread of each zstd compressor built while the test runs.
+
+    The C type cannot be subclassed, so a stand-in class builds the real ones and counts."""
+    built: list[int] = []
+    real = zstd.ZstdCompressor
+
+    class CountingCompressor:
+        FLUSH_FRAME = real.FLUSH_FRAME
+
+        def __new__(cls, *args, **kwargs):
+            built.append(threading.get_ident())
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(zstd, "ZstdCompressor", CountingCompressor)
+    return built
+
+
+def in_new_thread(work) -> None:
     errors: list[BaseException] = []
-    compressors = []  # the objects themselves: ids of freed ones could be reused
 
-    def current():
-        return thread_compressor(zstd, codec.compressor.level, codec.compressor.dictionary)
-
-    def work(value):
+    def run():
         try:
-            first = current()
-            for _ in range(200):
-                data, flags = codec.encode(value)
-                assert codec.decode(data, flags) == value
-            assert current() is first
-            compressors.append(first)
+            work()
         except BaseException as exc:  # reported below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(value,)) for value in values]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not errors
-    assert len({id(compressor) for compressor in compressors}) == len(values)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and not errors, errors
 
 
-def test_cache_instances_share_their_thread_compressor_and_dictionary(dictionaries):
+def test_each_thread_builds_one_compressor_for_all_its_writes(compressors_built):
     # Django builds a cache instance per thread and per async context (each ASGI
-    # request): none of them may pay for a new compressor or read the dictionary again.
+    # request): none of them may pay for a new compressor.
+    values = [small_value(seed) for seed in range(4)]
+
+    def work():
+        for _ in range(3):  # a new cache instance each time, as each request gets
+            codec = Codec.from_options({"COMPRESSOR": ZSTD})
+            for value in values * 20:
+                data, flags = codec.encode(value)
+                assert flags & FLAG_ZSTD and codec.decode(data, flags) == value
+
+    for _ in range(4):
+        in_new_thread(work)
+    # One per thread: not one per cache instance (12) nor per write (960).
+    assert len(compressors_built) == 4
+
+
+def test_cache_instances_share_their_dictionary_and_its_compressor(dictionaries, compressors_built):
+    # Nor may a cache instance read the dictionary file again.
     options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": dictionaries[0]}
-    first, second = Codec.from_options(options), Codec.from_options(options)
-    assert first.compressor.dictionary is second.compressor.dictionary
-    assert thread_compressor(zstd, 3, first.compressor.dictionary) is thread_compressor(
-        zstd, 3, second.compressor.dictionary)
-    plain = Codec.from_options({"COMPRESSOR": ZSTD})
-    assert thread_compressor(zstd, 3, None) is not thread_compressor(
-        zstd, 3, first.compressor.dictionary)
     value = small_value()
-    assert dictionary_id(first.encode(value)[0]) == dictionary_id(second.encode(value)[0]) != 0
-    assert dictionary_id(plain.encode(value)[0]) == 0
+
+    def work():
+        first, second = Codec.from_options(options), Codec.from_options(options)
+        assert first.compressor.dictionary is second.compressor.dictionary
+        written = [first.encode(value)[0], second.encode(value)[0], first.encode(value)[0]]
+        assert len(compressors_built) == 1
+        assert {dictionary_id(data) for data in written} == {first.compressor.dictionary.dict_id}
+        plain = Codec.from_options({"COMPRESSOR": ZSTD})
+        assert dictionary_id(plain.encode(value)[0]) == 0
+        assert len(compressors_built) == 2  # another setting, another compressor
+
+    in_new_thread(work)
+
+
+def test_a_thread_keeps_a_bounded_number_of_compressors(compressors_built):
+    from django_kvcache import zstd as kvcache_zstd
+
+    def work():
+        for level in range(1, 2 * kvcache_zstd.MAX_THREAD_COMPRESSORS + 1):
+            thread_compressor(zstd, level, None)
+        assert len(kvcache_zstd._compressors.by_setting) <= kvcache_zstd.MAX_THREAD_COMPRESSORS
+        assert thread_compressor(zstd, 1, None) is thread_compressor(zstd, 1, None)
+
+    in_new_thread(work)
+    assert len(compressors_built) == 2 * kvcache_zstd.MAX_THREAD_COMPRESSORS + 1
 
 
 def test_a_rewritten_dictionary_file_is_read_again(tmp_path, dictionaries):
@@ -183,6 +221,22 @@ def test_a_rewritten_dictionary_file_is_read_again(tmp_path, dictionaries):
     before = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
     path.write_bytes(open(dictionaries[1], "rb").read())
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    after = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+    assert list(before.compressor.dictionaries) != list(after.compressor.dictionaries)
+
+
+def test_a_dictionary_file_replaced_with_the_same_mtime_is_read_again(tmp_path, dictionaries):
+    # A deploy that copies files with their times kept (rsync -t, cp -p) must not keep
+    # writing with the old dictionary.
+    path = tmp_path / "current.zstd"
+    path.write_bytes(open(dictionaries[0], "rb").read())
+    before = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
+    mtime_ns = path.stat().st_mtime_ns
+    replacement = tmp_path / "next.zstd"
+    replacement.write_bytes(open(dictionaries[1], "rb").read())
+    os.utime(replacement, ns=(mtime_ns, mtime_ns))
+    os.replace(replacement, path)
+    assert path.stat().st_mtime_ns == mtime_ns
     after = Codec.from_options({"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": str(path)})
     assert list(before.compressor.dictionaries) != list(after.compressor.dictionaries)
 
