@@ -389,14 +389,46 @@ def test_the_default_compressor_is_zstd_where_it_is_installed():
     assert pickle.loads(zstd_module().decompress(data)) == COMPRESSIBLE
 
 
-def test_without_zstd_the_default_is_zlib_and_the_check_says_so(monkeypatch, settings):
-    # What a process without backports.zstd (before Python 3.14) sees: the import fails.
-    monkeypatch.setattr("django_kvcache.codec.zstd_module", lambda: None)
-    monkeypatch.setattr("django_kvcache.checks.zstd_module", lambda: None)
-    data, flags = Codec.from_options({}).encode(COMPRESSIBLE)
+@pytest.fixture
+def without_zstd(monkeypatch):
+    """What a process without backports.zstd (before Python 3.14) sees: the import fails."""
+    for module in ("codec", "checks", "zstd"):
+        monkeypatch.setattr(f"django_kvcache.{module}.zstd_module", lambda: None)
+    from django_kvcache.codec import _warn_zlib_fallback
+
+    _warn_zlib_fallback.cache_clear()
+    yield
+    _warn_zlib_fallback.cache_clear()
+
+
+def test_without_zstd_the_default_is_zlib_and_a_warning_says_so_once(without_zstd, caplog):
+    with caplog.at_level("WARNING", logger="django_kvcache.codec"):
+        codecs = [Codec.from_options({}) for _ in range(3)]
+        Codec.from_options(ZLIB)
+    data, flags = codecs[0].encode(COMPRESSIBLE)
     assert flags == FLAG_PICKLE | FLAG_ZLIB
     assert pickle.loads(zlib.decompress(data)) == COMPRESSIBLE
+    warnings = [r.getMessage() for r in caplog.records if r.name == "django_kvcache.codec"]
+    assert len(warnings) == 1 and "zstd" in warnings[0] and "ZlibCompressor" in warnings[0]
 
+
+def test_without_zstd_a_zstd_entry_is_a_miss_that_says_why(without_zstd):
+    zstd = zstd_module.__wrapped__()  # the real import, not the patched attribute
+    if zstd is None:
+        pytest.skip("zstd not installed: no zstd entry to write")
+    data = zstd.compress(pickle.dumps(COMPRESSIBLE))
+    with pytest.raises(CorruptValue, match="zstd, which is not installed"):
+        Codec.from_options(ZLIB).decode(data, FLAG_PICKLE | FLAG_ZSTD)
+
+
+def test_without_zstd_a_dictionary_option_says_zstd_is_missing(without_zstd):
+    for options in ({"COMPRESS_DICTIONARY": "/some/path"},
+                    {**ZLIB, "COMPRESS_DICTIONARY": "/some/path"}):
+        with pytest.raises(ImproperlyConfigured, match="COMPRESS_DICTIONARY.*needs zstd"):
+            Codec.from_options(options)
+
+
+def test_without_zstd_the_check_names_each_cache_left_to_the_default(without_zstd, settings):
     from django.core.cache import caches
 
     from django_kvcache.checks import check_default_compressor
@@ -417,9 +449,19 @@ def test_without_zstd_the_default_is_zlib_and_the_check_says_so(monkeypatch, set
             caches[alias].close()
 
 
-def test_the_check_is_silent_where_zstd_is_installed():
+def test_the_check_is_silent_where_zstd_is_installed(settings):
     if zstd_module() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
+    from django.core.cache import caches
+
     from django_kvcache.checks import check_default_compressor
 
-    assert check_default_compressor() == []
+    # A kvcache alias left to the default compressor: the one the check would name.
+    settings.CACHES = {
+        "defaulted": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                      "LOCATION": "127.0.0.1:1"},
+    }
+    try:
+        assert check_default_compressor() == []
+    finally:
+        caches["defaulted"].close()
