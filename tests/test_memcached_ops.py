@@ -373,8 +373,8 @@ def test_corrupt_entry_is_a_logged_miss(cache, caplog):
 
 
 def test_values_are_readable_by_pymemcache_compressed_serde_and_back(make_cache):
-    # pymemcache decompresses zlib (flag 8) only: the setting a rolling switch between
-    # the two clients uses (docs/memcached.rst).
+    # pymemcache decompresses zlib (flag 8) only, and only with compressed_serde (Django's
+    # PyMemcacheCache uses pickle_serde, hence COMPRESSOR None there: docs/memcached.rst).
     cache = make_cache(OPTIONS={"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
     value = {"text": "compressible " * 500}
     cache.set("shared", value)
