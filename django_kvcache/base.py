@@ -14,9 +14,14 @@ from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 
 from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
+from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import check_known, django_integer, timeout_setting
 
 logger = logging.getLogger(__name__)
+#: Corrupt entries, per backend class: one line when they start, then a summary at most
+#: every minute. Entries another host wrote with a compressor this one lacks (zstd in a
+#: rolling deploy) make every read of them a miss, and must not write a line each.
+unreadable_entries = FailureLog(logger, "cache read")
 
 #: A value no cache entry can hold, for "not found" where ``None`` is a valid value.
 MISSING: Any = object()
@@ -119,11 +124,12 @@ class KVCache(BaseCache):
         return {self.make_and_validate_key(key, version=version): key for key in keys}
 
     def decode(self, data: bytes, flags: int, key: str) -> Any:
-        """The stored value, or ``MISSING`` (with a warning) when the entry is corrupt."""
+        """The stored value, or ``MISSING`` (with a rate-limited warning) when the entry is
+        corrupt."""
         try:
             return self.codec.decode(data, flags)
         except CorruptValue as exc:
-            logger.warning("Ignoring corrupt cache entry %r in %s: %s", key, self.backend_name, exc)
+            unreadable_entries.failed(self.backend_name, f"corrupt cache entry {key!r}: {exc}")
             return MISSING
 
     def get_or_set(

@@ -7,6 +7,15 @@ import pytest
 from tests.servers import MariaDBServer, MemcachedNode
 
 
+@pytest.fixture(autouse=True)
+def new_corrupt_entry_episode() -> None:
+    """Each test's first corrupt entry is logged: an episode left by an earlier test
+    would otherwise summarize it a minute later."""
+    from django_kvcache.base import unreadable_entries
+
+    unreadable_entries.episodes.clear()
+
+
 @pytest.fixture
 def memcached_node_factory() -> Iterator[Callable[[], MemcachedNode]]:
     """Start extra memcached processes for a test; every one is killed afterwards."""

@@ -12,7 +12,7 @@ import pytest
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 from django.core.exceptions import ImproperlyConfigured
 
-from django_kvcache.base import MISSING, KVCache
+from django_kvcache.base import MISSING, KVCache, unreadable_entries
 
 
 class RecordingCache(KVCache):
@@ -133,6 +133,23 @@ def test_corrupt_entry_is_a_logged_miss(caplog):
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
         assert cache.decode(b"garbage", 1, "key:1:x") is MISSING
     assert "corrupt cache entry 'key:1:x'" in caplog.text
+
+
+def test_corrupt_entries_do_not_flood_the_log(caplog, monkeypatch):
+    # A host without zstd reads every zstd entry as corrupt: thousands a second.
+    now = [1000.0]
+    monkeypatch.setattr(unreadable_entries, "clock", lambda: now[0])
+    cache = make()
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        for n in range(500):  # 50 s of them
+            assert cache.decode(b"garbage", 1, f"key:1:{n}") is MISSING
+            now[0] += 0.1
+        assert len(caplog.records) == 1 and "'key:1:0'" in caplog.text
+        now[0] = 1000.0 + unreadable_entries.interval
+        assert cache.decode(b"garbage", 1, "key:1:last") is MISSING
+    assert len(caplog.records) == 2
+    assert "500 more cache read failure(s)" in caplog.records[1].getMessage()
+    assert "'key:1:last'" in caplog.records[1].getMessage()
 
 
 def test_make_keys_maps_backend_keys_to_caller_keys():
