@@ -62,9 +62,10 @@ def default_compressor_path() -> str:
 
     On the benchmark's realistic values zstd level 3 compresses 2-3x faster than zlib
     level 1, to slightly fewer bytes; it reads values under ~3 KB a few µs slower and
-    larger ones faster (docs/codec.rst, "Choosing compression"). It is in the standard library from Python 3.14; before that the
-    backends' extras (``mysql``, ``memcached``) bring backports.zstd. Without either,
-    zlib, with one logged warning and the ``kvcache.W002`` check saying what that costs.
+    larger ones faster (docs/codec.rst, "Choosing compression"). It is in the standard
+    library from Python 3.14; before that the backends' extras (``mysql``,
+    ``memcached``) bring backports.zstd. Without either, zlib, with one logged warning
+    and the ``kvcache.W002`` check saying what that costs.
     """
     if zstd_module() is not None:
         return ZSTD_COMPRESSOR
@@ -223,7 +224,7 @@ def looks_compressible(data: bytes) -> bool:
     return len(set(sample)) < 0.85 * random_distinct
 
 
-def _load_class(options: Mapping[str, Any], option: str, default: str) -> Any:
+def _load_class(options: Mapping[str, Any], option: str, default: str | None) -> Any:
     path = options.get(option, default)
     if path is None:
         return None
@@ -280,7 +281,9 @@ class Codec:
         min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
         if options.get("COMPRESS_DICTIONARY"):
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']")
-        compressor = _load_class(options, "COMPRESSOR", default_compressor or default_compressor_path())
+        if default_compressor is None and "COMPRESSOR" not in options:
+            default_compressor = default_compressor_path()  # only then: it may warn
+        compressor = _load_class(options, "COMPRESSOR", default_compressor)
         if options.get("COMPRESS_DICTIONARY") and not getattr(compressor, "dictionaries", None):
             raise ImproperlyConfigured(
                 "OPTIONS['COMPRESS_DICTIONARY'] needs a compressor that uses dictionaries: "
