@@ -18,9 +18,10 @@ from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import check_known, django_integer, timeout_setting
 
 logger = logging.getLogger(__name__)
-#: Corrupt entries, per backend class: one line when they start, then a summary at most
-#: every minute. Entries another host wrote with a compressor this one lacks (zstd in a
-#: rolling deploy) make every read of them a miss, and must not write a line each.
+#: Corrupt entries, per backend class and kind of damage: one line when they start, then a
+#: summary at most every minute. Entries another host wrote with a compressor this one
+#: lacks (zstd in a rolling deploy) make every read of them a miss, and must not write a
+#: line each; nor may they hide the first entry of another kind (a bad signature).
 unreadable_entries = FailureLog(logger, "cache read")
 
 #: A value no cache entry can hold, for "not found" where ``None`` is a valid value.
@@ -129,7 +130,9 @@ class KVCache(BaseCache):
         try:
             return self.codec.decode(data, flags)
         except CorruptValue as exc:
-            unreadable_entries.failed(self.backend_name, f"corrupt cache entry {key!r}: {exc}")
+            unreadable_entries.failed(
+                f"{self.backend_name} ({exc.reason})", f"corrupt cache entry {key!r}: {exc}"
+            )
             return MISSING
 
     def get_or_set(

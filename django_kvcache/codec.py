@@ -85,7 +85,16 @@ def _warn_zlib_fallback() -> None:
 
 
 class CorruptValue(ValueError):
-    """Stored bytes or flags that this codec cannot turn back into a value."""
+    """Stored bytes or flags that this codec cannot turn back into a value.
+
+    ``reason`` names the kind of damage in a few words ("zstd not installed", "unknown
+    flags", the decoder's error class), so that a log rate-limited per kind still shows
+    the first entry of every kind.
+    """
+
+    def __init__(self, message: str, reason: str = "unreadable") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Serializer(Protocol):
@@ -337,10 +346,24 @@ class Codec:
             if flags == FLAG_TEXT:
                 return bytes(data).decode()
         except Exception as exc:
-            raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {exc!r}")
+            raise CorruptValue(
+                f"cannot decode {len(data)} bytes with flags {flags}: {exc!r}", _error_name(exc)
+            )
         if flags & FLAG_ZSTD and FLAG_ZSTD not in self.decompressors:
             raise CorruptValue(
                 "compressed with zstd, which is not installed here "
-                "(pip install 'django-kvcache[zstd]')"
+                "(pip install 'django-kvcache[zstd]')",
+                "zstd not installed",
             )
-        raise CorruptValue(f"unknown flags {flags} for serializer {type(self.serializer).__name__}")
+        raise CorruptValue(
+            f"unknown flags {flags} for serializer {type(self.serializer).__name__}",
+            "unknown flags",
+        )
+
+
+def _error_name(exc: Exception) -> str:
+    """``ValueError``, ``zlib.error``, ``_pickle.UnpicklingError``: which decoder failed."""
+    cls = type(exc)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -41,7 +41,8 @@ class FailureLog:
     An episode ends when :meth:`recovered` is called for its source, or silently after
     ``interval`` seconds without a failure: the next failure then starts a new one
     (after a summary of what the old one left unreported). Summaries are written when a
-    failure arrives, never by a timer, so a quiet source costs nothing.
+    failure arrives, never by a timer, so a quiet source costs nothing. Each failure that
+    only adds to a count is logged at DEBUG, so none goes unlogged where that level is on.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class FailureLog:
         now = self.clock()
         error_text = str(error)
         lines: list[tuple] = []
+        counted = False
         with self.lock:  # decide under the lock, log outside it
             episode = self.episodes.get(source)
             if episode is not None and now - episode.last_failure >= self.interval:
@@ -79,8 +81,13 @@ class FailureLog:
                 episode.last_error = error_text
                 if now - episode.last_line >= self.interval:
                     self._summarize(lines, source, episode, until=now)
+                else:
+                    counted = True
         for line in lines:
             self.logger.warning(*line)
+        if counted:
+            self.logger.debug("%s failure on %s, counted for its summary: %s",
+                              self.kind, source, error_text)
 
     def recovered(self, source: str) -> None:
         """``source`` answers again: close its episode, if one is open, with its total."""

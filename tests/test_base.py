@@ -152,6 +152,23 @@ def test_corrupt_entries_do_not_flood_the_log(caplog, monkeypatch):
     assert "'key:1:last'" in caplog.records[1].getMessage()
 
 
+def test_each_kind_of_damage_starts_its_own_episode(caplog):
+    # Misses of one kind (entries of a compressor this host lacks, say) must not hide the
+    # first tampered entry: a bad signature gets its own line at once.
+    cache = make({"SERIALIZER": "django_kvcache.codec.SignedPickleSerializer",
+                  "SIGNING_KEY": "secret"})
+    signed = cache.codec.serializer.flag
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        for n in range(100):
+            assert cache.decode(b"x", 999, f"key:1:{n}") is MISSING
+        assert cache.decode(b"\0" * 40, signed, "key:1:tampered") is MISSING
+        assert cache.decode(b"x", 999, "key:1:more") is MISSING
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "unknown flags" in messages[0] and "'key:1:0'" in messages[0]
+    assert "'key:1:tampered'" in messages[1] and "bad signature" in messages[1]
+
+
 def test_make_keys_maps_backend_keys_to_caller_keys():
     cache = make(KEY_PREFIX="p", VERSION=3)
     assert cache.make_keys(["a", "b"]) == {"p:3:a": "a", "p:3:b": "b"}

@@ -58,6 +58,19 @@ def test_failures_within_the_interval_are_counted_not_logged(failures, clock, li
     assert len(lines()) == 1
 
 
+def test_each_counted_failure_has_a_debug_line(failures, clock, caplog):
+    # A burst that stops before the interval is up gets no summary until the next
+    # failure; at DEBUG, none of it goes unlogged meanwhile.
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    failures.failed("server-a", "refused")
+    for n in range(3):
+        clock.now += 1
+        failures.failed("server-a", f"timed out {n}")
+    levels = [(record.levelname, record.getMessage()) for record in caplog.records]
+    assert [level for level, _ in levels] == ["WARNING", "DEBUG", "DEBUG", "DEBUG"]
+    assert levels[3][1] == "test failure on server-a, counted for its summary: timed out 2"
+
+
 def test_one_summary_per_interval_with_the_exact_count_and_last_error(failures, clock, lines):
     failures.failed("server-a", "first")
     for step in range(1, 1041):  # 130 s of failures, eight a second
