@@ -22,6 +22,7 @@ from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
 from django_kvcache.memcached import ValueTooLarge, wire
 from django_kvcache.zstd import FLAG_ZSTD
 from tests.servers import MemcachedNode, memcached_node
+from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
 
 THIRTY_DAYS = 30 * 24 * 3600
 ITEM_SIZE_MAX = 1024 * 1024
@@ -373,6 +374,21 @@ def test_corrupt_entry_is_a_logged_miss(cache, caplog):
         assert cache.get_many(["bad", "good"]) == {"good": "value"}
     assert caplog.text.count("corrupt") == 2
     assert cache.get("good") == "value"  # the connection is still in step
+
+
+def test_a_zstd_entry_where_zstd_is_missing_is_a_miss_that_says_why(
+    make_cache, without_zstd, caplog
+):
+    # Written by a host with zstd, read by one without (a rolling deploy): never a wrong
+    # value, one warning for all such entries, and the key can be written again.
+    cache = make_cache(OPTIONS={"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
+    raw_client(cache, ":1:z").set(":1:z", ZSTD_ENTRY, flags=ZSTD_ENTRY_FLAGS)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert cache.get("z", "default") == "default"
+        assert cache.get_many(["z"]) == {}
+    assert caplog.text.count("compressed with zstd, which is not installed here") == 1
+    cache.set("z", "written here")
+    assert cache.get("z") == "written here"
 
 
 def test_values_are_readable_by_pymemcache_compressed_serde_and_back(make_cache):

@@ -28,6 +28,7 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     rows,
     sql,
 )
+from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
 
 pytestmark = pytest.mark.django_db
 
@@ -261,6 +262,19 @@ def test_corrupt_row_reads_as_a_logged_miss(cache, caplog, value, flags):
     assert caplog.text.count("corrupt") == 2
     cache.set("bad", "repaired")
     assert cache.get("bad") == "repaired"
+
+
+def test_a_zstd_row_where_zstd_is_missing_is_a_miss_that_says_why(cache, without_zstd, caplog):
+    # Written by a host with zstd, read by one without (a rolling deploy): never a wrong
+    # value, one warning for all such rows, and the key can be written again.
+    here = make_cache(OPTIONS={"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
+    insert_row(":1:z", ZSTD_ENTRY, ZSTD_ENTRY_FLAGS, FOREVER)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert here.get("z", "default") == "default"
+        assert here.get_many(["z"]) == {}
+    assert caplog.text.count("compressed with zstd, which is not installed here") == 1
+    here.set("z", "written here")
+    assert here.get("z") == "written here"
 
 
 # --- long keys ---------------------------------------------------------------------------
