@@ -73,6 +73,20 @@ def default_compressor_path() -> str:
     return ZLIB_COMPRESSOR
 
 
+#: libzstd's level range (ZSTD_minCLevel() to ZSTD_maxCLevel()), known without zstd.
+ZSTD_LEVELS = range(-(1 << 17), 23)
+
+
+def zlib_fallback_options(options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OPTIONS for zlib where zstd, the default, is missing. A COMPRESS_LEVEL without a
+    COMPRESSOR is a zstd level (fast levels below 1, up to 22): clamped into zlib's 1-9,
+    the same settings start on every host instead of failing where zstd is missing."""
+    level = options.get("COMPRESS_LEVEL")
+    if type(level) is not int or level not in ZSTD_LEVELS:
+        return options  # absent, or wrong for both: ZlibCompressor says so
+    return {**options, "COMPRESS_LEVEL": min(max(level, 1), 9)}
+
+
 @functools.cache
 def _warn_zlib_fallback() -> None:
     # Once per process: system checks run only under manage.py, not in a WSGI worker.
@@ -292,6 +306,8 @@ class Codec:
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']")
         if default_compressor is None and "COMPRESSOR" not in options:
             default_compressor = default_compressor_path()  # only then: it may warn
+            if default_compressor == ZLIB_COMPRESSOR:
+                options = zlib_fallback_options(options)
         compressor = _load_class(options, "COMPRESSOR", default_compressor)
         if options.get("COMPRESS_DICTIONARY") and not getattr(compressor, "dictionaries", None):
             raise ImproperlyConfigured(

@@ -23,6 +23,7 @@ from django_kvcache.codec import (
     CorruptValue,
     JSONSerializer,
     PickleSerializer,
+    ZlibCompressor,
 )
 from django_kvcache.zstd import FLAG_ZSTD, zstd_module
 from tests.models import Poll
@@ -407,6 +408,18 @@ def test_the_zstd_entry_below_is_a_real_one():
     if zstd_module() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
     assert Codec.from_options(ZLIB).decode(ZSTD_ENTRY, ZSTD_ENTRY_FLAGS) == ZSTD_ENTRY_VALUE
+
+
+def test_without_zstd_a_zstd_level_is_clamped_into_zlibs_range(without_zstd):
+    # COMPRESS_LEVEL without COMPRESSOR is a zstd level; a host without zstd must still start.
+    for zstd_level, zlib_level in [(-5, 1), (0, 1), (1, 1), (6, 6), (12, 9), (22, 9)]:
+        compressor = Codec.from_options({"COMPRESS_LEVEL": zstd_level}).compressor
+        assert isinstance(compressor, ZlibCompressor) and compressor.level == zlib_level
+    with pytest.raises(ImproperlyConfigured, match="COMPRESS_LEVEL"):
+        Codec.from_options({**ZLIB, "COMPRESS_LEVEL": 12})  # zlib named: its own range
+    for wrong in ("fast", 23, -(1 << 17) - 1):  # not a level of zstd either
+        with pytest.raises(ImproperlyConfigured, match="COMPRESS_LEVEL"):
+            Codec.from_options({"COMPRESS_LEVEL": wrong})
 
 
 def test_without_zstd_a_zstd_entry_is_a_miss_that_says_why(without_zstd):
