@@ -130,10 +130,13 @@ class KVCache(BaseCache):
         try:
             return self.codec.decode(data, flags)
         except CorruptValue as exc:
-            unreadable_entries.failed(
-                f"{self.backend_name} ({exc.reason})", f"corrupt cache entry {key!r}: {exc}"
-            )
+            self.report_unreadable(exc.reason, f"corrupt cache entry {key!r}: {exc}")
             return MISSING
+
+    def report_unreadable(self, reason: str, message: str) -> None:
+        """Log an entry read as missing because it is corrupt: rate-limited per backend
+        class and ``reason`` (the kind of damage)."""
+        unreadable_entries.failed(f"{self.backend_name} ({reason})", message)
 
     def get_or_set(
         self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None

@@ -65,7 +65,6 @@ class FailureLog:
         now = self.clock()
         error_text = str(error)
         lines: list[tuple] = []
-        counted = False
         with self.lock:  # decide under the lock, log outside it
             episode = self.episodes.get(source)
             if episode is not None and now - episode.last_failure >= self.interval:
@@ -81,11 +80,9 @@ class FailureLog:
                 episode.last_error = error_text
                 if now - episode.last_line >= self.interval:
                     self._summarize(lines, source, episode, until=now)
-                else:
-                    counted = True
         for line in lines:
             self.logger.warning(*line)
-        if counted:
+        if not lines:  # neither a first line nor a summary: only counted
             self.logger.debug("%s failure on %s, counted for its summary: %s",
                               self.kind, source, error_text)
 

@@ -35,13 +35,7 @@ from django.db import DatabaseError, OperationalError, ProgrammingError, connect
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.module_loading import import_string
 
-from django_kvcache.base import (
-    MISSING,
-    KVCache,
-    check_delta,
-    delegate_to_sync,
-    unreadable_entries,
-)
+from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.health import NodeHealth, health_for
@@ -833,9 +827,8 @@ class MySQLCache(KVCache):
                 raise self._incr_error(connection, sql, key, delta, now) from None
             if error_code(exc) not in BAD_NUMBER:
                 raise
-            unreadable_entries.failed(  # one line per episode, as for corrupt values in get()
-                f"{self.backend_name} (corrupt integer)",
-                f"corrupt integer cache entry {key!r} read as missing: {exc}",
+            self.report_unreadable(
+                "corrupt integer", f"corrupt integer cache entry {key!r} read as missing: {exc}"
             )
             raise ValueError(f"Key '{key}' not found") from exc
         if statement is sql.incr and not matched:  # no row under this key: the usual miss
