@@ -3,6 +3,7 @@ expiry times, incr/decr edge cases, refused values, corrupt entries, wire compat
 and the pipelined multi-key paths (checked node by node with plain pymemcache clients)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -386,6 +387,8 @@ def test_a_zstd_entry_where_zstd_is_missing_is_a_miss_that_says_why(
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
         assert cache.get("z", "default") == "default"
         assert cache.get_many(["z"]) == {}
+        assert asyncio.run(cache.aget("z", "default")) == "default"  # the asyncio path
+        assert asyncio.run(cache.aget_many(["z"])) == {}
     assert caplog.text.count("compressed with zstd, which is not installed here") == 1
     cache.set("z", "written here")
     assert cache.get("z") == "written here"
