@@ -1,7 +1,8 @@
 """The layer every kvcache backend shares on top of Django's ``BaseCache``.
 
-It owns what must behave the same in both backends: OPTIONS checking, the value codec,
-Django's timeout rules, key building, corrupt-entry handling and the async methods.
+It owns what must behave the same in both backends: OPTIONS checking (and errors that
+name the cache), the value codec, Django's timeout rules, key building, corrupt-entry
+handling and the async methods.
 """
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ from typing import Any, Callable, Iterable, Mapping
 
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.options import check_known, django_integer, timeout_setting
+from django_kvcache.options import (
+    check_known,
+    django_integer,
+    name_the_cache,
+    read_number_options,
+    timeout_setting,
+)
 
 logger = logging.getLogger(__name__)
 #: Corrupt entries, per backend class and kind of damage: one line when they start, then a
@@ -50,11 +59,65 @@ def check_delta(delta: Any) -> None:
         raise TypeError(f"delta must be an integer, got {delta!r}")
 
 
-class KVCache(BaseCache):
+def cache_aliases(backend: type, location: Any, params: Mapping[str, Any]) -> list[str]:
+    """The CACHES aliases Django would build as ``backend(location, params)``.
+
+    Django builds a cache from a copy of its CACHES entry without BACKEND and LOCATION,
+    and never tells the backend its alias: an entry of the same class whose LOCATION and
+    other settings are equal is the one (two equal entries are both named).
+    """
+    from django.conf import settings
+
+    try:
+        configured = settings.CACHES
+    except ImproperlyConfigured:  # no settings: a cache built by hand
+        return []
+    found = []
+    for alias, entry in configured.items():
+        others = {name: v for name, v in entry.items() if name not in ("BACKEND", "LOCATION")}
+        if entry.get("LOCATION", "") != location or others != dict(params):
+            continue
+        try:
+            if import_string(entry["BACKEND"]) is backend:
+                found.append(alias)
+        except (ImportError, KeyError):  # another entry's problem, reported when it is built
+            continue
+    return found
+
+
+def describe_cache(backend: type, location: Any, params: Mapping[str, Any]) -> str:
+    """``CACHES['mc']`` for a configured cache, else what it is and where."""
+    aliases = cache_aliases(backend, location, params)
+    if aliases:
+        return " or ".join(f"CACHES[{alias!r}]" for alias in aliases)
+    where = "" if location is None else f" with LOCATION {location!r}"
+    return f"a {backend.__qualname__}{where} built outside CACHES"
+
+
+class NamedConfiguration(type):
+    """Every kvcache backend is built through ``__call__`` here, once, whatever its
+    ``__init__`` reads and in which order: an ``ImproperlyConfigured`` it raises comes out
+    naming the cache (``CACHES['mc']['OPTIONS']['IO_TIMEOUT'] must be ...``)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ImproperlyConfigured as exc:
+            params = kwargs.get("params", args[-1] if args else {})
+            location = kwargs.get("location", args[0] if len(args) > 1 else None)
+            if not isinstance(params, Mapping):
+                raise
+            cache = describe_cache(cls, location, params)
+            raise ImproperlyConfigured(name_the_cache(str(exc), cache)) from exc
+
+
+class KVCache(BaseCache, metaclass=NamedConfiguration):
     """Base class of the kvcache backends.
 
     Subclasses list their extra OPTIONS in ``backend_options``; any other key raises
-    ``ImproperlyConfigured`` when the cache is created.
+    ``ImproperlyConfigured`` when the cache is created, naming the cache and the nearest
+    known key. Number options are read once, as Django reads numbers
+    (``django_kvcache.options``), before anything else looks at them.
     """
 
     shared_options: frozenset[str] = frozenset(
@@ -80,19 +143,18 @@ class KVCache(BaseCache):
     def __init__(self, params: Mapping[str, Any]) -> None:
         options = params.get("OPTIONS") or {}
         self.check_options(options)
+        options = read_number_options(options)
         # Checked here, then read by Django's BaseCache with int() as it always does.
         timeout_setting(params.get("timeout", params.get("TIMEOUT", 300)))
         super().__init__(params)
-        self.options: dict[str, Any] = dict(options)
+        self.options: dict[str, Any] = options
         self.codec = Codec.from_options(options, self.default_compress_min_length)
         self.stampede = stampede.Policy.from_options(options)
 
     # --- configuration ---------------------------------------------------------------
 
     def check_options(self, options: Mapping[str, Any]) -> None:
-        check_known(
-            options, self.shared_options | self.backend_options, f"{self.backend_name} OPTIONS"
-        )
+        check_known(options, self.shared_options | self.backend_options, "OPTIONS")
         for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
             if name in options:
                 django_integer(options[name], f"OPTIONS[{name!r}]", minimum=0)

@@ -258,7 +258,7 @@ def test_unix_socket_node_async(unix_node, memcached_node_factory):
     "options, name",
     [
         ({"CONNECT_TIMEOUT": 0}, "CONNECT_TIMEOUT"),
-        ({"IO_TIMEOUT": "1"}, "IO_TIMEOUT"),
+        ({"IO_TIMEOUT": "soon"}, "IO_TIMEOUT"),
         ({"MAX_POOL_SIZE": 0}, "MAX_POOL_SIZE"),
         ({"POOL_TIMEOUT": None}, "POOL_TIMEOUT"),
         ({"RETRY_TIMEOUT": -1}, "RETRY_TIMEOUT"),

@@ -1,16 +1,37 @@
-"""The shared settings readers: each names the setting and the value it refused."""
+"""Reading a cache's settings: one reading of numbers (Django's) for every number option of
+both backends, and errors that name the cache, the option and the nearest known key."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
+from django.core.cache import caches
 from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
 
 from django_kvcache import options
+from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.backends.mysql import MySQLCache
+
+MYSQL = "django_kvcache.backends.mysql.MySQLCache"
+MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
+NOWHERE = "127.0.0.1:1"  # building a MemcachedCache connects to nothing
+ZLIB = {"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"}
+LEASE = {"LEASE_TIMEOUT": 5}
+
+# --- the readers -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [True, 0, -3, 2.0, "4", None], ids=repr)
-def test_integer_takes_only_ints_of_the_minimum(value):
+@pytest.mark.parametrize("value", [True, 0, -3, 2.5, "4.5", "four", None, float("inf")], ids=repr)
+def test_integer_takes_whole_numbers_of_the_minimum(value):
     with pytest.raises(ImproperlyConfigured, match=r"OPTIONS\['SIZE'\] must be an integer .*got"):
         options.integer({"SIZE": value}, "SIZE", 1)
+
+
+@pytest.mark.parametrize("value, expected", [(4, 4), ("4", 4), (" 4 ", 4), (4.0, 4)], ids=repr)
+def test_integer_reads_numbers_and_numeric_strings(value, expected):
+    number = options.integer({"SIZE": value}, "SIZE", 7)
+    assert number == expected and type(number) is int
 
 
 def test_integer_default_and_minimum():
@@ -18,24 +39,38 @@ def test_integer_default_and_minimum():
     assert options.integer({"SIZE": 0}, "SIZE", 7, minimum=0) == 0
 
 
-@pytest.mark.parametrize("value", [0, -1, True, "1", float("nan")], ids=repr)
-def test_seconds_must_be_positive_numbers(value):
-    with pytest.raises(ImproperlyConfigured, match=r"OPTIONS\['WAIT'\] must be a positive number"):
+@pytest.mark.parametrize(
+    "value",
+    [0, -1, "0", True, "soon", float("nan"), float("inf"), "inf", "nan", [1], 1e300],
+    ids=repr,
+)
+def test_seconds_must_be_positive_finite_numbers(value):
+    with pytest.raises(ImproperlyConfigured, match=(
+        r"OPTIONS\['WAIT'\] must be a positive number of seconds \(finite, at most 1_000_000_000\)"
+    )):
         options.seconds({"WAIT": value}, "WAIT", 1.0)
+
+
+@pytest.mark.parametrize("value, expected", [(2, 2.0), ("2", 2.0), ("0.25", 0.25), (0.5, 0.5)])
+def test_seconds_reads_numbers_and_numeric_strings(value, expected):
+    assert options.seconds({"WAIT": value}, "WAIT", 1.0) == expected
 
 
 def test_seconds_none_only_where_allowed():
     assert options.seconds({"WAIT": None}, "WAIT", 1.0, allow_none=True) is None
-    assert options.seconds({"WAIT": 2}, "WAIT", 1.0) == 2.0
-    with pytest.raises(ImproperlyConfigured, match="positive number of seconds, got None"):
+    with pytest.raises(ImproperlyConfigured, match=r"\(finite, at most 1_000_000_000\), got None"):
         options.seconds({"WAIT": None}, "WAIT", 1.0)
 
 
-@pytest.mark.parametrize("value", [-0.1, 1.5, False, "0.5"], ids=repr)
+@pytest.mark.parametrize("value", [-0.1, 1.5, False, "half", float("nan")], ids=repr)
 def test_fraction_is_a_number_from_0_to_1(value):
     with pytest.raises(ImproperlyConfigured, match="from 0 to 1"):
         options.fraction({"P": value}, "P", 0.5)
+
+
+def test_fraction_reads_numbers_and_numeric_strings():
     assert options.fraction({"P": 1}, "P", 0.5) == 1.0
+    assert options.fraction({"P": "0.5"}, "P", 0.1) == 0.5
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None], ids=repr)
@@ -51,7 +86,205 @@ def test_check_known_names_the_unknown_keys_and_the_known_ones():
         options.check_known("x", {"cafile"}, "TLS")
 
 
+@pytest.mark.parametrize(
+    "typed, nearest",
+    [("max_entries", "MAX_ENTRIES"), ("MAX_ENTRY", "MAX_ENTRIES"), ("io_timeout", "IO_TIMEOUT"),
+     ("LEASE_TIMOUT", "LEASE_TIMEOUT"), ("SPEED", None)],
+)
+def test_check_known_suggests_the_nearest_known_key(typed, nearest):
+    known = {"MAX_ENTRIES", "IO_TIMEOUT", "LEASE_TIMEOUT", "STALE_TIMEOUT"}
+    with pytest.raises(ImproperlyConfigured) as raised:
+        options.check_known({typed: 1}, known, "OPTIONS")
+    if nearest:
+        assert f"unknown keys: {typed} (did you mean {nearest}?)." in str(raised.value)
+    else:
+        assert f"unknown keys: {typed}. Known:" in str(raised.value)
+
+
 def test_django_integer_minimum():
     assert options.django_integer("0", "MAX_ENTRIES", minimum=0) == 0
+    assert options.django_integer(2.7, "MAX_ENTRIES", minimum=0) == 2  # int(), as Django
     with pytest.raises(ImproperlyConfigured, match="MAX_ENTRIES must be .* at least 0, got -2"):
         options.django_integer(-2, "MAX_ENTRIES", minimum=0)
+
+
+# --- one reading for every number option of both backends ----------------------------------
+
+
+def mysql(settings: dict[str, Any]) -> MySQLCache:
+    return MySQLCache("kvcache_options", {"OPTIONS": settings})
+
+
+def memcached(settings: dict[str, Any]) -> MemcachedCache:
+    return MemcachedCache(NOWHERE, {"OPTIONS": settings})
+
+
+Reader = Callable[[Any], Any]
+#: (option, its text, the number it means, options it needs, how the backend holds it)
+SHARED_NUMBERS: list[tuple[str, str, float, dict[str, Any], Reader]] = [
+    ("COMPRESS_MIN_LENGTH", "500", 500, {}, lambda c: c.codec.compress_min_length),
+    ("COMPRESS_LEVEL", "5", 5, ZLIB, lambda c: c.codec.compressor.level),
+    ("LEASE_TIMEOUT", "10", 10.0, {}, lambda c: c.stampede.lease_timeout),
+    ("STALE_TIMEOUT", "30", 30.0, LEASE, lambda c: c.stampede.stale_timeout),
+    ("EARLY_RECOMPUTE", "2.5", 2.5, LEASE, lambda c: c.stampede.early_recompute),
+]
+MYSQL_NUMBERS = [
+    *SHARED_NUMBERS,
+    ("MAX_ENTRIES", "100", 100, {}, lambda c: c._max_entries),
+    ("CULL_FREQUENCY", "4", 4, {}, lambda c: c._cull_frequency),
+    ("FAILURE_THRESHOLD", "3", 3, {}, lambda c: c.failure_threshold),
+    ("RETRY_TIMEOUT", "0.5", 0.5, {}, lambda c: c.retry_timeout),
+    ("READ_YOUR_WRITES", "2", 2.0, {}, lambda c: c.read_your_writes),
+    ("CULL_PROBABILITY", "0.25", 0.25, {}, lambda c: c.cull_probability),
+]
+#: Memcached's connection options shape the process-wide cluster: a cache whose option
+#: is read the same way shares the very same cluster (and its pools) with the number's.
+def cluster(cache: MemcachedCache) -> Any:
+    return cache.cluster
+
+
+MEMCACHED_NUMBERS = [
+    *SHARED_NUMBERS,
+    ("MAX_ENTRIES", "100", 100, {}, lambda c: c._max_entries),
+    *(
+        (name, text, number, {}, cluster)
+        for name, text, number in [
+            ("CONNECT_TIMEOUT", "2", 2.0), ("IO_TIMEOUT", "1.5", 1.5),
+            ("MAX_POOL_SIZE", "8", 8), ("POOL_TIMEOUT", "3", 3.0),
+            ("FAILURE_THRESHOLD", "4", 4), ("RETRY_TIMEOUT", "7", 7.0),
+        ]
+    ),
+    ("WEIGHTS", {NOWHERE: "2"}, {NOWHERE: 2.0}, {}, cluster),
+]
+
+
+def readings(build: Callable[[dict[str, Any]], Any], name: str, text: Any, number: Any,
+             needs: dict[str, Any], reader: Reader) -> tuple[Any, Any]:
+    as_text, as_number = build({**needs, name: text}), build({**needs, name: number})
+    return reader(as_text), reader(as_number)
+
+
+@pytest.mark.parametrize("name, text, number, needs, reader", MYSQL_NUMBERS,
+                         ids=[row[0] for row in MYSQL_NUMBERS])
+def test_every_mysql_number_option_reads_a_numeric_string_as_its_number(
+    name, text, number, needs, reader
+):
+    from_text, from_number = readings(mysql, name, text, number, needs, reader)
+    assert from_text == from_number == number
+    assert type(from_text) is type(from_number)
+
+
+@pytest.mark.parametrize("name, text, number, needs, reader", MEMCACHED_NUMBERS,
+                         ids=[row[0] for row in MEMCACHED_NUMBERS])
+def test_every_memcached_number_option_reads_a_numeric_string_as_its_number(
+    name, text, number, needs, reader
+):
+    from_text, from_number = readings(memcached, name, text, number, needs, reader)
+    if reader is cluster:
+        assert from_text is from_number and from_text is not cluster(memcached({}))
+        assert memcached({**needs, name: text}).options[name] == number
+    else:
+        assert from_text == from_number == number
+        assert type(from_text) is type(from_number)
+
+
+NUMBER_OPTIONS = sorted({row[0] for row in MYSQL_NUMBERS + MEMCACHED_NUMBERS} - {"WEIGHTS"})
+
+
+@pytest.mark.parametrize("name", NUMBER_OPTIONS)
+@pytest.mark.parametrize("junk", [float("inf"), float("nan"), "inf", True, "soon"], ids=repr)
+def test_every_number_option_refuses_infinity_nan_bools_and_words_naming_cache_and_option(
+    name, junk
+):
+    backend = MYSQL if name in {row[0] for row in MYSQL_NUMBERS} else MEMCACHED
+    location = "kvcache_options" if backend == MYSQL else NOWHERE
+    needs = LEASE if name in ("STALE_TIMEOUT", "EARLY_RECOMPUTE") else {}
+    configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": {**needs, name: junk}}
+    if name == "COMPRESS_LEVEL":
+        configured["OPTIONS"].update(ZLIB)
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["mc"]
+    assert str(raised.value).startswith(f"CACHES['mc']['OPTIONS'][{name!r}] must be"), raised.value
+    assert repr(junk) in str(raised.value)
+
+
+# --- issue 21, defect 5: seconds that cannot become milliseconds --------------------------
+
+
+@pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
+@pytest.mark.parametrize(
+    "settings, name",
+    [({"LEASE_TIMEOUT": float("inf")}, "LEASE_TIMEOUT"),
+     ({"LEASE_TIMEOUT": 5, "STALE_TIMEOUT": float("inf")}, "STALE_TIMEOUT"),
+     ({"LEASE_TIMEOUT": 5, "EARLY_RECOMPUTE": float("inf")}, "EARLY_RECOMPUTE"),
+     ({"LEASE_TIMEOUT": 5, "STALE_TIMEOUT": float("nan")}, "STALE_TIMEOUT")],
+    ids=["lease-inf", "stale-inf", "early-inf", "stale-nan"],
+)
+def test_infinite_lease_and_stale_timeouts_are_refused_naming_the_cache(
+    backend, location, settings, name
+):
+    """STALE_TIMEOUT=inf made every MySQL write-path cull raise OverflowError, and
+    LEASE_TIMEOUT=inf every get_or_set: now the cache does not start."""
+    with override_settings(CACHES={"guarded": {"BACKEND": backend, "LOCATION": location,
+                                               "OPTIONS": settings}}):
+        with pytest.raises(ImproperlyConfigured, match=(
+            rf"^CACHES\['guarded'\]\['OPTIONS'\]\['{name}'\] must be a positive number of "
+            r"seconds \(finite, at most 1_000_000_000\)"
+        )):
+            caches["guarded"]
+
+
+# --- errors name the cache ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
+def test_an_unknown_key_names_the_cache_and_the_nearest_known_key(backend, location):
+    configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": {"max_entries": 10}}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["mc"]
+    assert str(raised.value).startswith(
+        "CACHES['mc']['OPTIONS'] has unknown keys: max_entries (did you mean MAX_ENTRIES?). "
+        "Known: "
+    ), raised.value
+
+
+def test_a_message_about_another_setting_names_the_cache_in_front():
+    configured = {"BACKEND": MEMCACHED, "LOCATION": [NOWHERE, NOWHERE]}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured, match=r"^CACHES\['mc'\]: memcached LOCATION"):
+            caches["mc"]
+    with override_settings(CACHES={"db": {"BACKEND": MYSQL, "LOCATION": "a`b"}}):
+        with pytest.raises(ImproperlyConfigured, match=r"^CACHES\['db'\]: MySQLCache LOCATION"):
+            caches["db"]
+
+
+def test_the_timeout_setting_is_named_with_its_cache():
+    configured = {"BACKEND": MEMCACHED, "LOCATION": NOWHERE, "TIMEOUT": "soon"}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured, match=r"^CACHES\['mc'\]\['TIMEOUT'\] must be"):
+            caches["mc"]
+
+
+def test_two_equal_entries_are_both_named():
+    configured = {"BACKEND": MEMCACHED, "LOCATION": NOWHERE, "OPTIONS": {"IO_TIMEOUT": 0}}
+    with override_settings(CACHES={"a": configured, "b": dict(configured)}):
+        with pytest.raises(ImproperlyConfigured, match=r"^CACHES\['a'\] or CACHES\['b'\]: OPTIONS"):
+            caches["b"]
+
+
+@pytest.mark.parametrize("build, described", [
+    (lambda: MySQLCache("kvcache_x", {"OPTIONS": {"max_entries": 1}}),
+     "a MySQLCache with LOCATION 'kvcache_x' built outside CACHES: OPTIONS has unknown keys: "
+     "max_entries (did you mean MAX_ENTRIES?)"),
+    (lambda: MemcachedCache(NOWHERE, {"OPTIONS": {"IO_TIMEOUT": "soon"}}),
+     "a MemcachedCache with LOCATION '127.0.0.1:1' built outside CACHES: "
+     "OPTIONS['IO_TIMEOUT'] must be a positive number of seconds (finite, at most "
+     "1_000_000_000)"),
+])
+def test_a_cache_built_outside_caches_is_described(build, described):
+    with override_settings(CACHES={"default": {"BACKEND": MYSQL, "LOCATION": "other"}}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            build()
+    assert str(raised.value).startswith(described), raised.value

@@ -200,7 +200,7 @@ class StampedeContract(CacheFixture):
         [
             ({"STALE_TIMEOUT": 5}, "STALE_TIMEOUT.*needs.*LEASE_TIMEOUT"),
             ({"LEASE_TIMEOUT": 0}, "LEASE_TIMEOUT"),
-            ({"LEASE_TIMEOUT": 1, "STALE_TIMEOUT": "5"}, "STALE_TIMEOUT"),
+            ({"LEASE_TIMEOUT": 1, "STALE_TIMEOUT": "five"}, "STALE_TIMEOUT"),
             ({"EARLY_RECOMPUTE": 5}, "EARLY_RECOMPUTE.*needs.*LEASE_TIMEOUT"),
             ({"LEASE_TIMEOUT": 1, "EARLY_RECOMPUTE": -1}, "EARLY_RECOMPUTE"),
         ],
