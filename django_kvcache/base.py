@@ -18,6 +18,7 @@ from django.utils.module_loading import import_string
 from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
 from django_kvcache.failure_log import FailureLog
+from django_kvcache.zstd import FLAG_ZSTD
 from django_kvcache.options import (
     check_known,
     django_integer,
@@ -188,11 +189,16 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
 
     def decode(self, data: bytes, flags: int, key: str) -> Any:
         """The stored value, or ``MISSING`` (with a rate-limited warning) when the entry is
-        corrupt."""
+        corrupt, or written with a compressor this process lacks (zstd where it is not
+        installed: the entry is fine, only unreadable here)."""
         try:
             return self.codec.decode(data, flags)
         except CorruptValue as exc:
-            self.report_unreadable(exc.reason, f"corrupt cache entry {key!r}: {exc}")
+            if flags & FLAG_ZSTD and FLAG_ZSTD not in self.codec.decompressors:
+                message = f"cache entry {key!r} read as missing, unreadable here: {exc}"
+            else:
+                message = f"corrupt cache entry {key!r}: {exc}"
+            self.report_unreadable(exc.reason, message)
             return MISSING
 
     def report_unreadable(self, reason: str, message: str) -> None:

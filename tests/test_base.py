@@ -135,6 +135,20 @@ def test_corrupt_entry_is_a_logged_miss(caplog):
     assert "corrupt cache entry 'key:1:x'" in caplog.text
 
 
+def test_a_zstd_entry_where_zstd_is_missing_is_logged_as_unreadable_here_not_corrupt(
+    without_zstd, caplog
+):
+    from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
+
+    cache = make({"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"})
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert cache.decode(ZSTD_ENTRY, ZSTD_ENTRY_FLAGS, "key:1:z") is MISSING
+    assert "cache entry 'key:1:z' read as missing, unreadable here: compressed with zstd" in (
+        caplog.text
+    )
+    assert "corrupt" not in caplog.text
+
+
 def test_corrupt_entries_do_not_flood_the_log(caplog, monkeypatch):
     # A host without zstd reads every zstd entry as corrupt: thousands a second.
     now = [1000.0]
