@@ -77,8 +77,8 @@ def check_mysql_cache_tables(
                 Warning(
                     f"The table {cache.table!r} of cache {alias!r} does not exist in "
                     f"database {database!r}.",
-                    hint=f"Run 'manage.py kvcache_createtable {alias}' (or save the output "
-                    "of 'manage.py kvcache_migration' as a migration).",
+                    hint=f"Run 'manage.py kvcache_createtable {alias}', or 'manage.py "
+                    "migrate', which creates it before migrating.",
                     id="kvcache.W001",
                 )
             )

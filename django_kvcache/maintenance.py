@@ -1,5 +1,10 @@
 """Table creation, migrations and culling over every MySQLCache in ``CACHES``.
 
+With ``django_kvcache`` in INSTALLED_APPS, ``prepare_migrate`` runs before migrations
+run on a database (``pre_migrate``): in ``manage.py migrate`` and in every test
+database the test runner builds, the tables of the caches that live there exist before
+any migration or ``post_migrate`` receiver may write to them.
+
 The management commands are thin wrappers around these functions; ``cull_all`` is also
 meant to be called from a periodic task (Celery beat, RQ scheduler...)::
 
@@ -14,11 +19,12 @@ It lives above the backend (the helper package ``django_kvcache.mysql`` never im
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
 from django.db import connections
+from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 
 from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
 
@@ -80,26 +86,69 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
 def caches_in(database: str) -> dict[str, MySQLCache]:
     """The MySQLCaches whose table lives in ``database``.
 
-    Django's test runner calls ``createcachetable --database <alias>`` for each test
-    database it creates, and not for a ``TEST["MIRROR"]`` alias, which at that moment
-    still points at the real database. So a cache whose alias is ``database``, or mirrors
-    it in tests, counts as living there.
+    Django's test runner calls ``migrate`` and ``createcachetable --database <alias>``
+    for each test database it creates, and not for a ``TEST["MIRROR"]`` alias, which at
+    that moment still points at the real database. So a cache whose alias is
+    ``database``, mirrors it in tests, or is another connection to the same database
+    (same HOST, PORT and NAME), counts as living there.
     """
     if connections[database].vendor != "mysql":
         return {}
     return {
-        alias: cache for alias, cache in mysql_caches().items() if database in own_databases(cache)
+        alias: cache
+        for alias, cache in mysql_caches().items()
+        if any(lives_in(own, database) for own in cache.database_aliases())
     }
 
 
-def own_databases(cache: MySQLCache) -> set[str]:
-    """The cache's (write) database aliases, one per shard, and the aliases they mirror
-    in tests, if any."""
-    owned: set[str] = set()
-    for alias in cache.database_aliases():
-        mirror = (connections.settings[alias].get("TEST") or {}).get("MIRROR")
-        owned |= {alias, mirror} - {None}
-    return owned
+def lives_in(alias: str, database: str) -> bool:
+    """Whether the alias ``alias`` reaches the database of the alias ``database``."""
+    if alias == database or mirrored(alias) == database:
+        return True
+    own, other = connections[alias].settings_dict, connections[database].settings_dict
+    return all(own.get(name) == other.get(name) for name in ("HOST", "PORT", "NAME"))
+
+
+def mirrored(alias: str) -> str | None:
+    """The alias that ``alias`` is a ``TEST["MIRROR"]`` of, if any."""
+    return (connections[alias].settings_dict.get("TEST") or {}).get("MIRROR")
+
+
+def follow_test_mirror(database: str) -> None:
+    """Point the caches' mirror aliases of ``database`` at its test database now, when
+    the test runner is building it, instead of after every test database is built.
+
+    Until then a cache on a mirror alias (``"cache"``, ``TEST: {"MIRROR": "default"}``)
+    still reaches the real database: a ``post_migrate`` receiver that writes to it while
+    the test database is migrated (django-cachalot does) would write to, or miss the
+    table of, the real database. The test database is known by its name: its TEST NAME,
+    or ``test_`` and the mirror's (unchanged) NAME, which a real ``migrate`` never sees.
+    """
+    primary = connections[database].settings_dict
+    for cache in caches_in(database).values():
+        for alias in cache.database_aliases():
+            if alias == database or mirrored(alias) != database:
+                continue
+            mirror = connections[alias]
+            test_name = (primary.get("TEST") or {}).get("NAME")
+            test_name = test_name or TEST_DATABASE_PREFIX + mirror.settings_dict["NAME"]
+            if primary["NAME"] == test_name != mirror.settings_dict["NAME"]:
+                mirror.close()  # an open connection would stay on the real database
+                mirror.creation.set_as_test_mirror(primary)
+
+
+def prepare_migrate(
+    sender: Any, using: str, verbosity: int = 1, stdout: Any = None, **kwargs: Any
+) -> None:
+    """``pre_migrate``: create the missing tables of the caches that live in ``using``
+    before any migration runs there (and, while the test runner builds a test database,
+    point their mirror aliases at it first)."""
+    follow_test_mirror(using)
+    created = create_tables_in(using)
+    if verbosity >= 1 and stdout is not None:
+        for alias, cache in caches_in(using).items():
+            if alias in created:
+                stdout.write(f"  Created the table {cache.table!r} of cache {alias!r}.\n")
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """Django's ``createcachetable``, which also creates the MySQLCache tables of its database.
 
 Django's test runner runs ``createcachetable --database <alias>`` for every test database
-it creates, so ``manage.py test`` gets these tables as it gets ``DatabaseCache``'s. Apps
-in INSTALLED_APPS override Django's own commands of the same name.
+it creates, so ``manage.py test`` gets these tables as it gets ``DatabaseCache``'s (the
+``pre_migrate`` receiver of django_kvcache made them already, before the migrations).
+Apps in INSTALLED_APPS override Django's own commands of the same name.
 """
 from __future__ import annotations
 
