@@ -25,6 +25,7 @@ from functools import partial
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
+from django.apps import apps as django_apps
 from django.conf import settings
 from django.core.cache.backends.base import (
     DEFAULT_TIMEOUT,
@@ -516,15 +517,23 @@ class MySQLCache(KVCache):
 
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
-        if aliases:
+        if not aliases:  # built outside CACHES
+            owner, fix = f"a {self.backend_name}", "Create it with cache.create_table()."
+        elif not django_apps.is_installed("django_kvcache"):  # no commands, no pre_migrate
             owner = "cache " + ", ".join(repr(alias) for alias in aliases)
-            fix = f"'manage.py kvcache_createtable {' '.join(aliases)}'"
-        else:  # built outside CACHES
-            owner = f"a {self.backend_name}"
-            fix = "cache.create_table()"
+            fix = (
+                "Add 'django_kvcache' to INSTALLED_APPS: then 'manage.py migrate' creates "
+                "it, and so does the test runner in test databases."
+            )
+        else:
+            owner = "cache " + ", ".join(repr(alias) for alias in aliases)
+            fix = (
+                f"Create it with 'manage.py kvcache_createtable {' '.join(aliases)}' (or "
+                "'manage.py migrate', which creates it first)."
+            )
         return (
             f"The table {self.table!r} of {owner} does not exist in database {database!r}. "
-            f"Create it with {fix}."
+            f"{fix}"
         )
 
     def configured_aliases(self) -> list[str]:
