@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from django_kvcache.backends.mysql import MySQLCache
@@ -19,7 +20,9 @@ class MySQLCacheCommand(BaseCommand):
         )
 
     def selected_caches(self, aliases: list[str]) -> dict[str, MySQLCache]:
+        """``{alias: cache}``; an unknown alias, or a cache that cannot be built, stops
+        the command with one line."""
         try:
             return mysql_caches(aliases)
-        except UnknownCache as exc:
+        except (UnknownCache, ImproperlyConfigured) as exc:  # the latter names its cache
             raise CommandError(str(exc)) from exc

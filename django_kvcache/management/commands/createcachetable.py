@@ -11,6 +11,7 @@ from typing import Any
 
 from django.core.management.commands import createcachetable
 
+from django_kvcache.management.commands._errors import failing
 from django_kvcache.maintenance import caches_in, create_tables_in
 
 
@@ -25,7 +26,8 @@ class Command(createcachetable.Command):
         if tablenames:  # Django's legacy form names DatabaseCache tables only
             return
         database, dry_run, verbosity = options["database"], options["dry_run"], options["verbosity"]
-        created = create_tables_in(database, dry_run=dry_run)
+        with failing(f"database {database!r}"):
+            created = create_tables_in(database, dry_run=dry_run)
         for alias, cache in caches_in(database).items():  # in Django's words and verbosity
             if alias not in created:
                 if verbosity >= 2:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
 from django_kvcache.maintenance import create_tables
 
@@ -19,9 +20,9 @@ class Command(MySQLCacheCommand):
     def handle(
         self, *args: Any, aliases: list[str], dry_run: bool, verbosity: int, **options: Any
     ) -> None:
-        aliases = list(self.selected_caches(aliases))
-        created = create_tables(aliases, dry_run=dry_run) if aliases else {}
-        for alias in aliases:
+        for alias, cache in self.selected_caches(aliases).items():
+            with failing(alias, cache):
+                created = create_tables([alias], dry_run=dry_run)
             if dry_run and alias in created:  # the SQL asked for: printed at any verbosity
                 self.stdout.write(f"-- {alias}\n{created[alias]};")
             elif verbosity >= 1:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
-from django_kvcache.maintenance import cull_all
 
 
 class Command(MySQLCacheCommand):
@@ -14,7 +14,8 @@ class Command(MySQLCacheCommand):
     )
 
     def handle(self, *args: Any, aliases: list[str], verbosity: int, **options: Any) -> None:
-        aliases = list(self.selected_caches(aliases))
-        for alias, deleted in (cull_all(aliases) if aliases else {}).items():
+        for alias, cache in self.selected_caches(aliases).items():
+            with failing(alias, cache):
+                deleted = cache.cull()
             if verbosity >= 1:
                 self.stdout.write(f"{alias}: {deleted} rows deleted")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
 from django_kvcache.maintenance import migration_source
 
@@ -14,4 +15,8 @@ class Command(MySQLCacheCommand):
     )
 
     def handle(self, *args: Any, aliases: list[str], **options: Any) -> None:
-        self.stdout.write(migration_source(list(self.selected_caches(aliases))), ending="")
+        selected = self.selected_caches(aliases)
+        for alias, cache in selected.items():  # the SQL depends on the server: ask each
+            with failing(alias, cache):
+                cache.create_table_sql()
+        self.stdout.write(migration_source(list(selected)), ending="")

@@ -17,6 +17,7 @@ from django.core.cache import caches
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG
+from django_kvcache.management.commands._errors import failing
 from django_kvcache.zstd import DEFAULT_DICTIONARY_SIZE, require_zstd, train_dictionary
 
 #: Entries under this size are what dictionaries help; larger ones compress well alone.
@@ -34,6 +35,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--size", type=int, default=DEFAULT_DICTIONARY_SIZE, help="dictionary size in bytes"
         )
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """Failures (no zstd, a node or database down, an unwritable file) as one line."""
+        with failing(options.get("alias", "?")):
+            return super().execute(*args, **options)
 
     def handle(self, *args: Any, alias: str, output: Path, samples: int, size: int,
                verbosity: int, **options: Any) -> None:

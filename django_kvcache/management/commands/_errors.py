@@ -1,0 +1,74 @@
+"""What every kvcache command does with a failure: one line naming the cache alias and
+the fix, a non-zero exit (``CommandError``), the traceback only with ``--traceback``.
+
+Expected failures — a database or memcached node that cannot be reached, a missing
+table, a configuration error, a file that cannot be written — become that line; the
+original exception is chained, so ``--traceback`` still shows where it came from.
+Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from django.core.cache import caches
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import CommandError
+from django.db import DatabaseError, OperationalError
+
+from django_kvcache.backends.mysql import CacheTableMissing
+from django_kvcache.memcached import MemcachedError
+
+
+def failure_line(alias: str, cache: Any, exc: BaseException) -> str:
+    """``exc`` met while working on the cache ``alias``, as one line saying what to do."""
+    if isinstance(exc, (CacheTableMissing, ImproperlyConfigured)):
+        return f"{alias}: {exc}"  # these say what to fix already
+    if isinstance(exc, OperationalError):
+        where = " or ".join(f"DATABASES[{name!r}]" for name in _databases(alias, cache))
+        code, reason = _database_error(exc)
+        return (
+            f"{alias}: cannot use its database ({type(exc).__name__} {code}: {reason}). "
+            f"Check that the server is running and {where or 'DATABASES'} (HOST, PORT, "
+            "NAME, USER, PASSWORD)."
+        )
+    if isinstance(exc, DatabaseError):
+        code, reason = _database_error(exc)
+        return f"{alias}: {type(exc).__name__} {code}: {reason}"
+    if isinstance(exc, MemcachedError):
+        return (
+            f"{alias}: {exc}. Check that the memcached server is running and the cache's "
+            "LOCATION."
+        )
+    return f"{alias}: {type(exc).__name__}: {exc}"
+
+
+def _database_error(exc: BaseException) -> tuple[Any, str]:
+    """(error code, message) of a driver error, the message on one line."""
+    args = exc.args
+    if len(args) >= 2 and isinstance(args[0], int):
+        return args[0], " ".join(str(args[1]).split())
+    return "", " ".join(str(exc).split())
+
+
+def _databases(alias: str, cache: Any) -> list[str]:
+    """The database aliases of the cache ``alias`` (none known: an empty list)."""
+    if cache is None:
+        try:
+            cache = caches[alias]
+        except Exception:  # not a cache alias, or one that cannot be built
+            return []
+    return list(getattr(cache, "database_aliases", list)())
+
+
+#: The failures a command reports as one line.
+EXPECTED = (DatabaseError, ImproperlyConfigured, MemcachedError, OSError)
+
+
+@contextlib.contextmanager
+def failing(alias: str, cache: Any = None) -> Iterator[None]:
+    """Around the work on one cache: an expected failure becomes ``CommandError``."""
+    try:
+        yield
+    except EXPECTED as exc:
+        raise CommandError(failure_line(alias, cache, exc)) from exc
