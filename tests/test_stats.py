@@ -1,0 +1,150 @@
+"""The operators' view, against real servers: ``manage.py kvcache_stats`` and the
+Prometheus collector, scraped through a real test-client response."""
+from __future__ import annotations
+
+import json
+from io import StringIO
+from typing import Any, Iterator
+
+import pytest
+from django.core.cache import caches
+from django.core.management import CommandError, call_command
+from django.test import Client, override_settings
+from django.urls import path
+
+from tests.mysql_support import BACKEND as MYSQL, drop_table
+
+MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
+TABLE = "kvcache_stats_test"
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def configured(memcached_node_factory) -> Iterator[dict[str, Any]]:
+    """A memcached cache on two nodes of its own (counters start at 0) and a MySQLCache,
+    each after some traffic: on memcached 3 hits and 2 misses."""
+    nodes = [memcached_node_factory().address, memcached_node_factory().address]
+    settings = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "mc": {"BACKEND": MEMCACHED, "LOCATION": nodes},
+        "db": {"BACKEND": MYSQL, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABILITY": 0}},
+    }
+    drop_table(TABLE)
+    with override_settings(CACHES=settings):
+        caches["db"].create_table()
+        caches["mc"].set_many({"a": 1, "b": 2, "c": "text " * 200})
+        assert caches["mc"].get_many(["a", "b", "c", "x", "y"]) == {"a": 1, "b": 2,
+                                                                   "c": "text " * 200}
+        caches["db"].set("page", "<p>page</p>" * 2000)
+        yield {"nodes": nodes}
+    drop_table(TABLE)
+
+
+def stats(*args: str) -> str:
+    out = StringIO()
+    call_command("kvcache_stats", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_json_has_every_node_and_shard_with_metrics_and_the_servers_figures(configured):
+    document = json.loads(stats("--json"))
+    assert list(document) == ["mc", "db"]
+    mc = document["mc"]
+    assert mc["backend"] == "MemcachedCache"
+    nodes = mc["process"]["nodes"]
+    assert list(nodes) == configured["nodes"]
+    assert sum(node["hits"] for node in nodes.values()) == 3
+    assert sum(node["misses"] for node in nodes.values()) == 2
+    assert sum(node["bytes_saved"] for node in nodes.values()) > 500  # "text " * 200
+    for node in nodes.values():
+        if node["hits"] + node["misses"]:
+            assert node["hit_ratio"] == round(node["hits"] / (node["hits"] + node["misses"]), 4)
+    # The servers count every client's reads: these nodes saw only this test's.
+    assert sum(s["get_hits"] for s in mc["server"].values()) == 3
+    assert sum(s["curr_items"] for s in mc["server"].values()) == 3
+    db = document["db"]
+    assert db["process"]["cache"]["values_encoded"] >= 1
+    assert db["process"]["cache"]["bytes_saved"] > 10_000  # the page compresses
+    assert list(db["process"]["shards"]) == ["default"]
+    assert db["process"]["shards"]["default"]["errors"] == 0
+    assert db["server"]["default"]["rows_estimate"] >= 0
+    assert db["server"]["default"]["data_bytes"] > 0
+
+
+def test_json_process_figures_are_metrics(configured):
+    before = caches["mc"].metrics()
+    nodes = json.loads(stats("mc", "--json", "--no-server"))["mc"]["process"]["nodes"]
+    for name, counters in before.items():
+        for key, value in counters.items():
+            assert nodes[name][key] == int(value)  # booleans as 0/1
+    assert json.loads(stats("mc", "--json", "--no-server"))["mc"]["server"] == {}
+
+
+def test_the_table_shows_each_node_as_a_column_with_the_hit_ratio(configured):
+    text = stats("mc")
+    first, second = configured["nodes"]
+    header = next(line for line in text.splitlines() if first in line)
+    assert header.index(first) < header.index(second)
+    assert "mc (MemcachedCache, 2 nodes)" in text
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[3:]
+            if line.strip() and not line.startswith("  the ")}
+    metrics = caches["mc"].metrics()
+    assert rows["hits"] == [f"{metrics[node]['hits']:,}" for node in (first, second)]
+    assert "ratio" in rows["hit"]  # "hit ratio" row
+    assert "get_hits" in text and "curr_items" in text
+
+
+def test_a_node_that_is_down_is_shown_not_fatal(configured, memcached_node_factory):
+    down = memcached_node_factory()
+    down.kill()
+    settings = {"gone": {"BACKEND": MEMCACHED, "LOCATION": [down.address]}}
+    with override_settings(CACHES=settings):
+        document = json.loads(stats("--json"))
+    assert "error" in document["gone"]["server"][down.address]
+
+
+@pytest.mark.parametrize("alias, message", [
+    ("nope", "No cache named 'nope' in CACHES"),
+    ("default", "Cache 'default' is not a django-kvcache cache"),
+])
+def test_unknown_aliases_are_refused(configured, alias, message):
+    with pytest.raises(CommandError, match=message):
+        stats(alias)
+
+
+# --- Prometheus ----------------------------------------------------------------------------
+
+
+def test_the_collector_exports_metrics_with_cache_and_node_labels(configured):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from django_kvcache.prometheus import metrics_view, register
+
+    registry = prometheus_client.CollectorRegistry()
+    assert register(registry) is not None
+    assert register(registry) is None  # once
+    urlpatterns = [path("metrics", metrics_view, {"registry": registry})]
+    with override_settings(ROOT_URLCONF=type("urls", (), {"urlpatterns": urlpatterns})):
+        response = Client().get("/metrics")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    samples = {
+        (sample.name, sample.labels.get("cache"), sample.labels.get("node")): sample
+        for family in text_string_to_metric_families(response.content.decode())
+        for sample in family.samples
+    }
+    metrics = caches["mc"].metrics()
+    for node in configured["nodes"]:
+        hits = samples["kvcache_hits_total", "mc", node]
+        assert hits.value == metrics[node]["hits"]
+        assert hits.labels == {"cache": "mc", "backend": "MemcachedCache", "node": node}
+        assert samples["kvcache_misses_total", "mc", node].value == metrics[node]["misses"]
+        assert samples["kvcache_pool_size", "mc", node].value == metrics[node]["pool_size"]
+        assert samples["kvcache_down", "mc", node].value == 0
+    assert sum(samples["kvcache_hits_total", "mc", node].value
+               for node in configured["nodes"]) == 3
+    db = caches["db"].metrics()
+    assert samples["kvcache_bytes_saved_total", "db", ""].value == db["bytes_saved"]
+    assert samples["kvcache_errors_total", "db", "default"].value == 0
+    assert samples["kvcache_outdated_keys", "db", "default"].value == 0
