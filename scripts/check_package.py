@@ -5,9 +5,11 @@
 
 Runs ``python -m build`` on a copy of the files git tracks (the sdist, then the wheel
 built from that sdist, so a file missing from the sdist breaks the wheel too) into a
-temporary directory, checks what each archive holds, then installs each one with the
-``mysql`` and ``memcached`` extras into its own new venv and, from outside the checkout,
-imports both backends and lists the package's management commands through Django. Needs ``build`` (the ``dev`` extra) in the interpreter
+temporary directory, checks what each archive holds — every package of the tree,
+``kvcache_bench`` (the benchmark app, shipped from ``benchmark_app/``) included — then
+installs each one with the ``mysql`` and ``memcached`` extras into its own new venv and,
+from outside the checkout, imports both backends and lists the management commands of
+both apps through Django. Needs ``build`` (the ``dev`` extra) in the interpreter
 running it, and what mysqlclient needs to compile (``scripts/services.py deps``).
 
 Exits non-zero, saying what is wrong, at the first problem.
@@ -27,7 +29,10 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 EXTRAS = "mysql,memcached"
-COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration")
+COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_stats")
+BENCH_COMMANDS = ("kvcache_benchmark",)
+# Where each top-level package of the wheel lives in the tree (setup.cfg's package_dir).
+PACKAGE_ROOTS = {"django_kvcache": "django_kvcache", "kvcache_bench": "benchmark_app/kvcache_bench"}
 # Paths inside the package, and inside the sdist's top folder.
 PACKAGE_FILES = ("py.typed", *(f"management/commands/{c}.py" for c in COMMANDS))
 SDIST_FILES = ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
@@ -53,11 +58,14 @@ licenses = [f for f in metadata.files("django-kvcache") if f.name == "LICENSE"]
 assert licenses and "dist-info" in str(licenses[0]), f"no LICENSE in dist-info: {{licenses}}"
 assert metadata.version("django-kvcache") == django_kvcache.__version__
 
-settings.configure(INSTALLED_APPS=["django_kvcache"])
+settings.configure(INSTALLED_APPS=["django_kvcache", "kvcache_bench"])
 django.setup()
 from django.core.management import get_commands
 
+import kvcache_bench
+assert Path(kvcache_bench.__file__).is_relative_to(sys.prefix), "kvcache_bench not installed"
 missing = [c for c in {COMMANDS!r} if get_commands().get(c) != "django_kvcache"]
+missing += [c for c in {BENCH_COMMANDS!r} if get_commands().get(c) != "kvcache_bench"]
 assert not missing, f"management commands not found: {{missing}}"
 print("installed and imported from", package)
 """
@@ -113,15 +121,30 @@ def require(names: set[str], wanted: list[str], archive: Path) -> None:
         raise PackageError(f"{archive.name} lacks {missing}")
 
 
-def check_wheel(wheel: Path) -> None:
+def tree_modules(source: Path) -> list[str]:
+    """Every Python file of the packages in the tree, as the wheel names it."""
+    modules = []
+    for package, folder in PACKAGE_ROOTS.items():
+        for path in sorted((source / folder).rglob("*.py")):
+            if (path.parent / "__init__.py").is_file():
+                modules.append(f"{package}/{path.relative_to(source / folder).as_posix()}")
+    return modules
+
+
+def check_wheel(wheel: Path, source: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     require(names, [f"django_kvcache/{name}" for name in PACKAGE_FILES], wheel)
+    missing = [name for name in tree_modules(source) if name not in names]
+    if missing:
+        raise PackageError(
+            f"{wheel.name} lacks {missing}: list their packages in setup.cfg [options] packages"
+        )
     if not any(re.fullmatch(r"[^/]+\.dist-info/(licenses/)?LICENSE", name) for name in names):
         raise PackageError(f"{wheel.name} has no LICENSE in its dist-info")
     tops = {name.split("/")[0] for name in names}
-    strays = sorted(t for t in tops if t != "django_kvcache" and not t.endswith(".dist-info"))
+    strays = sorted(t for t in tops if t not in PACKAGE_ROOTS and not t.endswith(".dist-info"))
     if strays:
-        raise PackageError(f"{wheel.name} installs more than django_kvcache: {strays}")
+        raise PackageError(f"{wheel.name} installs more than {sorted(PACKAGE_ROOTS)}: {strays}")
     metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
     check_classifiers(zipfile.ZipFile(wheel).read(metadata_name).decode())
 
@@ -156,9 +179,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvcache-package-") as temp:
         workdir = Path(temp)
         try:
-            sdist, wheel = build(source_tree(workdir), workdir / "dist")
+            source = source_tree(workdir)
+            sdist, wheel = build(source, workdir / "dist")
             check_sdist(sdist)
-            check_wheel(wheel)
+            check_wheel(wheel, source)
             for archive in (wheel, sdist):
                 install_and_import(archive, workdir)
         except PackageError as exc:

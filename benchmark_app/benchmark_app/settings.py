@@ -15,6 +15,10 @@ SQLITE_PATH = os.environ.get(
     "KVCACHE_BENCH_SQLITE", os.path.join(tempfile.gettempdir(), "kvcache-benchmark.sqlite3")
 )
 
+#: The project's benchmark: every cache kvcache_bench knows, on the servers services.py starts
+#: (a site that installs kvcache_bench measures its own CACHES instead).
+KVCACHE_BENCH_PROJECT = True
+
 SECRET_KEY = "django-kvcache-benchmark"
 USE_TZ = True
 INSTALLED_APPS = [

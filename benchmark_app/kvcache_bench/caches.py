@@ -3,16 +3,27 @@
 Every benchmarked cache gets its own table and key prefix carrying the run's token, so
 two runs (or a run and the test suite) sharing the servers never see each other's
 entries; tables are dropped and memcached keys deleted when the run ends.
+
+Two ways to choose them. The project's own benchmark (``make bench``) builds every cache
+it knows on the servers ``scripts/services.py`` starts (``candidates``). In a site that
+adds ``kvcache_bench`` to INSTALLED_APPS, ``--caches ALIAS,...`` names caches of its
+CACHES (``site_selection``): each is measured as configured — its BACKEND, LOCATION
+and OPTIONS — under the run's own KEY_PREFIX, a MySQLCache in a table of the run's own;
+beside it Django's DatabaseCache in a table of its own (on the database the site's
+routers give it) and Django's PyMemcacheCache on the same memcached LOCATION. Nothing
+of the site's is cleared or flushed: the run deletes the keys it wrote and drops its
+tables.
 """
 from __future__ import annotations
 
 import fnmatch
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
+from django.conf import settings
 from django.core.cache.backends.base import BaseCache
-from django.db import connections
+from django.db import connections, router
 from django.utils.module_loading import import_string
 
 from kvcache_bench.routers import SQLITE_TABLE_PREFIX
@@ -22,7 +33,8 @@ REFERENCE_CACHES = ("db-mariadb", "db-sqlite")
 #: High enough that no benchmarked write triggers a cull; the rows scenario culls on purpose.
 MAX_ENTRIES = 10_000_000
 TIMEOUT = 900  # leftovers of a crashed run expire on their own
-TABLE_FAMILIES = ("db", "kv-mysql", "django-mysql")
+#: A site's MySQLCache over several shards (OPTIONS["DATABASES"]) is "kv-mysql-sharded".
+TABLE_FAMILIES = ("db", "kv-mysql", "kv-mysql-sharded", "django-mysql")
 MEMCACHED_FAMILIES = ("kv-memcached", "pymemcache")
 NODE_COUNTS = (1, 4, 8)
 #: Ours, and the cache it is compared with where the figure is not a time (bytes, entries).
@@ -48,6 +60,12 @@ class CacheSpec:
     key_prefix: str
     options: dict[str, Any] = field(default_factory=dict)
     database: str | None = None  # alias holding the table of a table-backed cache
+    databases: tuple[str, ...] = ()  # every alias holding it (a sharded MySQLCache)
+
+    @property
+    def table_databases(self) -> tuple[str, ...]:
+        """The aliases whose database holds this cache's table."""
+        return self.databases or ((self.database,) if self.database else ())
 
     @property
     def table(self) -> str | None:
@@ -65,9 +83,12 @@ class Selection:
 
 
 def reference_of(specs: Iterable[CacheSpec]) -> str | None:
-    """The cache the others are compared with: DatabaseCache on MariaDB, else on SQLite."""
+    """The cache the others are compared with: DatabaseCache on MariaDB, else on SQLite,
+    else (a site's run) the first DatabaseCache."""
+    specs = list(specs)
     names = {spec.name for spec in specs}
-    return next((name for name in REFERENCE_CACHES if name in names), None)
+    found = next((name for name in REFERENCE_CACHES if name in names), None)
+    return found or next((spec.name for spec in specs if spec.family == "db"), None)
 
 
 def importable(module: str) -> str | None:
@@ -188,3 +209,133 @@ def add_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str = "
         base = by_subject.get(peer)
         entry["peer"] = peer if base else None
         entry["vs_peer"] = round(entry[metric] / base, 3) if base else None
+
+
+# --- a site's own caches (``--caches ALIAS,...`` in a site with kvcache_bench installed) --
+
+
+def is_site_run(names: Iterable[str] | None) -> bool:
+    """Whether the run measures the site's CACHES: outside the project's benchmark
+    settings always, inside them when every name given is a CACHES alias."""
+    names = list(names or [])
+    if not getattr(settings, "KVCACHE_BENCH_PROJECT", False):
+        return True
+    return bool(names) and all(name in settings.CACHES for name in names)
+
+
+def site_aliases(names: Iterable[str] | None) -> list[str]:
+    """The CACHES aliases to measure: those named, else every kvcache cache.
+
+    Raises ValueError naming what is not an alias of CACHES."""
+    names = list(names or [])
+    unknown = [name for name in names if name not in settings.CACHES]
+    if unknown:
+        raise ValueError(
+            f"--caches names no cache of CACHES: {', '.join(unknown)} (CACHES has "
+            f"{', '.join(settings.CACHES)})"
+        )
+    if names:
+        return names
+    found = [alias for alias in settings.CACHES if _backend(alias)[1] in ("mysql", "memcached")]
+    if not found:
+        raise ValueError("CACHES has no django-kvcache cache: name the caches with --caches")
+    return found
+
+
+def _backend(alias: str) -> tuple[str, str]:
+    """The dotted BACKEND of CACHES[alias] and what it is: "mysql", "memcached" (kvcache's
+    backends or subclasses) or "other"."""
+    path = settings.CACHES[alias]["BACKEND"]
+    try:
+        backend = import_string(path)
+    except ImportError:
+        return path, "other"
+    for kind, base in (("mysql", KV_MYSQL), ("memcached", KV_MEMCACHED)):
+        try:
+            if isinstance(backend, type) and issubclass(backend, import_string(base)):
+                return path, kind
+        except ImportError:  # that backend's extra is not installed
+            continue
+    return path, "other"
+
+
+def _slug(alias: str) -> str:
+    """``alias`` as it may appear in a table name and a memcached key."""
+    return "".join(c if c.isalnum() else "_" for c in alias)[:24]
+
+
+def site_selection(token: str, aliases: Sequence[str]) -> Selection:
+    """The site's caches ``aliases`` as configured, each with Django's own beside it."""
+    from django.core.cache import caches
+
+    selection = Selection(caches=[], skipped={})
+    for alias in aliases:
+        path, kind = _backend(alias)
+        entry = settings.CACHES[alias]
+        options = dict(entry.get("OPTIONS") or {})
+        slug = _slug(alias)
+        if kind == "mysql":
+            shards = tuple(caches[alias].database_aliases())
+            table = f"kvbench_{token}_{slug}"
+            selection.caches.append(CacheSpec(
+                alias, f"{alias}: {path.rpartition('.')[2]} as configured, in a table of its own",
+                "kv-mysql" if len(shards) == 1 else "kv-mysql-sharded", path, table,
+                key_prefix=f"kvb-{token}-{slug}", options=options, database=shards[0],
+                databases=shards if len(shards) > 1 else ()))
+            selection.caches.append(site_database_cache(token, alias, slug, shards[0]))
+        elif kind == "memcached":
+            selection.caches.append(CacheSpec(
+                alias, f"{alias}: {path.rpartition('.')[2]} as configured", "kv-memcached", path,
+                entry.get("LOCATION"), key_prefix=f"kvb-{token}-{slug}", options=options))
+            peer, problem = site_pymemcache(token, alias, slug, entry.get("LOCATION"), options)
+            if problem:
+                selection.skipped[peer.name] = problem
+            else:
+                selection.caches.append(peer)
+        else:  # any other backend: the operations only, under the run's own prefix
+            selection.caches.append(CacheSpec(
+                alias, f"{alias}: {path}", "extra", path, entry.get("LOCATION", ""),
+                key_prefix=f"kvb-{token}-{slug}", options=options))
+    return selection
+
+
+def site_database_cache(token: str, alias: str, slug: str, beside: str) -> CacheSpec:
+    """Django's DatabaseCache in a table of the run's own, where the site's routers put
+    it (the alias a DatabaseCache of that table writes to)."""
+    table = f"kvbench_{token}_{slug}_db"
+    model = import_string(DJANGO_DB)(table, {}).cache_model_class
+    database = router.db_for_write(model)
+    same = _same_database(database, beside)
+    where = f"database {database!r}" + ("" if same else f", not {beside!r} (the site's routers)")
+    return CacheSpec(f"{alias}-databasecache", f"Django DatabaseCache on {where}", "db",
+                     DJANGO_DB, table, key_prefix=f"kvb-{token}-{slug}-db",
+                     options={"MAX_ENTRIES": MAX_ENTRIES}, database=database)
+
+
+def _same_database(one: str, other: str) -> bool:
+    a, b = connections[one].settings_dict, connections[other].settings_dict
+    return all(a.get(name) == b.get(name) for name in ("ENGINE", "HOST", "PORT", "NAME"))
+
+
+def site_pymemcache(token: str, alias: str, slug: str, location: Any,
+                    options: dict[str, Any]) -> tuple[CacheSpec, str | None]:
+    """Django's PyMemcacheCache on the same servers, and why it cannot run, if it cannot."""
+    spec = CacheSpec(f"{alias}-pymemcache", "Django PyMemcacheCache on the same LOCATION",
+                     "pymemcache", DJANGO_PYMEMCACHE, location,
+                     key_prefix=f"kvb-{token}-{slug}-pm")
+    problem = importable("pymemcache")
+    if problem is None and options.get("TLS"):
+        problem = "the cache uses TLS, which this comparison does not set up"
+    return spec, problem
+
+
+def memcached_locations(specs: Iterable[CacheSpec]) -> list[str]:
+    """The memcached servers of a site's caches (for the run's description)."""
+    found: list[str] = []
+    for spec in specs:
+        if spec.family in MEMCACHED_FAMILIES:
+            location = spec.location
+            servers = location if isinstance(location, (list, tuple)) else [
+                part.strip() for part in str(location).replace(";", ",").split(",")]
+            found += [server for server in servers if server and server not in found]
+    return found

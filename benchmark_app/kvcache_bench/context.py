@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.cache.backends.base import BaseCache
-from tqdm import tqdm
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.data import DEFAULT_MIX, Values
@@ -50,6 +49,12 @@ class Parameters:
         return None
 
     @classmethod
+    def site_quick(cls) -> Parameters:
+        """A site's caches (each with Django's beside it) in under a minute."""
+        return cls(rounds=3, calls=10, batch=20, rows=(1_000,), row_calls=30, workers=(1, 4),
+                   iterations=20, callers=(8,), storage_entries=200)
+
+    @classmethod
     def quick(cls) -> Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
@@ -78,6 +83,8 @@ class Context:
         return self.instances[spec.name]
 
     def progress(self, scenario: str, total: int) -> Any:
+        from tqdm import tqdm  # the bench extra; the command checks it is there first
+
         return tqdm(total=total, desc=scenario, unit="step", file=sys.stderr,
                     disable=not self.show_progress, leave=False, dynamic_ncols=True,
                     mininterval=0.5)

@@ -1,11 +1,12 @@
 """One benchmark run from start to end: servers, caches, scenarios, clean-up, results."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import secrets
 import time
 from dataclasses import asdict, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
@@ -16,21 +17,36 @@ SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capa
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
 #: Run only when named with --scenario: they need servers beyond the default ones.
 ON_REQUEST_SCENARIOS = ("shards", "async")
+#: What runs on a site's own caches: nodes, storage, capacity, shards and async start
+#: servers of their own (scripts/services.py), which only the project's benchmark has.
+SITE_SCENARIOS = ("ops", "rows", "concurrency", "stampede", "codec")
 
 
 def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[str],
               patterns: Sequence[str] | None, extras: Sequence[str] = (),
-              show_progress: bool = True) -> list[dict[str, Any]]:
-    """One result set per value mix in ``mixes``, in that order."""
+              show_progress: bool = True, site: bool = False) -> list[dict[str, Any]]:
+    """One result set per value mix in ``mixes``, in that order. With ``site``,
+    ``patterns`` are aliases of the site's CACHES (``caches.site_selection``)."""
     for mix in mixes:
         data.mix_named(mix)  # an unknown name fails before any server is touched
+    if site:
+        outside = sorted(set(scenarios) - set(SITE_SCENARIOS))
+        if outside:
+            raise ValueError(
+                f"scenario(s) {', '.join(outside)} start servers of their own: they run in "
+                f"the project's benchmark (make bench); on a site's caches: "
+                f"{', '.join(SITE_SCENARIOS)}")
+        aliases = caches.site_aliases(patterns)
     token = secrets.token_hex(3)
-    needed = caches.node_count_needed(patterns)
-    if "nodes" in scenarios or "async" in scenarios:
-        needed = max(needed, *parameters.nodes)
-    with servers.memcached_cluster(needed) as (nodes, cluster_note):
+    with _memcached_nodes(site, patterns, scenarios, parameters) as (nodes, cluster_note):
+        if site:
+            selection = caches.site_selection(token, aliases)
+            selection.skipped.update({f"--extra-cache {extra}": "only in the project's benchmark"
+                                      for extra in extras})
+            nodes = caches.memcached_locations(selection.caches)
+        else:
+            selection = caches.select(token, nodes, patterns, extras)
         described = {"machine": machine.describe(nodes)}  # load average before the run
-        selection = caches.select(token, nodes, patterns, extras)
         context = Context(token, parameters, [], None, nodes, show_progress)
         runs = []
         try:
@@ -45,6 +61,21 @@ def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[
         finally:
             _clean_up(context)
         return runs
+
+
+@contextlib.contextmanager
+def _memcached_nodes(site: bool, patterns: Sequence[str] | None, scenarios: Sequence[str],
+                     parameters: Parameters) -> Iterator[tuple[list[str], str | None]]:
+    """The project's memcached nodes (started as needed); none for a site's run, whose
+    caches bring their own LOCATION."""
+    if site:
+        yield [], None
+        return
+    needed = caches.node_count_needed(patterns)
+    if "nodes" in scenarios or "async" in scenarios:
+        needed = max(needed, *parameters.nodes)
+    with servers.memcached_cluster(needed) as found:
+        yield found
 
 
 def _run_mix(context: Context, parameters: Parameters, scenarios: Sequence[str],
@@ -108,6 +139,12 @@ def _clean_up(context: Context) -> None:
             context.notes.append(f"closing {name} failed: {exc!r}")
 
 
+#: OPTIONS whose values stay out of the results (a site's secrets and key files).
+SECRET_OPTIONS = ("SIGNING_KEY", "TLS")
+
+
 def _describe(spec: caches.CacheSpec) -> dict[str, Any]:
+    options = {name: "(set)" if name in SECRET_OPTIONS else value
+               for name, value in spec.options.items()}
     return {"name": spec.name, "description": spec.description, "backend": spec.backend,
-            "location": spec.location, "options": spec.options}
+            "location": spec.location, "options": options}

@@ -30,8 +30,8 @@ def create_storage(spec: CacheSpec, cache: BaseCache) -> None:
 
         with connections[spec.database].cursor() as cursor:
             cursor.execute(MySQLCache.create_table_sql.format(table_name=spec.table))
-    elif spec.family == "kv-mysql":
-        cache.create_table()
+    elif spec.family.startswith("kv-mysql"):
+        cache.create_table()  # on every shard
 
 
 def empty_storage(spec: CacheSpec, cache: BaseCache) -> None:
@@ -41,18 +41,24 @@ def empty_storage(spec: CacheSpec, cache: BaseCache) -> None:
 
 
 def drop_storage(spec: CacheSpec) -> None:
+    """Drop the cache's table (the run's own), on every database holding it."""
     if spec.table is None:
         return
-    connection = connections[spec.database]
-    with connection.cursor() as cursor:
-        cursor.execute(f"DROP TABLE IF EXISTS {connection.ops.quote_name(spec.table)}")
+    for database in spec.table_databases:
+        connection = connections[database]
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {connection.ops.quote_name(spec.table)}")
 
 
 def count_rows(spec: CacheSpec) -> int:
-    connection = connections[spec.database]
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT COUNT(*) FROM {connection.ops.quote_name(spec.table)}")
-        return cursor.fetchone()[0]
+    """Rows in the cache's table, over every database holding it."""
+    rows = 0
+    for database in spec.table_databases:
+        connection = connections[database]
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT COUNT(*) FROM {connection.ops.quote_name(spec.table)}")
+            rows += cursor.fetchone()[0]
+    return rows
 
 
 #: The key and value columns: the same names in DatabaseCache's, django-mysql's and our tables.

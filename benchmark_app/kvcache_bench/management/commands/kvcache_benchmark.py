@@ -1,10 +1,17 @@
 """``manage.py kvcache_benchmark``: django-kvcache's backends against DatabaseCache and the rest.
 
+In a site with ``kvcache_bench`` in INSTALLED_APPS (and the ``bench`` extra installed),
+``--caches ALIAS[,ALIAS...]`` measures those caches of CACHES on the site's own servers,
+beside Django's DatabaseCache and PyMemcacheCache (``kvcache_bench.caches``). In the
+project's benchmark settings (``make bench``) it measures every cache it knows on the
+servers ``scripts/services.py`` starts.
+
 The work happens in ``kvcache_bench.run``; this only reads options and writes outputs.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,11 +19,20 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from kvcache_bench import report
+from kvcache_bench.caches import is_site_run
 from kvcache_bench.context import Parameters
 from kvcache_bench.data import DEFAULT_MIX, MIXES
-from kvcache_bench.run import MIX_SCENARIOS, ON_REQUEST_SCENARIOS, SCENARIOS, benchmark
+from kvcache_bench.run import (
+    MIX_SCENARIOS,
+    ON_REQUEST_SCENARIOS,
+    SCENARIOS,
+    SITE_SCENARIOS,
+    benchmark,
+)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[4]
+#: What the command needs beyond Django: the ``bench`` extra (the packages by name, for a
+#: checkout, where the extra cannot be installed by its name from PyPI).
+REQUIRED = {"tqdm": "tqdm", "matplotlib": "matplotlib"}
 
 
 def _names(value: str) -> list[str]:
@@ -33,15 +49,20 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--scenario", type=_names, action="extend",
                             help=f"comma-separated, from {', '.join(SCENARIOS)} (default all), "
-                                 f"or {', '.join(ON_REQUEST_SCENARIOS)} (only when named)")
+                                 f"or {', '.join(ON_REQUEST_SCENARIOS)} (only when named); on a "
+                                 f"site's caches from {', '.join(SITE_SCENARIOS)} (default all)")
         parser.add_argument("--caches", type=_names, action="extend",
-                            help="comma-separated cache names or patterns, e.g. 'db-*,kv-*'")
+                            help="comma-separated aliases of your CACHES (default: every "
+                                 "django-kvcache cache); in the project's benchmark, cache "
+                                 "names or patterns, e.g. 'db-*,kv-*'")
         parser.add_argument("--extra-cache", action="append", default=[], metavar="NAME=BACKEND[@LOCATION]",
                             help="also benchmark this backend class in the ops scenario")
         parser.add_argument("--values", type=_names, dest="mixes",  # the last one given counts
                             help=f"comma-separated value mixes from {', '.join(MIXES)} (default "
                                  f"{DEFAULT_MIX}); {', '.join(MIX_SCENARIOS)} run once per mix")
-        parser.add_argument("--quick", action="store_true", help="small sizes: under two minutes")
+        parser.add_argument("--quick", action="store_true",
+                            help="small sizes: a site's caches in under a minute, the project's "
+                                 "in under two")
         parser.add_argument("--rounds", type=int, help="timed rounds per operation")
         parser.add_argument("--calls", type=int, help="calls per cache, operation and round")
         parser.add_argument("--batch-size", type=int, dest="batch", help="keys per *_many call (20)")
@@ -58,8 +79,9 @@ class Command(BaseCommand):
                             help="memory (-m) of the memcached node capacity fills (32)")
         parser.add_argument("--capacity-fill", type=float, dest="capacity_fill",
                             help="bytes written into that node, as a multiple of its memory (4)")
-        parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results",
-                            help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots")
+        parser.add_argument("--results", type=Path, default=Path("results"),
+                            help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots "
+                                 "(default ./results)")
         parser.add_argument("--json", type=Path,
                             help="JSON path, the mix name added (default RESULTS/benchmark.json)")
         parser.add_argument("--csv", type=Path,
@@ -68,12 +90,20 @@ class Command(BaseCommand):
         parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        scenarios = options["scenario"] or list(SCENARIOS)
+        missing = [package for module, package in REQUIRED.items()
+                   if importlib.util.find_spec(module) is None]
+        if missing:
+            raise CommandError(
+                f"kvcache_benchmark needs {', '.join(missing)}: install django-kvcache's "
+                f"'bench' extra (pip install 'django-kvcache[bench]'), or from a checkout "
+                f"pip install {' '.join(missing)}")
+        site = is_site_run(options["caches"])
+        scenarios = options["scenario"] or list(SITE_SCENARIOS if site else SCENARIOS)
         known = SCENARIOS + ON_REQUEST_SCENARIOS
         unknown = sorted(set(scenarios) - set(known))
         if unknown:
             raise CommandError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-        parameters = self.parameters(options)
+        parameters = self.parameters(options, site)
         problem = parameters.problem()
         if problem:
             raise CommandError(problem)
@@ -81,7 +111,7 @@ class Command(BaseCommand):
         try:
             runs = benchmark(parameters, mixes, [s for s in known if s in scenarios],
                              options["caches"], options["extra_cache"],
-                             show_progress=not options["no_progress"])
+                             show_progress=not options["no_progress"], site=site)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         for results in runs:
@@ -92,8 +122,10 @@ class Command(BaseCommand):
             raise CommandError("wrong results:\n" + "\n".join(failures))
 
     @staticmethod
-    def parameters(options: dict[str, Any]) -> Parameters:
-        parameters = Parameters.quick() if options["quick"] else Parameters()
+    def parameters(options: dict[str, Any], site: bool = False) -> Parameters:
+        parameters = Parameters()
+        if options["quick"]:
+            parameters = Parameters.site_quick() if site else Parameters.quick()
         overrides = {field.name: options[field.name] for field in dataclasses.fields(Parameters)
                      if options.get(field.name) is not None}
         return dataclasses.replace(parameters, **overrides)
