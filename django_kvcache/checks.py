@@ -76,9 +76,9 @@ def check_mysql_cache_tables(
             messages.append(
                 Warning(
                     f"The table {cache.table!r} of cache {alias!r} does not exist in "
-                    f"database {database!r}.",
-                    hint=f"Run 'manage.py kvcache_createtable {alias}', or 'manage.py "
-                    "migrate', which creates it before migrating.",
+                    f"database {database!r} yet.",
+                    hint="'manage.py migrate' creates it before migrating (or run "
+                    f"'manage.py kvcache_createtable {alias}').",
                     id="kvcache.W001",
                 )
             )
