@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,16 +50,10 @@ READ_ENTRIES = (
 
 def node_keys(address: str) -> list[str]:
     """Every key a memcached node holds (``lru_crawler metadump``)."""
-    host, port = address.rsplit(":", 1)
-    reply = b""
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"lru_crawler metadump all\r\n")
-        while not reply.endswith(b"END\r\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    return [line.split()[0][4:] for line in reply.decode().splitlines() if line.startswith("key=")]
+    from kvcache_bench.servers import ask
+
+    reply = ask(address, b"lru_crawler metadump all\r\n")
+    return [line.split()[0][4:] for line in reply.splitlines() if line.startswith("key=")]
 
 
 @pytest.fixture(scope="module")

@@ -87,19 +87,25 @@ def dedicated_node(memory_mb: int) -> Iterator[str]:
         _stop([process])
 
 
-def node_stats(address: str) -> dict[str, int]:
-    """The node's numeric ``stats`` (``bytes``, ``curr_items``, ``evictions``...)."""
+def ask(address: str, command: bytes) -> str:
+    """A memcached text command's reply, up to its ``END`` line."""
     host, port = address.rsplit(":", 1)
     reply = b""
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(b"stats\r\n")
+        sock.sendall(command)
         while not reply.endswith(b"END\r\n"):
             chunk = sock.recv(65536)
             if not chunk:
-                raise RuntimeError(f"memcached on {address} closed the connection during stats")
+                raise RuntimeError(f"memcached on {address} closed the connection: {command!r}")
             reply += chunk
+    return reply.decode()
+
+
+def node_stats(address: str) -> dict[str, int]:
+    """The node's numeric ``stats`` (``bytes``, ``curr_items``, ``evictions``...)."""
+    reply = ask(address, b"stats\r\n")
     stats = {}
-    for line in reply.decode().splitlines():
+    for line in reply.splitlines():
         parts = line.split()
         if len(parts) == 3 and parts[0] == "STAT" and parts[2].isdigit():
             stats[parts[1]] = int(parts[2])
