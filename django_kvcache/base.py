@@ -18,7 +18,6 @@ from django.utils.module_loading import import_string
 from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.zstd import FLAG_ZSTD
 from django_kvcache.options import (
     check_known,
     django_integer,
@@ -26,6 +25,7 @@ from django_kvcache.options import (
     read_number_options,
     timeout_setting,
 )
+from django_kvcache.zstd import FLAG_ZSTD
 
 logger = logging.getLogger(__name__)
 #: Corrupt entries, per backend class and kind of damage: one line when they start, then a

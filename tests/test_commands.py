@@ -26,7 +26,7 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-def unreachable_database(django_db_blocker, settings) -> Iterator[str]:
+def unreachable_database(django_db_blocker) -> Iterator[str]:
     """A DATABASES alias whose server is not running, and a MySQLCache "down" on it."""
     entry = {"ENGINE": "django.db.backends.mysql", "NAME": "kvcache", "HOST": "127.0.0.1",
              "PORT": str(closed_port()), "USER": "kvcache", "PASSWORD": ""}
