@@ -76,7 +76,7 @@ def check_mysql_cache_tables(
             messages.append(
                 Warning(
                     f"The table {cache.table!r} of cache {alias!r} does not exist in "
-                    f"database {database!r} yet.",
+                    f"database {database!r}.",
                     hint="'manage.py migrate' creates it before migrating (or run "
                     f"'manage.py kvcache_createtable {alias}').",
                     id="kvcache.W001",
