@@ -12,12 +12,12 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from django_kvcache.codec import FLAG_INTEGER, Codec
-from django_kvcache.zstd import zstd_module
+from django_kvcache.zstd import Dictionary, zstd_engine
 from tests.mysql_support import BACKEND, drop_table, ensure_table
 from tests.test_zstd import ZSTD, api_response
 
 pytestmark = [
-    pytest.mark.skipif(zstd_module() is None, reason="zstd not installed (extra 'zstd')"),
+    pytest.mark.skipif(zstd_engine() is None, reason="zstd not installed (extra 'zstd')"),
     pytest.mark.django_db(transaction=True),
 ]
 TABLE = "kvcache_train_test"
@@ -61,8 +61,8 @@ def test_a_dictionary_from_live_entries_shrinks_the_cache_s_values(sampled, tmp_
     out, _ = train(tmp_path, "sampled", output=path, samples=1000, size=4096)
     assert "trained on 240 entries" in out
     assert "On 60 other entries" in out and "zstd-3 + dictionary" in out
-    dictionary = zstd_module().ZstdDict(path.read_bytes())
-    assert f"zstd dictionary {dictionary.dict_id}" in out
+    dictionary = Dictionary(path.read_bytes())
+    assert f"zstd dictionary {dictionary.id}" in out
 
     value = [api_response(random.Random(7)) for _ in range(3)]
     without = Codec.from_options({"COMPRESSOR": ZSTD}).encode(value)[0]
@@ -118,3 +118,10 @@ def test_sample_entries_picks_distinct_live_entries_at_random(sampled):
     api_entries = [data for data, _ in first if data in stored]
     assert len(set(api_entries)) == len(api_entries) > 10  # no entry twice
     assert first != second  # a random pick, not the first 30 in storage order
+
+
+def test_without_zstd_it_says_which_package_to_install(sampled, tmp_path, without_zstd):
+    fill(sampled, 20)
+    with pytest.raises(CommandError, match=r"needs zstd: install the zstandard package \(pip install zstandard"):
+        train(tmp_path, "sampled", output=tmp_path / "d")
+    assert not (tmp_path / "d").exists()

@@ -14,10 +14,18 @@ from typing import Any
 
 from django.conf import settings
 from django.core.cache import caches
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG
-from django_kvcache.zstd import DEFAULT_DICTIONARY_SIZE, require_zstd, train_dictionary
+from django_kvcache.zstd import (
+    DEFAULT_DICTIONARY_SIZE,
+    DEFAULT_LEVEL,
+    Dictionary,
+    Engine,
+    require_zstd,
+    train_dictionary,
+)
 
 #: Entries under this size are what dictionaries help; larger ones compress well alone.
 MAX_SAMPLE_BYTES = 64 * 1024
@@ -44,6 +52,10 @@ class Command(BaseCommand):
             raise CommandError(f"Cache {alias!r} is not a django-kvcache cache")
         if samples < 10 or size < 256:
             raise CommandError("--samples must be at least 10 and --size at least 256")
+        try:
+            engine = require_zstd("Training a dictionary")
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
         payloads = self.payloads(cache, cache.sample_entries(samples))
         if len(payloads) < 10:
             raise CommandError(
@@ -57,7 +69,8 @@ class Command(BaseCommand):
             raise CommandError(f"Training failed: {exc}") from exc
         output.write_bytes(dictionary)
         if verbosity:
-            self.stdout.write(self.report(alias, output, dictionary, training, held_out))
+            self.stdout.write(self.report(engine, alias, str(output), dictionary, training,
+                                          held_out))
 
     def payloads(self, cache: Any, entries: list[tuple[bytes, int]]) -> list[bytes]:
         """Serialized values as compressors see them; integers and unreadable entries dropped."""
@@ -78,25 +91,22 @@ class Command(BaseCommand):
         return payloads
 
     @staticmethod
-    def report(alias: str, output: Path, dictionary: bytes, training: list[bytes],
+    def report(engine: Engine, alias: str, where: str, dictionary: bytes, training: list[bytes],
                held_out: list[bytes]) -> str:
         """The dictionary's effect on entries it was not trained on."""
-        zstd = require_zstd("Training a dictionary")
-        zstd_dict = zstd.ZstdDict(dictionary)
-        plain = zstd.ZstdCompressor(3)
-        trained = zstd.ZstdCompressor(3, zstd_dict=zstd_dict)
+        trained = Dictionary(dictionary)
         raw = sum(map(len, held_out))
         sizes = {}
         for name, compress in (
             ("zlib-1", lambda data: zlib.compress(data, 1)),
-            ("zstd-3", lambda data: plain.compress(data, zstd.ZstdCompressor.FLUSH_FRAME)),
-            ("zstd-3 + dictionary",
-             lambda data: trained.compress(data, zstd.ZstdCompressor.FLUSH_FRAME)),
+            (f"zstd-{DEFAULT_LEVEL}", lambda data: engine.compress(data, DEFAULT_LEVEL, None)),
+            (f"zstd-{DEFAULT_LEVEL} + dictionary",
+             lambda data: engine.compress(data, DEFAULT_LEVEL, trained)),
         ):
             start = time.perf_counter()
             sizes[name] = (sum(len(compress(d)) for d in held_out), time.perf_counter() - start)
         lines = [
-            f"{alias}: wrote {output} (zstd dictionary {zstd_dict.dict_id}, {len(dictionary)} "
+            f"{alias}: wrote {where} (zstd dictionary {trained.id}, {len(dictionary)} "
             f"bytes) trained on {len(training)} entries.",
             f"On {len(held_out)} other entries ({raw} bytes serialized):",
         ]
