@@ -13,7 +13,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 
 from django_kvcache import stampede
-from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
+from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue, StoredDictionaries
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import check_known, django_integer, timeout_setting
 
@@ -77,14 +77,20 @@ class KVCache(BaseCache):
     #: compression saves (memory, disk) against what it costs (CPU on every read).
     default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
+    def __init__(
+        self, params: Mapping[str, Any], stored_dictionaries: StoredDictionaries | None = None
+    ) -> None:
+        """``stored_dictionaries``: a backend keeping zstd dictionaries itself gives their
+        source, for ``COMPRESS_DICTIONARY: "auto"``."""
         options = params.get("OPTIONS") or {}
         self.check_options(options)
         # Checked here, then read by Django's BaseCache with int() as it always does.
         timeout_setting(params.get("timeout", params.get("TIMEOUT", 300)))
         super().__init__(params)
         self.options: dict[str, Any] = dict(options)
-        self.codec = Codec.from_options(options, self.default_compress_min_length)
+        self.codec = Codec.from_options(
+            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries
+        )
         self.stampede = stampede.Policy.from_options(options)
 
     # --- configuration ---------------------------------------------------------------

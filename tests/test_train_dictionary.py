@@ -13,7 +13,9 @@ from django.test import override_settings
 
 from django_kvcache.codec import FLAG_INTEGER, Codec
 from django_kvcache.zstd import Dictionary, zstd_engine
-from tests.mysql_support import BACKEND, drop_table, ensure_table
+from django_kvcache.backends.mysql import MySQLCache
+from tests.mysql_support import BACKEND, drop_table, ensure_table, sql
+from tests.zstd_support import frame_dictionary_id
 from tests.test_zstd import ZSTD, api_response
 
 pytestmark = [
@@ -125,3 +127,40 @@ def test_without_zstd_it_says_which_package_to_install(sampled, tmp_path, withou
     with pytest.raises(CommandError, match=r"needs zstd: install the zstandard package \(pip install zstandard"):
         train(tmp_path, "sampled", output=tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_it_needs_somewhere_to_put_the_dictionary(sampled, tmp_path):
+    fill(sampled, 20)
+    with pytest.raises(CommandError, match="--output FILE, --install, or both"):
+        train(tmp_path, "sampled")
+
+
+def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
+    fill(sampled, 100)
+    if not isinstance(sampled, MySQLCache):
+        with pytest.raises(CommandError, match="--install keeps the dictionary in a MySQLCache"):
+            train(tmp_path, "sampled", install=True)
+        return
+    out, err = train(tmp_path, "sampled", install=True, output=tmp_path / "copy.zstd",
+                     samples=100, size=2048)
+    dictionary = Dictionary((tmp_path / "copy.zstd").read_bytes())
+    assert f"wrote {tmp_path / 'copy.zstd'} and the table of cache 'sampled' " \
+           f"(zstd dictionary {dictionary.id}" in out
+    assert "set its OPTIONS['COMPRESS_DICTIONARY'] to 'auto'" in err  # this one does not read it
+    rows = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
+    assert rows == [(dictionary.id, dictionary.content)]
+    auto = {**MYSQL_CACHE, "OPTIONS": {**MYSQL_CACHE["OPTIONS"], "COMPRESS_DICTIONARY": "auto",
+                                       "COMPRESS_MIN_LENGTH": 400}}
+    with override_settings(CACHES={**CACHES, "auto": auto}):
+        caches["auto"].set("new", [api_response(random.Random(5)) for _ in range(3)])
+        data, flags = [row[1:] for row in sql(
+            f"SELECT `cache_key`, `value`, `flags` FROM `{TABLE}` WHERE `cache_key` = ':1:new'")][0]
+        assert frame_dictionary_id(bytes(data)) == dictionary.id
+        # Trained again on entries now compressed with it: sampling reads them through the
+        # table (none skipped), and the new dictionary is installed beside the first.
+        caches["auto"].set_many({f"api:{n}": value for n, value in enumerate(
+            [[api_response(random.Random(n)) for _ in range(3)] for n in range(100)])})
+        _, err = train(tmp_path, "auto", install=True, samples=150, size=2048)
+        assert "Skipped" not in err
+        assert len(sql(f"SELECT 1 FROM `{TABLE}_dictionaries`")) == 2
+    sql(f"DROP TABLE `{TABLE}_dictionaries`")
