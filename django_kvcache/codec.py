@@ -334,8 +334,11 @@ class Codec:
             compressor = compressor_class(options)
         else:
             compressor = None
+        serializer_class = _import_class(options, "SERIALIZER", DEFAULT_SERIALIZER)
+        if serializer_class is None:  # unlike COMPRESSOR, there is no "off"
+            raise ImproperlyConfigured("OPTIONS['SERIALIZER'] must be a dotted path, got None")
         return cls(
-            serializer=_import_class(options, "SERIALIZER", DEFAULT_SERIALIZER)(options),
+            serializer=serializer_class(options),
             compressor=compressor,
             compress_min_length=min_length,
         )

@@ -234,6 +234,7 @@ def test_corrupt_entries_raise_corrupt_value(codec, data, flags):
     [
         ({"SERIALIZER": "no.such.Serializer"}, "SERIALIZER"),
         ({"SERIALIZER": 3}, "SERIALIZER"),
+        ({"SERIALIZER": None}, "SERIALIZER"),  # COMPRESSOR None is "off"; this has no off
         ({"COMPRESSOR": "django_kvcache.codec.Nope"}, "COMPRESSOR"),
         ({**ZLIB, "COMPRESS_LEVEL": 10}, "COMPRESS_LEVEL"),
         ({"COMPRESS_LEVEL": "1"}, "COMPRESS_LEVEL"),
