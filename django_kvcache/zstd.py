@@ -263,7 +263,12 @@ def zstd_engine() -> Engine | None:
 
         return Zstandard(zstandard)
     except ImportError:
-        pass
+        return standard_library_engine()
+
+
+@functools.cache
+def standard_library_engine() -> StandardLibrary | None:
+    """The fallback engine: ``compression.zstd`` (3.14+) or backports.zstd; None if neither."""
     try:
         from compression import zstd  # type: ignore[import-not-found]
     except ImportError:

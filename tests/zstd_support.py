@@ -2,10 +2,14 @@
 engines installed here, and a frame's dictionary id read from the bytes themselves."""
 from __future__ import annotations
 
-from typing import Any
-
 from django_kvcache.codec import FLAG_PICKLE
-from django_kvcache.zstd import FLAG_ZSTD, Engine, StandardLibrary, Zstandard
+from django_kvcache.zstd import (
+    FLAG_ZSTD,
+    Engine,
+    StandardLibrary,
+    Zstandard,
+    standard_library_engine,
+)
 
 #: pickle.dumps("django-kvcache " * 20) as zstd level 3 wrote it (a frame any host can
 #: hold, zstd installed or not).
@@ -15,22 +19,10 @@ ZSTD_ENTRY_VALUE = "django-kvcache " * 20
 ZSTD_ENTRY_FLAGS = FLAG_PICKLE | FLAG_ZSTD
 
 
-def previous_module() -> Any:
-    """The zstd module of the engine earlier releases wrote with: the standard library's
-    (3.14+) or backports.zstd; None if neither is installed."""
-    try:
-        from compression import zstd  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from backports import zstd  # type: ignore[import-not-found,no-redef]
-        except ImportError:
-            return None
-    return zstd
-
-
 def previous_engine() -> StandardLibrary | None:
-    module = previous_module()
-    return None if module is None else StandardLibrary(module)
+    """The engine earlier releases wrote with: the standard library's zstd (3.14+) or
+    backports.zstd; None if neither is installed."""
+    return standard_library_engine()
 
 
 def _engines() -> dict[str, Engine]:

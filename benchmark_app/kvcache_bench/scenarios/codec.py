@@ -29,7 +29,13 @@ from django.test import override_settings
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import Codec
-from django_kvcache.zstd import DEFAULT_LEVEL, StandardLibrary, train_dictionary, zstd_engine
+from django_kvcache.zstd import (
+    DEFAULT_LEVEL,
+    StandardLibrary,
+    standard_library_engine,
+    train_dictionary,
+    zstd_engine,
+)
 from kvcache_bench.caches import PEERS, CacheSpec
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
@@ -68,7 +74,7 @@ def run(context: Context) -> dict[str, Any]:
     engine = zstd_engine()
     settings = [(label, options, None) for label, options in SETTINGS
                 if engine is not None or options.get("COMPRESSOR") != ZSTD]
-    fallback = _fallback_engine()
+    fallback = standard_library_engine()
     if fallback is not None and fallback is not engine:
         settings += [(f"zstd-{DEFAULT_LEVEL} from {n} ({FALLBACK})",
                       {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n}, fallback)
@@ -90,18 +96,6 @@ def _default_of(options: dict[str, Any], engine: StandardLibrary | None) -> str 
     defaults = [name for name, backend in (("MySQL", MySQLCache), ("memcached", MemcachedCache))
                 if backend.default_compress_min_length == options["COMPRESS_MIN_LENGTH"]]
     return " and ".join(defaults) or None
-
-
-def _fallback_engine() -> StandardLibrary | None:
-    """The standard library's zstd (3.14+) or backports.zstd, if installed."""
-    try:
-        from compression import zstd  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from backports import zstd  # type: ignore[import-not-found,no-redef]
-        except ImportError:
-            return None
-    return StandardLibrary(zstd)
 
 
 def trained_dictionary(context: Context, folder: str) -> str:
