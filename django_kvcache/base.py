@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
-from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue
+from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue, StoredDictionaries
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import (
     check_known,
@@ -141,7 +141,11 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     #: compression saves (memory, disk) against what it costs (CPU on every read).
     default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
+    def __init__(
+        self, params: Mapping[str, Any], stored_dictionaries: StoredDictionaries | None = None
+    ) -> None:
+        """``stored_dictionaries``: a backend keeping zstd dictionaries itself gives their
+        source, for ``COMPRESS_DICTIONARY: "auto"``."""
         options = params.get("OPTIONS") or {}
         self.check_options(options)
         options = read_number_options(options)
@@ -149,7 +153,9 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         timeout_setting(params.get("timeout", params.get("TIMEOUT", 300)))
         super().__init__(params)
         self.options: dict[str, Any] = options
-        self.codec = Codec.from_options(options, self.default_compress_min_length)
+        self.codec = Codec.from_options(
+            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries
+        )
         self.stampede = stampede.Policy.from_options(options)
 
     # --- configuration ---------------------------------------------------------------

@@ -27,7 +27,7 @@ from django.db import connections
 
 from django_kvcache.backends.mysql import MySQLCache, mysql_cache_aliases
 from django_kvcache.base import KVCache
-from django_kvcache.zstd import zstd_module
+from django_kvcache.zstd import INSTALL_HINT, zstd_engine
 
 
 def all_databases(cache: MySQLCache) -> list[str]:
@@ -89,17 +89,16 @@ def check_mysql_cache_tables(
 def check_default_compressor(
     app_configs: Iterable[Any] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    if zstd_module() is not None:
+    if zstd_engine() is not None:
         return []
     return [
         Warning(
             f"CACHES[{alias!r}] compresses with zlib: its default compressor is zstd, "
             "which is not installed here.",
-            hint="Install django-kvcache with its backend's extra ('mysql' or 'memcached'), "
-            "or the 'zstd' extra, which bring backports.zstd (Python 3.14+ has zstd "
-            "built in). Until then entries other processes write with zstd read as "
-            "misses here, and writes cost 2-4x the CPU. To keep zlib on purpose, set "
-            "OPTIONS['COMPRESSOR'] to 'django_kvcache.codec.ZlibCompressor'.",
+            hint=f"To compress with zstd, {INSTALL_HINT}. Until then entries other "
+            "processes write with zstd read as misses here, and writes cost 3-4x the "
+            "CPU. To keep zlib on purpose, set OPTIONS['COMPRESSOR'] to "
+            "'django_kvcache.codec.ZlibCompressor'.",
             id="kvcache.W002",
         )
         for alias in settings.CACHES

@@ -13,8 +13,8 @@ value written by one of those clients is readable here and the other way round::
 A serializer or compressor of our own that others cannot read takes a bit above these
 (``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512, zstd compression 1024) so
 no client ever misreads it as plain pickle. Every codec reads values compressed with
-zlib or zstd (when zstd is installed), whatever it writes, so switching COMPRESSOR
-never makes existing entries unreadable.
+zlib or zstd (when a zstd engine is installed), whatever it writes, so switching
+COMPRESSOR never makes existing entries unreadable.
 
 Integers are stored as plain decimal text so servers can ``incr`` them in place.
 """
@@ -34,7 +34,17 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_kvcache.options import integer
-from django_kvcache.zstd import FLAG_ZSTD, plain_decompressor, require_zstd, zstd_module
+from django_kvcache.zstd import (
+    AUTO,
+    FLAG_ZSTD,
+    INSTALL_HINT,
+    LEVELS,
+    DictionarySource,
+    ZstdCompressor,
+    plain_decompressor,
+    require_zstd,
+    zstd_engine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +70,17 @@ DEFAULT_COMPRESS_LEVEL = 1  # zlib's fastest; most of the saving on typical HTML
 def default_compressor_path() -> str:
     """The COMPRESSOR of a cache whose OPTIONS name none: zstd where it is installed.
 
-    On the benchmark's realistic values zstd level 3 compresses 2-3x faster than zlib
-    level 1, to slightly fewer bytes; it reads values under ~3 KB a few µs slower and
-    larger ones faster (docs/codec.rst, "Choosing compression"). It is in the standard
-    library from Python 3.14; before that the backends' extras (``mysql``,
-    ``memcached``) bring backports.zstd. Without either, zlib, with one logged warning
-    and the ``kvcache.W002`` check saying what that costs.
+    On the benchmark's realistic values zstd level 3 (zstandard engine) compresses 3-4x
+    faster than zlib level 1 to slightly fewer bytes, and reads them faster too
+    (docs/codec.rst, "Choosing compression"). The backends' extras (``mysql``,
+    ``memcached``) bring zstandard; Python 3.14's ``compression.zstd`` or backports.zstd
+    serve where it is missing. Without any, zlib, with one logged warning and the
+    ``kvcache.W002`` check saying what that costs.
     """
-    if zstd_module() is not None:
+    if zstd_engine() is not None:
         return ZSTD_COMPRESSOR
     _warn_zlib_fallback()
     return ZLIB_COMPRESSOR
-
-
-#: libzstd's level range (ZSTD_minCLevel() to ZSTD_maxCLevel()), known without zstd.
-ZSTD_LEVELS = range(-(1 << 17), 23)
 
 
 def zlib_fallback_options(options: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -82,7 +88,7 @@ def zlib_fallback_options(options: Mapping[str, Any]) -> Mapping[str, Any]:
     COMPRESSOR is a zstd level (fast levels below 1, up to 22): clamped into zlib's 1-9,
     the same settings start on every host instead of failing where zstd is missing."""
     level = options.get("COMPRESS_LEVEL")
-    if type(level) is not int or level not in ZSTD_LEVELS:
+    if type(level) is not int or level not in LEVELS:
         return options  # absent, or wrong for both: ZlibCompressor says so
     return {**options, "COMPRESS_LEVEL": min(max(level, 1), 9)}
 
@@ -92,9 +98,9 @@ def _warn_zlib_fallback() -> None:
     # Once per process: system checks run only under manage.py, not in a WSGI worker.
     logger.warning(
         "django-kvcache compresses with zlib: its default, zstd, is not installed "
-        "(pip install 'django-kvcache[zstd]'). Entries written with zstd read as misses "
-        "here. Set OPTIONS['COMPRESSOR'] to 'django_kvcache.codec.ZlibCompressor' to "
-        "choose zlib and silence this."
+        f"({INSTALL_HINT}). Entries written with zstd read as misses here. Set "
+        "OPTIONS['COMPRESSOR'] to 'django_kvcache.codec.ZlibCompressor' to choose zlib "
+        "and silence this."
     )
 
 
@@ -247,17 +253,20 @@ def looks_compressible(data: bytes) -> bool:
     return len(set(sample)) < 0.85 * random_distinct
 
 
-def _load_class(options: Mapping[str, Any], option: str, default: str | None) -> Any:
+def _import_class(options: Mapping[str, Any], option: str, default: str | None) -> Any:
     path = options.get(option, default)
     if path is None:
         return None
     if not isinstance(path, str):
         raise ImproperlyConfigured(f"OPTIONS[{option!r}] must be a dotted path, got {path!r}")
     try:
-        cls = import_string(path)
+        return import_string(path)
     except ImportError as exc:
         raise ImproperlyConfigured(f"OPTIONS[{option!r}]: cannot import {path!r}: {exc}") from exc
-    return cls(options)
+
+
+#: Builds the source of ``COMPRESS_DICTIONARY: "auto"`` from a cache's (checked) OPTIONS.
+StoredDictionaries = Callable[[Mapping[str, Any]], DictionarySource]
 
 
 class Codec:
@@ -296,26 +305,40 @@ class Codec:
         options: Mapping[str, Any],
         default_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH,
         default_compressor: str | None = None,
+        stored_dictionaries: StoredDictionaries | None = None,
     ) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
-        COMPRESS_MIN_LENGTH and COMPRESS_LEVEL. ``default_min_length`` and
-        ``default_compressor`` apply when the option is absent: each backend's own
-        (``default_compressor_path()`` when not given)."""
+        COMPRESS_MIN_LENGTH, COMPRESS_LEVEL and COMPRESS_DICTIONARY. ``default_min_length``
+        and ``default_compressor`` apply when the option is absent: each backend's own
+        (``default_compressor_path()`` when not given). ``stored_dictionaries`` is given
+        by a backend that keeps its dictionaries itself (``COMPRESS_DICTIONARY: "auto"``)."""
         min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
-        if options.get("COMPRESS_DICTIONARY"):
+        dictionary_setting = options.get("COMPRESS_DICTIONARY")
+        if dictionary_setting:
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']")
         if default_compressor is None and "COMPRESSOR" not in options:
             default_compressor = default_compressor_path()  # only then: it may warn
             if default_compressor == ZLIB_COMPRESSOR:
                 options = zlib_fallback_options(options)
-        compressor = _load_class(options, "COMPRESSOR", default_compressor)
-        if options.get("COMPRESS_DICTIONARY") and not getattr(compressor, "dictionaries", None):
+        compressor_class = _import_class(options, "COMPRESSOR", default_compressor)
+        uses_dictionaries = isinstance(compressor_class, type) and issubclass(
+            compressor_class, ZstdCompressor)
+        if dictionary_setting and not uses_dictionaries:
             raise ImproperlyConfigured(
                 "OPTIONS['COMPRESS_DICTIONARY'] needs a compressor that uses dictionaries: "
                 "set OPTIONS['COMPRESSOR'] to 'django_kvcache.zstd.ZstdCompressor'"
             )
+        if dictionary_setting == AUTO and stored_dictionaries is not None:
+            compressor = compressor_class(options, stored_dictionaries(options))
+        elif compressor_class is not None:
+            compressor = compressor_class(options)
+        else:
+            compressor = None
+        serializer_class = _import_class(options, "SERIALIZER", DEFAULT_SERIALIZER)
+        if serializer_class is None:  # unlike COMPRESSOR, there is no "off"
+            raise ImproperlyConfigured("OPTIONS['SERIALIZER'] must be a dotted path, got None")
         return cls(
-            serializer=_load_class(options, "SERIALIZER", DEFAULT_SERIALIZER),
+            serializer=serializer_class(options),
             compressor=compressor,
             compress_min_length=min_length,
         )
@@ -367,8 +390,7 @@ class Codec:
             )
         if flags & FLAG_ZSTD and FLAG_ZSTD not in self.decompressors:
             raise CorruptValue(
-                "compressed with zstd, which is not installed here "
-                "(pip install 'django-kvcache[zstd]')",
+                f"compressed with zstd, which is not installed here ({INSTALL_HINT})",
                 "zstd not installed",
             )
         raise CorruptValue(

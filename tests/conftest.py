@@ -18,13 +18,14 @@ def new_corrupt_entry_episode() -> None:
 
 @pytest.fixture
 def without_zstd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """What a process without backports.zstd (before Python 3.14) sees: the import fails.
+    """What a process without any zstd engine (zstandard, or before Python 3.14
+    backports.zstd) sees: the imports fail.
     Caches built after it have no zstd; the py311-nozstd tox env runs the same tests
     where it is really missing."""
     from django_kvcache.codec import _warn_zlib_fallback
 
     for module in ("codec", "checks", "zstd"):
-        monkeypatch.setattr(f"django_kvcache.{module}.zstd_module", lambda: None)
+        monkeypatch.setattr(f"django_kvcache.{module}.zstd_engine", lambda: None)
     _warn_zlib_fallback.cache_clear()
     yield
     _warn_zlib_fallback.cache_clear()

@@ -25,7 +25,7 @@ from django_kvcache.codec import (
     PickleSerializer,
     ZlibCompressor,
 )
-from django_kvcache.zstd import FLAG_ZSTD, zstd_module
+from django_kvcache.zstd import FLAG_ZSTD, no_dictionary, zstd_engine
 from tests.models import Poll
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS, ZSTD_ENTRY_VALUE
 
@@ -234,6 +234,7 @@ def test_corrupt_entries_raise_corrupt_value(codec, data, flags):
     [
         ({"SERIALIZER": "no.such.Serializer"}, "SERIALIZER"),
         ({"SERIALIZER": 3}, "SERIALIZER"),
+        ({"SERIALIZER": None}, "SERIALIZER"),  # COMPRESSOR None is "off"; this has no off
         ({"COMPRESSOR": "django_kvcache.codec.Nope"}, "COMPRESSOR"),
         ({**ZLIB, "COMPRESS_LEVEL": 10}, "COMPRESS_LEVEL"),
         ({"COMPRESS_LEVEL": "1"}, "COMPRESS_LEVEL"),
@@ -384,11 +385,11 @@ def test_a_backend_default_compressor_applies_only_when_the_option_is_absent():
 
 
 def test_the_default_compressor_is_zstd_where_it_is_installed():
-    if zstd_module() is None:
+    if zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
     data, flags = Codec.from_options({}).encode(COMPRESSIBLE)
     assert flags == FLAG_PICKLE | FLAG_ZSTD
-    assert pickle.loads(zstd_module().decompress(data)) == COMPRESSIBLE
+    assert pickle.loads(zstd_engine().decompress(data, no_dictionary)) == COMPRESSIBLE
 
 
 def test_without_zstd_the_default_is_zlib_and_a_warning_says_so_once(without_zstd, caplog):
@@ -402,10 +403,12 @@ def test_without_zstd_the_default_is_zlib_and_a_warning_says_so_once(without_zst
     assert pickle.loads(zlib.decompress(data)) == COMPRESSIBLE
     warnings = [r.getMessage() for r in caplog.records if r.name == "django_kvcache.codec"]
     assert len(warnings) == 1 and "zstd" in warnings[0] and "ZlibCompressor" in warnings[0]
+    # The package itself, installable from a checkout too, beside the extras that bring it.
+    assert "pip install zstandard" in warnings[0] and "django-kvcache[zstd]" in warnings[0]
 
 
 def test_the_zstd_entry_below_is_a_real_one():
-    if zstd_module() is None:
+    if zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
     assert Codec.from_options(ZLIB).decode(ZSTD_ENTRY, ZSTD_ENTRY_FLAGS) == ZSTD_ENTRY_VALUE
 
@@ -423,14 +426,14 @@ def test_without_zstd_a_zstd_level_is_clamped_into_zlibs_range(without_zstd):
 
 
 def test_without_zstd_a_zstd_entry_is_a_miss_that_says_why(without_zstd):
-    with pytest.raises(CorruptValue, match="zstd, which is not installed"):
+    with pytest.raises(CorruptValue, match="zstd, which is not installed.*pip install zstandard"):
         Codec.from_options(ZLIB).decode(ZSTD_ENTRY, ZSTD_ENTRY_FLAGS)
 
 
 def test_without_zstd_a_dictionary_option_says_zstd_is_missing(without_zstd):
     for options in ({"COMPRESS_DICTIONARY": "/some/path"},
                     {**ZLIB, "COMPRESS_DICTIONARY": "/some/path"}):
-        with pytest.raises(ImproperlyConfigured, match="COMPRESS_DICTIONARY.*needs zstd"):
+        with pytest.raises(ImproperlyConfigured, match="COMPRESS_DICTIONARY.*needs zstd.*pip install zstandard"):
             Codec.from_options(options)
 
 
@@ -449,14 +452,14 @@ def test_without_zstd_the_check_names_each_cache_left_to_the_default(without_zst
     try:
         messages = check_default_compressor()
         assert [m.id for m in messages] == ["kvcache.W002"]
-        assert "'defaulted'" in messages[0].msg and "zstd" in messages[0].hint
+        assert "'defaulted'" in messages[0].msg and "pip install zstandard" in messages[0].hint
     finally:
         for alias in settings.CACHES:
             caches[alias].close()
 
 
 def test_the_check_is_silent_where_zstd_is_installed(settings):
-    if zstd_module() is None:
+    if zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
     from django.core.cache import caches
 

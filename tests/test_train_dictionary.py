@@ -12,12 +12,14 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from django_kvcache.codec import FLAG_INTEGER, Codec
-from django_kvcache.zstd import zstd_module
-from tests.mysql_support import BACKEND, drop_table, ensure_table
+from django_kvcache.zstd import Dictionary, zstd_engine
+from django_kvcache.backends.mysql import MySQLCache
+from tests.mysql_support import BACKEND, drop_table, ensure_table, sql
+from tests.zstd_support import frame_dictionary_id
 from tests.test_zstd import ZSTD, api_response
 
 pytestmark = [
-    pytest.mark.skipif(zstd_module() is None, reason="zstd not installed (extra 'zstd')"),
+    pytest.mark.skipif(zstd_engine() is None, reason="zstd not installed (extra 'zstd')"),
     pytest.mark.django_db(transaction=True),
 ]
 TABLE = "kvcache_train_test"
@@ -61,8 +63,8 @@ def test_a_dictionary_from_live_entries_shrinks_the_cache_s_values(sampled, tmp_
     out, _ = train(tmp_path, "sampled", output=path, samples=1000, size=4096)
     assert "trained on 240 entries" in out
     assert "On 60 other entries" in out and "zstd-3 + dictionary" in out
-    dictionary = zstd_module().ZstdDict(path.read_bytes())
-    assert f"zstd dictionary {dictionary.dict_id}" in out
+    dictionary = Dictionary(path.read_bytes())
+    assert f"zstd dictionary {dictionary.id}" in out
 
     value = [api_response(random.Random(7)) for _ in range(3)]
     without = Codec.from_options({"COMPRESSOR": ZSTD}).encode(value)[0]
@@ -118,3 +120,47 @@ def test_sample_entries_picks_distinct_live_entries_at_random(sampled):
     api_entries = [data for data, _ in first if data in stored]
     assert len(set(api_entries)) == len(api_entries) > 10  # no entry twice
     assert first != second  # a random pick, not the first 30 in storage order
+
+
+def test_without_zstd_it_says_which_package_to_install(sampled, tmp_path, without_zstd):
+    fill(sampled, 20)
+    with pytest.raises(CommandError, match=r"needs zstd: install the zstandard package \(pip install zstandard"):
+        train(tmp_path, "sampled", output=tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_it_needs_somewhere_to_put_the_dictionary(sampled, tmp_path):
+    fill(sampled, 20)
+    with pytest.raises(CommandError, match="--output FILE, --install, or both"):
+        train(tmp_path, "sampled")
+
+
+def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
+    fill(sampled, 100)
+    if not isinstance(sampled, MySQLCache):
+        with pytest.raises(CommandError, match="--install keeps the dictionary in a MySQLCache"):
+            train(tmp_path, "sampled", install=True)
+        return
+    out, err = train(tmp_path, "sampled", install=True, output=tmp_path / "copy.zstd",
+                     samples=100, size=2048)
+    dictionary = Dictionary((tmp_path / "copy.zstd").read_bytes())
+    assert f"wrote {tmp_path / 'copy.zstd'} and the table of cache 'sampled' " \
+           f"(zstd dictionary {dictionary.id}" in out
+    assert "set its OPTIONS['COMPRESS_DICTIONARY'] to 'auto'" in err  # this one does not read it
+    rows = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
+    assert rows == [(dictionary.id, dictionary.content)]
+    auto = {**MYSQL_CACHE, "OPTIONS": {**MYSQL_CACHE["OPTIONS"], "COMPRESS_DICTIONARY": "auto",
+                                       "COMPRESS_MIN_LENGTH": 400}}
+    with override_settings(CACHES={**CACHES, "auto": auto}):
+        caches["auto"].set("new", [api_response(random.Random(5)) for _ in range(3)])
+        data, flags = [row[1:] for row in sql(
+            f"SELECT `cache_key`, `value`, `flags` FROM `{TABLE}` WHERE `cache_key` = ':1:new'")][0]
+        assert frame_dictionary_id(bytes(data)) == dictionary.id
+        # Trained again on entries now compressed with it: sampling reads them through the
+        # table (none skipped), and the new dictionary is installed beside the first.
+        caches["auto"].set_many({f"api:{n}": value for n, value in enumerate(
+            [[api_response(random.Random(n)) for _ in range(3)] for n in range(100)])})
+        _, err = train(tmp_path, "auto", install=True, samples=150, size=2048)
+        assert "Skipped" not in err
+        assert len(sql(f"SELECT 1 FROM `{TABLE}_dictionaries`")) == 2
+    sql(f"DROP TABLE `{TABLE}_dictionaries`")

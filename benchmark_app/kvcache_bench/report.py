@@ -157,7 +157,8 @@ def capacity_text(capacity: dict[str, Any], mix: str = "") -> str:
 
 
 def codec_text(codec: dict[str, Any], mix: str = "") -> str:
-    lines = [[e["setting"], f"{e['encode_us']:.1f}", f"{e['decode_us']:.1f}",
+    lines = [[e["setting"] + (f" ({e['default_of']} default)" if e.get("default_of") else ""),
+              f"{e['encode_us']:.1f}", f"{e['decode_us']:.1f}",
               f"{e['stored_bytes'] / codec['values']:,.0f}", _ratio(e["vs_payload"])]
              for e in codec["results"]]
     header = ["setting", "encode us", "decode us", "stored B/value", "x payload"]

@@ -40,7 +40,7 @@ from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.health import NodeHealth, health_for
-from django_kvcache.mysql import culling
+from django_kvcache.mysql import culling, dictionaries
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.lease import MySQLLeaseStore, Work
 from django_kvcache.mysql.shards import (
@@ -190,13 +190,15 @@ class MySQLCache(KVCache):
             "CULL_PROBABILITY",
         }
     )
-    #: Compress from 4 KB: on realistic values this costs less than django-mysql's policy
-    #: (zlib level 6 from 5000 bytes) and stores a tenth less; from 2 KB, a fifth less
-    #: again, but get_many reads 10-15 % slower (docs/codec.rst, "Choosing compression").
-    default_compress_min_length = 4000
+    #: Compress from 1000 bytes: with zstandard's reused decompressors, reading the
+    #: realistic mix costs about what django-mysql's policy (zlib level 6 from 5000 bytes)
+    #: costs, and it stores 0.64x its bytes; from 2000, 0.71x (docs/codec.rst, "Choosing
+    #: compression": the curve it was chosen from).
+    default_compress_min_length = 1000
 
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
-        super().__init__(params)
+        # COMPRESS_DICTIONARY "auto": zstd dictionaries in a table beside the cache's.
+        super().__init__(params, partial(dictionaries.table_dictionaries, location))
         self.table = check_table(location)
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
         self.cull_probability = fraction(
@@ -1121,11 +1123,17 @@ class MySQLCache(KVCache):
     def create_table_sql(self, database: str | None = None) -> str:
         connection = connections[database or self.db_alias(write=True)]
         mariadb = server_info(connection).mariadb
-        return create_table_sql(self.table, connection.ops.quote_name, mariadb, self.engine)
+        statement = create_table_sql(self.table, connection.ops.quote_name, mariadb, self.engine)
+        if dictionaries.uses_stored_dictionaries(self.options):  # and its dictionary table
+            statement += ";\n" + dictionaries.create_table_sql(self.table, connection.ops.quote_name)
+        return statement
 
     def drop_table_sql(self, database: str | None = None) -> str:
         connection = connections[database or self.db_alias(write=True)]
-        return drop_table_sql(self.table, connection.ops.quote_name)
+        statement = drop_table_sql(self.table, connection.ops.quote_name)
+        if dictionaries.uses_stored_dictionaries(self.options):
+            statement += ";\n" + dictionaries.drop_table_sql(self.table, connection.ops.quote_name)
+        return statement
 
     def create_table(self, database: str | None = None) -> str:
         """Create the table where it is missing (``database``, else every shard); returns
@@ -1134,13 +1142,17 @@ class MySQLCache(KVCache):
         for alias in [database] if database else self.database_aliases():
             statement = self.create_table_sql(alias)
             with connections[alias].cursor() as cursor:
-                cursor.execute(statement)
+                for part in connections[alias].ops.prepare_sql_script(statement):
+                    cursor.execute(part)
         return statement
 
     def table_exists(self, database: str | None = None) -> bool:
         """Whether the table exists in ``database``, else on every shard."""
+        tables = [self.table]
+        if dictionaries.uses_stored_dictionaries(self.options):
+            tables.append(dictionaries.dictionary_table(self.table))
         return all(
-            self.table in connections[alias].introspection.table_names()
+            set(tables) <= set(connections[alias].introspection.table_names())
             for alias in ([database] if database else self.database_aliases())
         )
 

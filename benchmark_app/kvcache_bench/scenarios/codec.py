@@ -1,13 +1,18 @@
 """``codec``: what compression costs and saves on the mix's values, without any server.
 
-For each setting (compressor, level, COMPRESS_MIN_LENGTH) the mix's values go through
-our codec: the CPU time per value to encode and to decode (best of several passes, in
-this process), and the bytes stored as a share of the serialized payload. The first row
-is django-mysql's policy done the same way (pickle, zlib level 6 from 5000 bytes) and
-the second no compression at all, so each setting's price reads against both.
-The last rows use a zstd dictionary trained on 2000 other values of the same mix (another
-seed), as ``kvcache_train_dictionary`` trains one on a site's live entries. This is the
-measurement behind the defaults (docs/codec.rst, "Choosing compression").
+For each setting (compressor, level, COMPRESS_MIN_LENGTH, zstd engine) CODEC_VALUES values
+of the mix go through our codec: the CPU time per value to encode and to decode (process
+time, best of several passes, in this process: what other load on the machine moves
+least), and the bytes stored as a share of the serialized payload. The first row is
+django-mysql's policy done the same way (pickle, zlib level 6 from 5000 bytes) and the
+second no compression at all, so each setting's price reads against both.
+
+The zstd rows at thresholds from 400 to 4000 bytes are the curve the backends' defaults
+are chosen from (bytes against read CPU per threshold, docs/codec.rst); rows marked
+``compression.zstd`` use the fallback engine (the standard library's or backports.zstd)
+where it is installed. The last rows use a zstd dictionary trained on DICTIONARY_SAMPLES
+other values of the mix (another seed), as ``kvcache_train_dictionary`` trains one on a
+site's live entries.
 """
 from __future__ import annotations
 
@@ -18,49 +23,83 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from django.core.management import call_command
+from django.test import override_settings
+
+from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import Codec
-from django_kvcache.zstd import train_dictionary, zstd_module
-from kvcache_bench.caches import PEERS
+from django_kvcache.zstd import (
+    DEFAULT_LEVEL,
+    StandardLibrary,
+    standard_library_engine,
+    train_dictionary,
+    zstd_engine,
+)
+from kvcache_bench.caches import PEERS, CacheSpec
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
 
 PASSES = 5
+#: Values of the mix each setting encodes and decodes (as in issue 23's measurements).
+CODEC_VALUES = 1500
 #: Values of the mix (another seed) a dictionary is trained on.
 DICTIONARY_SAMPLES = 2000
-#: Where the compact MySQL variant starts compressing (docs/codec.rst, "Choosing compression").
-COMPACT_MYSQL_MIN_LENGTH = 1000
 ZSTD = "django_kvcache.zstd.ZstdCompressor"
 ZLIB = "django_kvcache.codec.ZlibCompressor"
+#: Thresholds of the zstd curve.
+CURVE = (400, 700, 1000, 1500, 2000, 3000, 4000)
 #: (label, OPTIONS) of each setting measured; zstd ones only where zstd is installed.
 #: Each names its compressor: the default one depends on what is installed.
 SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("none", {"COMPRESSOR": None}),
     *((f"zlib-1 from {n}", {"COMPRESSOR": ZLIB, "COMPRESS_MIN_LENGTH": n})
-      for n in (400, 1000, 2000, 4000, 8000)),
+      for n in (400, 1000, 4000)),
     ("zlib-6 from 400", {"COMPRESSOR": ZLIB, "COMPRESS_LEVEL": 6, "COMPRESS_MIN_LENGTH": 400}),
-    *((f"zstd-{level} from {n}", {"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": level,
-                                  "COMPRESS_MIN_LENGTH": n})
-      for level in (1, 3) for n in (400, 2000, 4000)),
+    *((f"zstd-{DEFAULT_LEVEL} from {n}", {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n})
+      for n in CURVE),
+    *((f"zstd-{level} from 1000", {"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": level,
+                                   "COMPRESS_MIN_LENGTH": 1000})
+      for level in (1, 6)),
 )
+#: Thresholds measured again with the fallback engine, where it is installed.
+FALLBACK_CURVE = (400, 1000, 4000)
+FALLBACK = "compression.zstd"
 
 
 def run(context: Context) -> dict[str, Any]:
-    values = context.values.entries
+    p = context.parameters
+    values = make_values(p.seed, CODEC_VALUES, p.values, 0).entries
     payload = sum(len(_serialized(value)) for value in values)
-    settings = [(label, options) for label, options in SETTINGS
-                if zstd_module() is not None or options.get("COMPRESSOR") != ZSTD]
+    engine = zstd_engine()
+    settings = [(label, options, None) for label, options in SETTINGS
+                if engine is not None or options.get("COMPRESSOR") != ZSTD]
+    fallback = standard_library_engine()
+    if fallback is not None and fallback is not engine:
+        settings += [(f"zstd-{DEFAULT_LEVEL} from {n} ({FALLBACK})",
+                      {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n}, fallback)
+                     for n in FALLBACK_CURVE]
     with tempfile.TemporaryDirectory() as folder:
-        if zstd_module() is not None:
-            settings.extend(
-                (f"zstd-3 + dictionary from {n}", {
-                    "COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n,
-                    "COMPRESS_DICTIONARY": trained_dictionary(context, folder)})
-                for n in sorted({400, COMPACT_MYSQL_MIN_LENGTH}))
+        if engine is not None:
+            settings += [(f"zstd-{DEFAULT_LEVEL} + dictionary from {n}", {
+                "COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n,
+                "COMPRESS_DICTIONARY": trained_dictionary(context, folder)}, None)
+                for n in (400, MySQLCache.default_compress_min_length)]
         return _run_settings(context, values, payload, settings)
 
 
+def _default_of(options: dict[str, Any], engine: StandardLibrary | None) -> str | None:
+    """Which backend's defaults the setting is, if any ("MySQL", "memcached")."""
+    if (engine is not None or options.get("COMPRESSOR") != ZSTD or "COMPRESS_LEVEL" in options
+            or "COMPRESS_DICTIONARY" in options):
+        return None
+    defaults = [name for name, backend in (("MySQL", MySQLCache), ("memcached", MemcachedCache))
+                if backend.default_compress_min_length == options["COMPRESS_MIN_LENGTH"]]
+    return " and ".join(defaults) or None
+
+
 def trained_dictionary(context: Context, folder: str) -> str:
-    """The path of a 16 KB dictionary trained on DICTIONARY_SAMPLES values of the same mix
+    """The path of a dictionary of the default size (64 KB) trained on DICTIONARY_SAMPLES values of the mix
     drawn with another seed (``--seed`` + 1), never the values then measured, as
     ``kvcache_train_dictionary`` trains one on a site's live entries."""
     p = context.parameters
@@ -72,24 +111,45 @@ def trained_dictionary(context: Context, folder: str) -> str:
     return str(path)
 
 
-#: How the compact variants' setting reads in the results.
-COMPACT_SETTING = "zstd-3 + dictionary from {min_length}"
+#: How the compact variants' settings read in the results.
+COMPACT_MEMCACHED_SETTING = f"zstd-{DEFAULT_LEVEL} + dictionary file from {{min_length}}"
+AUTO_SETTING = "defaults + COMPRESS_DICTIONARY 'auto' (kvcache_train_dictionary --install)"
 
 
 def compact_variants(context: Context, folder: str) -> dict[str, tuple[str, str, dict[str, Any]]]:
     """Our recommended setting where bytes matter more than CPU, per cache family, as
-    ``(cache name, setting, OPTIONS)``: zstd level 3 with a dictionary trained on the mix
-    (``trained_dictionary``), from 400 bytes on memcached and from
-    COMPACT_MYSQL_MIN_LENGTH on MySQL. Empty when zstd is not installed."""
-    if zstd_module() is None:
+    ``(cache name, setting, OPTIONS)``: on memcached, zstd with a dictionary file trained
+    on the mix (``trained_dictionary``) from 400 bytes; on MySQL, the defaults with
+    ``COMPRESS_DICTIONARY: "auto"``, whose dictionary ``install_dictionary`` trains on
+    entries of the table and installs, as a site does. Empty when zstd is not installed."""
+    if zstd_engine() is None:
         return {}
-    options = {"COMPRESSOR": ZSTD, "COMPRESS_DICTIONARY": trained_dictionary(context, folder)}
     return {
-        family: (f"{name} zstd+dict", COMPACT_SETTING.format(min_length=min_length),
-                 {**options, "COMPRESS_MIN_LENGTH": min_length})
-        for family, name, min_length in (("kv-memcached", "kv-memcached", 400),
-                                         ("kv-mysql", "kv-mysql-innodb", COMPACT_MYSQL_MIN_LENGTH))
+        "kv-memcached": ("kv-memcached zstd+dict", COMPACT_MEMCACHED_SETTING.format(min_length=400),
+                         {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": 400,
+                          "COMPRESS_DICTIONARY": trained_dictionary(context, folder)}),
+        "kv-mysql": ("kv-mysql-innodb auto", AUTO_SETTING, {"COMPRESS_DICTIONARY": "auto"}),
     }
+
+
+def install_dictionary(context: Context, spec: CacheSpec) -> None:
+    """For a cache with ``COMPRESS_DICTIONARY: "auto"``: write DICTIONARY_SAMPLES values of
+    the mix drawn with another seed (never the entries then measured) into its table and
+    run ``manage.py kvcache_train_dictionary ALIAS --install`` on them: what a site does
+    on its live entries. The caller empties the table."""
+    p = context.parameters
+    samples = make_values(p.seed + 1, DICTIONARY_SAMPLES, p.values, 0).entries
+    cache = spec.build()
+    alias = "kvcache_bench_auto"
+    settings = {alias: {"BACKEND": spec.backend, "LOCATION": spec.location,
+                        "KEY_PREFIX": spec.key_prefix, "OPTIONS": dict(spec.options)}}
+    try:
+        cache.set_many({f"train.{index}": value for index, value in enumerate(samples)})
+        with override_settings(CACHES=settings):
+            call_command("kvcache_train_dictionary", alias, "--install",
+                         "--samples", str(DICTIONARY_SAMPLES), verbosity=0)
+    finally:
+        cache.close()
 
 
 def variant_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str) -> None:
@@ -103,14 +163,18 @@ def variant_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str
 
 
 def _run_settings(context: Context, values: Sequence[Any], payload: int,
-                  settings: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+                  settings: list[tuple[str, dict[str, Any], StandardLibrary | None]]) -> dict[str, Any]:
     results = [_measure("django-mysql policy", values, payload, *_django_mysql_policy())]
     with context.progress("codec", len(settings)) as bar:
-        for label, options in settings:
+        for label, options, engine in settings:
             codec = Codec.from_options(options)
+            if engine is not None:  # the same settings through the fallback engine
+                codec.compressor.engine = engine
             results.append(_measure(label, values, payload, codec.encode,
                                     lambda encoded, codec=codec: codec.decode(*encoded)))
             results[-1]["compressor"] = type(codec.compressor).__name__ if codec.compressor else None
+            results[-1]["engine"] = getattr(getattr(codec.compressor, "engine", None), "name", None)
+            results[-1]["default_of"] = _default_of(options, engine)
             bar.update()
     return {"values": len(values), "payload_bytes": payload, "passes": PASSES,
             "results": results}

@@ -11,6 +11,11 @@ way ``rows`` grows its tables, then:
   so coarser);
 * a memcached client: the ``bytes`` stat of a fresh node it alone writes to (items with
   their keys and memcached's per-item header).
+
+Ours also runs with the compact setting of each family (``codec.compact_variants``): on
+MySQL ``COMPRESS_DICTIONARY: "auto"``, whose dictionary is trained and installed from
+other entries of the mix first (``codec.install_dictionary``); its table of dictionaries
+is not counted (one row of at most 64 KB per dictionary, whatever the entries).
 """
 from __future__ import annotations
 
@@ -22,7 +27,10 @@ from kvcache_bench.caches import CacheSpec, add_peer_ratios, memcached_families,
 from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
 from kvcache_bench.payloads import payload_size
-from kvcache_bench.scenarios.codec import compact_variants, variant_peer_ratios
+from django.db import connections
+
+from django_kvcache.mysql.dictionaries import dictionary_table
+from kvcache_bench.scenarios.codec import compact_variants, install_dictionary, variant_peer_ratios
 from kvcache_bench.servers import dedicated_node, node_stats
 from kvcache_bench.storage import bulk_load, create_storage, drop_storage, table_usage
 
@@ -65,14 +73,23 @@ def run(context: Context) -> dict[str, Any]:
 def _table_entry(context: Context, spec: CacheSpec, variant_of: str | None, items: dict[str, Any],
                  payload: int) -> dict[str, Any]:
     cache = spec.build() if variant_of else context.cache(spec)
+    auto = spec.options.get("COMPRESS_DICTIONARY") == "auto"
     try:
         create_storage(spec, cache)
+        if auto:  # then a new table: the training entries' pages must not count
+            install_dictionary(context, spec)
+            create_storage(spec, cache)
         bulk_load(spec, cache, items)
         usage = table_usage(spec)
     finally:
         if variant_of:  # a table of this scenario's own: no run-end clean-up knows it
             cache.close()
             drop_storage(spec)
+        if auto:
+            connection = connections[spec.database]
+            with connection.cursor() as cursor:
+                table = connection.ops.quote_name(dictionary_table(spec.table))
+                cursor.execute(f"DROP TABLE IF EXISTS {table}")
     if usage["rows"] != len(items):
         context.failures.append(f"storage: {spec.name} holds {usage['rows']} rows "
                                 f"after {len(items)} entries were written")
