@@ -139,3 +139,90 @@ class MariaDBServer:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Replica:
+    """The real replica `scripts/services.py up` starts (the "shard2_replica" alias):
+    MariaDB replication (binlog, GTID) from the first shard server.
+
+    Tests may delay it (``MASTER_DELAY``) or stop its SQL thread; each context manager
+    puts it back and waits until it has caught up, so the next test finds it current.
+    """
+
+    def __init__(self, port: int, primary_port: int) -> None:
+        self.port = port
+        self.primary_port = primary_port
+
+    def query(self, statement: str, port: int | None = None) -> list[dict]:
+        """Rows of ``statement`` on the replica (or on ``port``), as dicts."""
+        import MySQLdb
+        from MySQLdb.cursors import DictCursor
+
+        connection = MySQLdb.connect(host=services.HOST, port=port or self.port,
+                                     user=services.MYSQL_USER, passwd="", connect_timeout=10)
+        try:
+            cursor = connection.cursor(DictCursor)
+            cursor.execute(statement)
+            return list(cursor.fetchall()) if cursor.description else []
+        finally:
+            connection.close()
+
+    def status(self) -> dict:
+        (status,) = self.query("SHOW SLAVE STATUS")
+        return status
+
+    def caught_up(self, timeout: float = 60.0) -> None:
+        """Wait until the replica has applied everything its primary has written so far."""
+        (row,) = self.query("SELECT @@gtid_binlog_pos AS pos", port=self.primary_port)
+        (waited,) = self.query(f"SELECT MASTER_GTID_WAIT('{row['pos']}', {timeout}) AS w")
+        if waited["w"] != 0:
+            status = self.status()
+            raise AssertionError(
+                f"the replica on port {self.port} did not catch up in {timeout} s: IO "
+                f"{status['Slave_IO_Running']}, SQL {status['Slave_SQL_Running']}, "
+                f"{status['Last_Error'] or 'no error'}"
+            )
+
+    def set_delay(self, seconds: int) -> None:
+        # MariaDB changes MASTER_DELAY only while both replication threads are stopped.
+        self.query("STOP SLAVE")
+        self.query(f"CHANGE MASTER TO MASTER_DELAY={int(seconds)}")
+        self.query("START SLAVE")
+
+    @contextlib.contextmanager
+    def delayed(self, seconds: int) -> Iterator["Replica"]:
+        """Each event is applied ``seconds`` after it was written on the primary (MariaDB
+        times events in whole seconds: between ``seconds - 1`` and ``seconds`` later)."""
+        self.set_delay(seconds)
+        try:
+            yield self
+        finally:
+            self.set_delay(0)
+            self.caught_up()
+
+    @contextlib.contextmanager
+    def sql_thread_stopped(self) -> Iterator["Replica"]:
+        """Events arrive (IO thread) but none is applied until the block ends."""
+        self.query("STOP SLAVE SQL_THREAD")
+        try:
+            yield self
+        finally:
+            self.query("START SLAVE SQL_THREAD")
+            self.caught_up()
+
+
+def configured_replica() -> Replica | None:
+    """The real replica the settings name, or None where a mirror stands in for it."""
+    from django.conf import settings
+
+    if not settings.MYSQL_REPLICA_PORT or not settings.MYSQL_SHARD_PORTS:
+        return None
+    return Replica(int(settings.MYSQL_REPLICA_PORT), int(settings.MYSQL_SHARD_PORTS[0]))
+
+
+def replica_caught_up() -> None:
+    """Wait until the real replica has what its primary has (at once with a mirror):
+    for tests that read through the replica what they just wrote or created."""
+    replica = configured_replica()
+    if replica is not None:
+        replica.caught_up()
