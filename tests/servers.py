@@ -88,6 +88,19 @@ def memcached_node(port: int | None = None) -> Iterator[MemcachedNode]:
         node.kill()
 
 
+def connection_settings(port: int, database: str = services.MYSQL_DATABASE) -> dict:
+    """Connection parameters of a loopback server of ours, in Django's DATABASES form."""
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "HOST": services.HOST,
+        "PORT": str(port),
+        "USER": services.MYSQL_USER,
+        "PASSWORD": "",
+        "NAME": database,
+        "OPTIONS": {"charset": "utf8mb4"},
+    }
+
+
 class MariaDBServer:
     """A MariaDB of a test's own, in a temporary data directory, on a fixed free port.
 
@@ -101,16 +114,7 @@ class MariaDBServer:
         self.process: subprocess.Popen | None = None
 
     def connection_settings(self) -> dict:
-        """Connection parameters in Django's DATABASES form."""
-        return {
-            "ENGINE": "django.db.backends.mysql",
-            "HOST": services.HOST,
-            "PORT": str(self.port),
-            "USER": services.MYSQL_USER,
-            "PASSWORD": "",
-            "NAME": services.MYSQL_DATABASE,
-            "OPTIONS": {"charset": "utf8mb4"},
-        }
+        return connection_settings(self.port)
 
     def start(self, timeout: float = 60.0) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -226,3 +230,44 @@ def replica_caught_up() -> None:
     replica = configured_replica()
     if replica is not None:
         replica.caught_up()
+
+
+class GaleraNode:
+    """A node of a test's own that joins the running Galera cluster (`services.py galera
+    up`): it receives the cluster's data by rsync (SST), and the test may kill it."""
+
+    def __init__(self, index: int = services.GALERA_SIZE) -> None:
+        self.index = index
+        self.port = services.galera_ports(index)[0]
+        self.datadir = services.RUNTIME / f"{services.galera_name(index)}-data"
+        self.tmpdir = services.RUNTIME / f"{services.galera_name(index)}-tmp"
+        self.log = services.RUNTIME / f"{services.galera_name(index)}.log"
+        self.process: subprocess.Popen | None = None
+
+    def connection_settings(self, database: str) -> dict:
+        return connection_settings(self.port, database)
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.remove_data()
+        argv = services.galera_argv(self.index, self.index + 1, self.datadir, bootstrap=False)
+        with open(self.log, "wb") as log_file:
+            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while services.galera_state(self.port) != "Synced":
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.kill()
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"Galera node {self.index} did not join:\n{tail}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes from the cluster mid-conversation, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def remove_data(self) -> None:
+        shutil.rmtree(self.datadir, ignore_errors=True)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        (services.RUNTIME / f"{services.galera_name(self.index)}-init.sql").unlink(missing_ok=True)
