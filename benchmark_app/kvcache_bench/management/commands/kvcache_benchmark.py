@@ -32,8 +32,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--scenario", type=_names, action="extend",
-                            help=f"comma-separated, from {', '.join(SCENARIOS)} (default all), "
-                                 f"or {', '.join(ON_REQUEST_SCENARIOS)} (only when named)")
+                            help=f"comma-separated, from {', '.join(SCENARIOS)} ('default': "
+                                 f"all of them, the default), or {', '.join(ON_REQUEST_SCENARIOS)} "
+                                 "(only when named)")
         parser.add_argument("--caches", type=_names, action="extend",
                             help="comma-separated cache names or patterns, e.g. 'db-*,kv-*'")
         parser.add_argument("--extra-cache", action="append", default=[], metavar="NAME=BACKEND[@LOCATION]",
@@ -58,6 +59,17 @@ class Command(BaseCommand):
                             help="memory (-m) of the memcached node capacity fills (32)")
         parser.add_argument("--capacity-fill", type=float, dest="capacity_fill",
                             help="bytes written into that node, as a multiple of its memory (4)")
+        parser.add_argument("--server-cpu", type=float, dest="server_cpu", metavar="Q",
+                            help="shards: cap each MariaDB server at Q cores (cgroup v1 cpu "
+                                 "quota, e.g. 0.12) for the throughput figures")
+        parser.add_argument("--client-processes", type=int, dest="client_processes",
+                            help="shards throughput: client processes (4)")
+        parser.add_argument("--client-threads", type=int, dest="client_threads",
+                            help="shards throughput: threads per client process (8)")
+        parser.add_argument("--shard-seconds", type=float, dest="shard_seconds",
+                            help="shards throughput: seconds counted per figure (4)")
+        parser.add_argument("--shard-rounds", type=int, dest="shard_rounds",
+                            help="shards throughput: rounds, the figure is their median (3)")
         parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results",
                             help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots")
         parser.add_argument("--json", type=Path,
@@ -68,7 +80,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        scenarios = options["scenario"] or list(SCENARIOS)
+        # "default" names the default set, so a run can add an on-request scenario to it.
+        named = options["scenario"] or ["default"]
+        scenarios = [s for name in named for s in (SCENARIOS if name == "default" else [name])]
         known = SCENARIOS + ON_REQUEST_SCENARIOS
         unknown = sorted(set(scenarios) - set(known))
         if unknown:
