@@ -196,7 +196,7 @@ def shards_capping(shards: dict[str, Any]) -> str:
             f"{shards['client_threads']} threads, {cap}; median of {shards['rounds']} round(s) of "
             f"{shards['window_s']:g} s (in brackets: the lowest and highest ratio of one round; "
             "spread: (max - min) / median; client cores: CPU the client "
-            "processes used; server µs/call: the servers' CPU per call on the most shards; "
+            "processes used; server µs/call: the servers' CPU per call; "
             "throttled: the share of the servers' quota periods their quota cut short; others' "
             "cores: what other programs kept busy meanwhile, which the figures compete with)")
 
@@ -232,7 +232,7 @@ def shards_rate_lines(shards: dict[str, Any], rates: list[dict[str, Any]]) -> li
             (f">={target:g}x" + met) if target else "-",
             f"{max(e['spread'] or 0 for e in entries.values()):.0%}",
             " / ".join(f"{entries[n]['client_cores']:.2f}" for n in counts if n in entries),
-            f"{widest.get('server_cpu_us', 0):.0f}",
+            " / ".join(f"{entries[n]['server_cpu_us']:.0f}" for n in counts if n in entries),
             " / ".join(f"{entries[n]['throttled']:.0%}" for n in counts if n in entries),
             " / ".join(f"{entries[n]['other_cores']:.2f}" for n in counts if n in entries),
         ])
