@@ -192,8 +192,8 @@ def spawn(name: str, argv: list[str]) -> int:
     return process.pid
 
 
-def wait_until(check, what: str, pid: int, log_name: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def wait_until(check, what: str, pid: int, log_name: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
@@ -563,15 +563,9 @@ def galera_state(port: int) -> str | None:
 def wait_synced(index: int, pid: int) -> None:
     """Until node ``index`` is Synced; exits with the end of its log if it stops first."""
     port = galera_ports(index)[0]
-    deadline = time.monotonic() + GALERA_START_TIMEOUT
-    while time.monotonic() < deadline:
-        if mysql_answers(port) and galera_state(port) == "Synced":
-            return
-        if not alive(pid):
-            break
-        time.sleep(0.2)
-    tail = (RUNTIME / f"{galera_name(index)}.log").read_text(errors="replace")[-3000:]
-    sys.exit(f"services: Galera node {index} on {HOST}:{port} is not Synced; end of its log:\n{tail}")
+    wait_until(lambda: mysql_answers(port) and galera_state(port) == "Synced",
+               f"Galera node {index} on {HOST}:{port}", pid, galera_name(index),
+               GALERA_START_TIMEOUT)
 
 
 def bootstrap_node() -> int:
