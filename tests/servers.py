@@ -187,11 +187,18 @@ class Replica:
                 f"{status['Last_Error'] or 'no error'}"
             )
 
-    def set_delay(self, seconds: int) -> None:
+    def set_delay(self, seconds: int, timeout: float = 30.0) -> None:
+        """Held back ``seconds`` from now on; returns once both threads run again."""
         # MariaDB changes MASTER_DELAY only while both replication threads are stopped.
         self.query("STOP SLAVE")
         self.query(f"CHANGE MASTER TO MASTER_DELAY={int(seconds)}")
         self.query("START SLAVE")
+        deadline = time.monotonic() + timeout
+        while (status := self.status())["Slave_IO_Running"] != "Yes" or \
+                status["Slave_SQL_Running"] != "Yes":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the replica did not restart: {status['Last_Error']}")
+            time.sleep(0.02)
 
     @contextlib.contextmanager
     def delayed(self, seconds: int) -> Iterator["Replica"]:
