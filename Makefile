@@ -7,13 +7,22 @@ STAMP := $(VENV)/.installed
 # Interpreters found by scripts/toxenvs.py are linked here so tox can find them.
 export PATH := $(CURDIR)/.runtime/pythons:$(PATH)
 
-.PHONY: test test-all bench services-up services-down docs package clean
+.PHONY: test test-all test-galera bench services-up services-down docs package clean
 
 test: $(STAMP) package
 	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py default)"
+	@$(MAKE) --no-print-directory test-galera
 
 test-all: $(STAMP) package
 	@$(MAKE) --no-print-directory tox ENVS="$$($(VENV)/bin/python scripts/toxenvs.py all)"
+	@$(MAKE) --no-print-directory test-galera
+
+# The `galera` group (tests/test_galera.py) on a 3-node Galera cluster, in .venv's Django:
+# cluster up, the group, cluster down again whatever the result.
+test-galera: $(STAMP)
+	eval "$$($(VENV)/bin/python scripts/services.py galera up)"; \
+	rc=0; $(VENV)/bin/python -m pytest -p no:cacheprovider -m galera tests/test_galera.py $(PYTEST_ARGS) || rc=$$?; \
+	$(VENV)/bin/python scripts/services.py galera down; exit $$rc
 
 # The sdist and wheel build, install in fresh venvs and import (no servers needed).
 package: $(STAMP)
@@ -29,11 +38,15 @@ tox:
 # Realistic payloads first, then the heavy mix (issue 23's targets hold on both), incompressible
 # bytes last; BENCH_VALUES=realistic overrides.
 BENCH_VALUES ?= realistic,heavy,random
+# The shards scenario caps each shard server at this share of a core where the cgroup v1
+# cpu controller is writable (else it says so and runs them uncapped).
+BENCH_SERVER_CPU ?= 0.12
 
 bench: $(STAMP)
 	mkdir -p results
 	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
-	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark --values $(BENCH_VALUES) $(BENCH_ARGS) || rc=$$?; \
+	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark --values $(BENCH_VALUES) \
+	    --scenario default,shards --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
 $(STAMP): setup.cfg pyproject.toml scripts/services.py
@@ -54,4 +67,5 @@ docs: $(STAMP)
 
 clean:
 	-$(PYTHON) scripts/services.py down
+	-$(PYTHON) scripts/services.py galera down
 	rm -rf $(VENV) .tox .runtime docs/_build results

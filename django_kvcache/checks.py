@@ -11,6 +11,9 @@
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
   checked, whichever alias was named.
+* ``kvcache.E010`` a cache whose ``OPTIONS["ENGINE"]`` is not InnoDB (MyISAM, Aria,
+  MEMORY…) uses a Galera node (MariaDB Galera, Percona XtraDB Cluster): Galera replicates
+  only InnoDB, so each node would keep a cache of its own. It needs a connection, as W001.
 
 An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
 every cache in CACHES before these run, so ``check`` (and every command that runs the
@@ -104,3 +107,40 @@ def check_default_compressor(
         for alias in settings.CACHES
         if isinstance(caches[alias], KVCache) and "COMPRESSOR" not in caches[alias].options
     ]
+
+
+def is_galera_node(connection: Any) -> bool:
+    """Whether the server behind ``connection`` is a node of a Galera cluster (wsrep_on)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW GLOBAL VARIABLES LIKE 'wsrep_on'")
+        row = cursor.fetchone()
+    return row is not None and str(row[1]).upper() == "ON"
+
+
+@register(Tags.caches, Tags.database)
+def check_engine_on_galera(
+    app_configs: Iterable[Any] | None = None,
+    databases: Iterable[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    if not databases:  # no database access unless the caller allows it (as W001)
+        return []
+    messages: list[CheckMessage] = []
+    for alias in mysql_cache_aliases():
+        cache = caches[alias]
+        if cache.engine.lower() == "innodb":
+            continue
+        for database in all_databases(cache):
+            if connections[database].vendor != "mysql" or not is_galera_node(connections[database]):
+                continue
+            messages.append(
+                Error(
+                    f"CACHES[{alias!r}] stores its entries in a {cache.engine} table, but "
+                    f"its database {database!r} is a Galera node: Galera replicates only "
+                    "InnoDB tables, so every node would keep a cache of its own.",
+                    hint="Remove OPTIONS['ENGINE'] (InnoDB is the default) and recreate "
+                    "the table with 'manage.py kvcache_createtable'.",
+                    id="kvcache.E010",
+                )
+            )
+    return messages

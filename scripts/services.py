@@ -5,6 +5,7 @@
     python3 scripts/services.py up     # start (or reuse) the servers, print their env vars
     python3 scripts/services.py env    # print the env vars for running servers
     python3 scripts/services.py down   # stop only what `up` started (by pid file)
+    python3 scripts/services.py galera up|env|down   # a 3-node MariaDB Galera cluster
 
 Everything lives under ``.runtime/`` in the project (git-ignored): data directory,
 sockets, logs, pid files and ``services.env``. Servers listen on loopback only, on
@@ -15,11 +16,18 @@ Settings (environment variables, all optional):
     KVCACHE_MYSQL_SHARD_PORTS ports of the extra MariaDB servers for the shard tests,
                               comma-separated (default: the next two ports, 23307,23308;
                               empty: none)
+    KVCACHE_MYSQL_REPLICA_PORT port of a real replica of the first shard server (binlog,
+                              GTID, its own process), for the replica tests (default: the
+                              main port + 3, 23309; empty: none)
     KVCACHE_MEMCACHED_PORT    first memcached port (default 21211)
     KVCACHE_MEMCACHED_NODES   number of memcached processes (default 4)
+    KVCACHE_GALERA_PORT       first port of the Galera cluster (default 23410): node N listens
+                              for clients on PORT + 4N and uses the next three ports for
+                              group communication, IST and SST (23410-23421 for 3 nodes)
     KVCACHE_RUNTIME_DIR       where state lives (default <project>/.runtime)
 
-Only the standard library is used: this runs before any virtualenv exists.
+Only the standard library is used: this runs before any virtualenv exists. SQL is sent with
+the ``mariadb`` command-line client.
 """
 from __future__ import annotations
 
@@ -47,12 +55,21 @@ MYSQL_SHARD_PORTS = [
     ).split(",")
     if port.strip()
 ]
+#: The real replica: of the first shard server, so "shard2" of the tests has it.
+_replica_port = os.environ.get("KVCACHE_MYSQL_REPLICA_PORT", str(MYSQL_PORT + 3)).strip()
+MYSQL_REPLICA_PORT = int(_replica_port) if _replica_port and MYSQL_SHARD_PORTS else None
+REPLICA_OF = MYSQL_SHARD_PORTS[0] if MYSQL_SHARD_PORTS else None
 #: InnoDB buffer pool of the main server, and of each (small, short-lived) shard server.
 BUFFER_POOL = "256M"
 SHARD_BUFFER_POOL = "64M"
 MEMCACHED_PORT = int(os.environ.get("KVCACHE_MEMCACHED_PORT", "21211"))
 MEMCACHED_NODES = int(os.environ.get("KVCACHE_MEMCACHED_NODES", "4"))
 START_TIMEOUT = 60.0
+GALERA_PORT = int(os.environ.get("KVCACHE_GALERA_PORT", "23410"))
+GALERA_SIZE = 3
+GALERA_PROVIDER = "/usr/lib/galera/libgalera_smm.so"
+#: Galera nodes' pid files start so; a plain `down` leaves them to `galera down`.
+GALERA_PREFIX = "galera-"
 
 # Debian package -> a file it installs that we need.
 SYSTEM_PACKAGES = {
@@ -61,7 +78,10 @@ SYSTEM_PACKAGES = {
     "libmariadb-dev": "mariadb_config",  # headers for building mysqlclient
     "pkg-config": "pkg-config",
     "build-essential": "gcc",  # mysqlclient compiles on install
+    "mariadb-client": "mariadb-dump",  # the replica is seeded with a dump
 }
+# What `galera up` needs on top.
+GALERA_PACKAGES = {"galera-4": GALERA_PROVIDER, "rsync": "rsync"}
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 
@@ -78,12 +98,15 @@ def which(program: str) -> str | None:
 # --- installing ---------------------------------------------------------------------------
 
 
-def missing_packages() -> list[str]:
-    return [pkg for pkg, program in SYSTEM_PACKAGES.items() if not which(program)]
+def missing_packages(packages: dict[str, str]) -> list[str]:
+    return [
+        pkg for pkg, program in packages.items()
+        if not (os.path.exists(program) if program.startswith("/") else which(program))
+    ]
 
 
-def install_deps() -> None:
-    missing = missing_packages()
+def install_deps(packages: dict[str, str] = SYSTEM_PACKAGES) -> None:
+    missing = missing_packages(packages)
     if not missing:
         return
     apt = shutil.which("apt-get")
@@ -109,7 +132,7 @@ def install_deps() -> None:
     finally:
         if added_policy:
             policy.unlink()
-    still_missing = missing_packages()
+    still_missing = missing_packages(packages)
     if still_missing:
         sys.exit(f"services: apt-get did not provide: {' '.join(still_missing)}")
 
@@ -119,6 +142,22 @@ def install_deps() -> None:
 
 def pid_file(name: str) -> Path:
     return RUNTIME / f"{name}.pid"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a child of ours that exited is reaped, not taken for alive)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child: started by an earlier `up`
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def running_pid(name: str) -> int | None:
@@ -153,14 +192,12 @@ def spawn(name: str, argv: list[str]) -> int:
     return process.pid
 
 
-def wait_until(check, what: str, pid: int, log_name: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def wait_until(check, what: str, pid: int, log_name: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not alive(pid):
             break
         time.sleep(0.1)
     tail = (RUNTIME / f"{log_name}.log").read_text(errors="replace")[-2000:]
@@ -181,9 +218,7 @@ def stop(name: str) -> None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not alive(pid):
                 break
             time.sleep(0.1)
         else:
@@ -195,10 +230,10 @@ def stop(name: str) -> None:
 # --- MariaDB ------------------------------------------------------------------------------
 
 
-def socket_path(name: str) -> Path:
-    path = RUNTIME / f"{name}.sock"
+def socket_path(name: str, directory: Path = RUNTIME) -> Path:
+    path = directory / f"{name}.sock"
     if len(str(path)) < 100:  # unix socket paths are limited to ~107 bytes
-        RUNTIME.mkdir(parents=True, exist_ok=True)  # tests may start a server before `up`
+        directory.mkdir(parents=True, exist_ok=True)  # tests may start a server before `up`
         return path
     return Path(tempfile.gettempdir()) / f"kvcache-{name}.sock"
 
@@ -213,18 +248,35 @@ def mysql_answers(port: int = MYSQL_PORT) -> bool:
 
 
 def mariadb_argv(
-    datadir: Path, port: int, name: str, buffer_pool: str = BUFFER_POOL
+    datadir: Path,
+    port: int,
+    name: str,
+    buffer_pool: str = BUFFER_POOL,
+    options: list[str] | tuple[str, ...] = (),
+    initialise: bool = True,
+    system_user: bool = False,
 ) -> list[str]:
     """Command line of one loopback MariaDB, initialising `datadir` on first use.
 
-    Also used by the tests for a second server they may restart.
+    ``options`` are added to the command line (one with ``--log-bin`` replaces the
+    default ``--skip-log-bin``); with ``initialise`` false an empty `datadir` stays empty
+    (a Galera node that joins gets its data from a donor). With ``system_user``, a
+    server started by root runs as the ``mysql`` user, as packaged servers do (the rsync
+    daemon of a Galera state transfer started by root drops to ``nobody``, who could not
+    write the data directory); its temporary directory then holds its socket. Also used
+    by the tests for servers of their own.
     """
-    user_args = ["--user=root"] if os.geteuid() == 0 else []
+    user = "mysql" if system_user else "root"
+    user_args = [f"--user={user}"] if os.geteuid() == 0 else []
     # A temporary directory of its own: servers set up at the same time in a shared /tmp
     # have collided on their temporary tables' file names.
     tmpdir = datadir.parent / f"{name}-tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
-    if not (datadir / "mysql").is_dir():
+    datadir.mkdir(parents=True, exist_ok=True)
+    if user_args and system_user:
+        subprocess.run(["chown", "-R", f"{user}:", str(datadir), str(tmpdir)], check=True)
+    sock = socket_path("mariadb", tmpdir) if system_user else socket_path(name)
+    if initialise and not (datadir / "mysql").is_dir():
         log(f"initialising a MariaDB data directory in {datadir}")
         shutil.rmtree(datadir, ignore_errors=True)
         install_db = which("mariadb-install-db") or which("mysql_install_db")
@@ -250,34 +302,177 @@ def mariadb_argv(
         sys.exit("services: mariadbd not found; install mariadb-server")
     return [
         mariadbd, "--no-defaults", f"--datadir={datadir}", f"--tmpdir={tmpdir}", f"--port={port}",
-        f"--bind-address={HOST}", f"--socket={socket_path(name)}",
-        f"--init-file={init_sql}", "--skip-name-resolve", "--skip-log-bin",
+        f"--bind-address={HOST}", f"--socket={sock}",
+        f"--init-file={init_sql}", "--skip-name-resolve",
+        *([] if any(o.startswith("--log-bin") for o in options) else ["--skip-log-bin"]),
         "--character-set-server=utf8mb4", "--collation-server=utf8mb4_general_ci",
         "--max-connections=500", f"--innodb-buffer-pool-size={buffer_pool}",
         # A throwaway server: durability is not worth an fsync per commit.
         "--innodb-flush-log-at-trx-commit=2", "--sync-binlog=0",
+        *options,
         *user_args,
     ]
 
 
 def mariadb_up() -> None:
-    """The main server, then the shard servers: all spawned before waiting for any."""
-    servers = [("mariadb", MYSQL_PORT, BUFFER_POOL, "KVCACHE_MYSQL_PORT")] + [
-        (f"mariadb-{port}", port, SHARD_BUFFER_POOL, "KVCACHE_MYSQL_SHARD_PORTS")
+    """The main server, the shard servers and the replica: all spawned before waiting for
+    any; then the replica is made to follow its primary."""
+    servers = [("mariadb", MYSQL_PORT, BUFFER_POOL, "KVCACHE_MYSQL_PORT", ())] + [
+        (f"mariadb-{port}", port, SHARD_BUFFER_POOL, "KVCACHE_MYSQL_SHARD_PORTS",
+         primary_options(port) if port == REPLICA_OF and MYSQL_REPLICA_PORT else ())
         for port in MYSQL_SHARD_PORTS
     ]
+    if MYSQL_REPLICA_PORT is not None:
+        servers.append((REPLICA_NAME, MYSQL_REPLICA_PORT, SHARD_BUFFER_POOL,
+                        "KVCACHE_MYSQL_REPLICA_PORT", replica_options(MYSQL_REPLICA_PORT)))
     started = []
-    for name, port, buffer_pool, env_var in servers:
+    for name, port, buffer_pool, env_var, options in servers:
         if running_pid(name) and mysql_answers(port):
             log(f"MariaDB already running on {HOST}:{port}")
             continue
         stop(name)
         ensure_port_free(port, "MariaDB", env_var)
-        argv = mariadb_argv(RUNTIME / f"{name}-data", port, name, buffer_pool)
+        argv = mariadb_argv(RUNTIME / f"{name}-data", port, name, buffer_pool, options)
         started.append((name, port, spawn(name, argv)))
     for name, port, pid in started:
         wait_until(lambda: mysql_answers(port), f"MariaDB on {HOST}:{port}", pid, name)
         log(f"MariaDB started on {HOST}:{port} (pid {pid})")
+    if MYSQL_REPLICA_PORT is not None:
+        replica_up()
+
+
+def sql(port: int, statement: str, timeout: float = 120) -> list[dict[str, str]]:
+    """The rows of ``statement`` (or of the last of several) on the loopback server at
+    ``port``, sent with the ``mariadb`` client; values as text, NULL as ``"NULL"``."""
+    client = which("mariadb") or which("mysql")
+    if client is None:
+        sys.exit("services: the mariadb client is missing; install mariadb-client")
+    result = subprocess.run(
+        [client, "--no-defaults", "--protocol=TCP", f"--host={HOST}", f"--port={port}",
+         f"--user={MYSQL_USER}", "--batch", "-e", statement],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"MariaDB on {HOST}:{port}: {result.stderr.strip()}")
+    lines = result.stdout.splitlines()
+    if not lines:
+        return []
+    header = lines[0].split("\t")
+    return [dict(zip(header, line.split("\t"))) for line in lines[1:]]
+
+
+# --- the replica ------------------------------------------------------------------------
+
+REPLICA_NAME = f"mariadb-replica-{MYSQL_REPLICA_PORT}"
+#: How long the replica may take to follow its primary once started.
+REPLICA_CATCH_UP = 60
+
+
+def primary_options(port: int) -> list[str]:
+    """A server replicas can follow: a row-based binary log (MariaDB's GTIDs come with it)."""
+    return [f"--log-bin=mariadb-{port}-bin", f"--server-id={port}", "--binlog-format=ROW",
+            "--max-binlog-size=64M", "--binlog-expire-logs-seconds=86400"]
+
+
+def replica_options(port: int) -> list[str]:
+    # --skip-slave-start: `up` checks the replica's state before it follows again.
+    return [f"--server-id={port}", f"--relay-log=replica-{port}-relay", "--skip-slave-start"]
+
+
+def replica_status(port: int) -> dict[str, str] | None:
+    """SHOW SLAVE STATUS of the server at ``port``; None where it replicates nothing."""
+    rows = sql(port, "SHOW SLAVE STATUS")
+    return rows[0] if rows else None
+
+
+def follow(replica: int, primary: int) -> None:
+    """Point the replica at the primary from the replica's own GTID position (slave_pos)."""
+    sql(replica, "STOP SLAVE; CHANGE MASTER TO "
+        f"MASTER_HOST='{HOST}', MASTER_PORT={primary}, MASTER_USER='{MYSQL_USER}', "
+        "MASTER_PASSWORD='', MASTER_USE_GTID=slave_pos, MASTER_DELAY=0, "
+        "MASTER_CONNECT_RETRY=1; START SLAVE")
+
+
+def seed_replica(replica: int, primary: int) -> None:
+    """Copy the primary's databases into a new replica with the GTID position they were
+    dumped at (``mariadb-dump --gtid --master-data``), so it follows from there."""
+    system = {"information_schema", "performance_schema", "mysql", "sys"}
+    databases = [row["Database"] for row in sql(primary, "SHOW DATABASES")
+                 if row["Database"] not in system]
+    dump = which("mariadb-dump") or which("mysqldump")
+    client = which("mariadb") or which("mysql")
+    if dump is None or client is None:
+        sys.exit("services: mariadb-dump is missing; install mariadb-client")
+    connect = ["--no-defaults", "--protocol=TCP", f"--host={HOST}", f"--user={MYSQL_USER}"]
+    dumper = subprocess.Popen(
+        [dump, *connect, f"--port={primary}", "--single-transaction", "--gtid",
+         "--master-data=1", "--databases", *databases],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    loaded = subprocess.run([client, *connect, f"--port={replica}"], stdin=dumper.stdout,
+                            capture_output=True, text=True)
+    dumper.stdout.close()  # type: ignore[union-attr]
+    dump_errors = dumper.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+    if dumper.wait() != 0 or loaded.returncode != 0:
+        sys.exit(f"services: seeding the replica failed: {dump_errors} {loaded.stderr}")
+
+
+def replication_problem(replica: int, primary: int, timeout: float) -> str | None:
+    """None once the replica runs both threads and has applied what the primary had
+    written when asked; else what is wrong (its last error, or a timeout)."""
+    position = sql(primary, "SELECT @@gtid_binlog_pos AS pos")[0]["pos"]
+    deadline = time.monotonic() + timeout
+    while True:
+        status = replica_status(replica)
+        if status is None:
+            return "it replicates nothing"
+        for thread in ("IO", "SQL"):
+            # 2003, 2013: the primary is (re)starting, the IO thread retries every second.
+            if status[f"Last_{thread}_Errno"] not in ("0", "2003", "2013"):
+                return f"{thread} thread error {status[f'Last_{thread}_Error']}"
+        running = status["Slave_IO_Running"] == "Yes" and status["Slave_SQL_Running"] == "Yes"
+        if running and sql(replica, f"SELECT MASTER_GTID_WAIT('{position}', 1) AS w")[0]["w"] == "0":
+            return None
+        if time.monotonic() > deadline:
+            return (f"not caught up after {timeout:.0f} s (IO {status['Slave_IO_Running']}, "
+                    f"SQL {status['Slave_SQL_Running']})")
+        time.sleep(0.2)
+
+
+def start_replica(port: int) -> int:
+    argv = mariadb_argv(RUNTIME / f"{REPLICA_NAME}-data", port, REPLICA_NAME,
+                        SHARD_BUFFER_POOL, replica_options(port))
+    pid = spawn(REPLICA_NAME, argv)
+    wait_until(lambda: mysql_answers(port), f"MariaDB on {HOST}:{port}", pid, REPLICA_NAME)
+    return pid
+
+
+def replica_up() -> None:
+    """Make the replica follow the first shard server: a new one is seeded from it; one
+    that followed it before resumes where it stopped (undelayed); one that cannot (another
+    primary, an error, the primary's data gone) is rebuilt from scratch."""
+    replica, primary = MYSQL_REPLICA_PORT, REPLICA_OF
+    assert replica is not None and primary is not None
+    status = replica_status(replica)
+    if status is not None and status["Master_Port"] != str(primary):
+        problem: str | None = f"it followed port {status['Master_Port']}"
+    else:
+        if status is None:
+            seed_replica(replica, primary)
+        follow(replica, primary)  # also undoes a delay a test left; resumes from slave_pos
+        problem = replication_problem(replica, primary, REPLICA_CATCH_UP)
+    if problem is not None:
+        log(f"the replica on {HOST}:{replica} does not follow {HOST}:{primary} ({problem}): "
+            "rebuilding it")
+        stop(REPLICA_NAME)
+        shutil.rmtree(RUNTIME / f"{REPLICA_NAME}-data", ignore_errors=True)
+        start_replica(replica)
+        seed_replica(replica, primary)
+        follow(replica, primary)
+        problem = replication_problem(replica, primary, REPLICA_CATCH_UP)
+        if problem is not None:
+            sys.exit(f"services: the replica on {HOST}:{replica} does not follow: {problem}")
+    log(f"MariaDB on {HOST}:{replica} replicates {HOST}:{primary}")
 
 
 # --- memcached ----------------------------------------------------------------------------
@@ -316,6 +511,122 @@ def memcached_up() -> None:
         log(f"memcached started on {HOST}:{port} (pid {pid})")
 
 
+# --- Galera -------------------------------------------------------------------------------
+
+#: SST copies a whole data directory: slower than a plain start on a busy machine.
+GALERA_START_TIMEOUT = 240.0
+
+
+def galera_ports(index: int) -> tuple[int, int, int, int]:
+    """Node ``index``'s ports: clients, group communication, IST and SST."""
+    base = GALERA_PORT + 4 * index
+    return base, base + 1, base + 2, base + 3
+
+
+def galera_name(index: int) -> str:
+    return f"{GALERA_PREFIX}{index}"
+
+
+def galera_argv(index: int, members: int, datadir: Path, bootstrap: bool) -> list[str]:
+    """Command line of Galera node ``index`` of a cluster of ``members`` nodes on loopback.
+
+    The node that ``bootstrap``s starts a new cluster (initialising an empty data
+    directory); the others join it and receive its data by rsync (SST), or only the
+    writesets they missed (IST). Also used by the tests for a node they may kill.
+    """
+    client, group, ist, sst = galera_ports(index)
+    cluster = ",".join(f"{HOST}:{galera_ports(node)[1]}" for node in range(members))
+    options = [
+        "--wsrep-on=ON", f"--wsrep-provider={GALERA_PROVIDER}",
+        f"--wsrep-cluster-name=kvcache-{GALERA_PORT}", f"--wsrep-node-name=node{index}",
+        f"--wsrep-cluster-address=gcomm://{cluster}", f"--wsrep-node-address={HOST}:{group}",
+        f"--wsrep-provider-options=gmcast.listen_addr=tcp://{HOST}:{group};"
+        f"ist.recv_addr={HOST}:{ist};gcache.size=64M",
+        "--wsrep-sst-method=rsync", f"--wsrep-sst-receive-address={HOST}:{sst}",
+        # What Galera requires: row events, interleaved auto-increment locks, InnoDB.
+        "--binlog-format=ROW", "--innodb-autoinc-lock-mode=2", "--default-storage-engine=InnoDB",
+        *(["--wsrep-new-cluster"] if bootstrap else []),
+    ]
+    return mariadb_argv(datadir, client, galera_name(index), SHARD_BUFFER_POOL, options,
+                        initialise=bootstrap, system_user=True)
+
+
+def galera_state(port: int) -> str | None:
+    """The node's wsrep_local_state_comment ("Synced" when it serves), None if unreachable."""
+    try:
+        rows = sql(port, "SHOW STATUS LIKE 'wsrep_local_state_comment'", timeout=10)
+    except (RuntimeError, subprocess.TimeoutExpired):
+        return None
+    return rows[0]["Value"] if rows else None
+
+
+def wait_synced(index: int, pid: int) -> None:
+    """Until node ``index`` is Synced; exits with the end of its log if it stops first."""
+    port = galera_ports(index)[0]
+    wait_until(lambda: mysql_answers(port) and galera_state(port) == "Synced",
+               f"Galera node {index} on {HOST}:{port}", pid, galera_name(index),
+               GALERA_START_TIMEOUT)
+
+
+def bootstrap_node() -> int:
+    """The node whose data the cluster restarts from: the one ``grastate.dat`` says was
+    stopped last (safe_to_bootstrap: 1). Without one (a crash, or no data yet) the
+    cluster starts afresh: it is a throwaway."""
+    for index in range(GALERA_SIZE):
+        state = RUNTIME / f"{galera_name(index)}-data" / "grastate.dat"
+        if state.exists() and "safe_to_bootstrap: 1" in state.read_text():
+            return index
+    for index in range(GALERA_SIZE):
+        shutil.rmtree(RUNTIME / f"{galera_name(index)}-data", ignore_errors=True)
+    return 0
+
+
+def galera_start(index: int, bootstrap: bool) -> None:
+    name, port = galera_name(index), galera_ports(index)[0]
+    stop(name)
+    for other in galera_ports(index):
+        ensure_port_free(other, f"Galera node {index}", "KVCACHE_GALERA_PORT")
+    argv = galera_argv(index, GALERA_SIZE, RUNTIME / f"{name}-data", bootstrap)
+    started = time.monotonic()
+    pid = spawn(name, argv)
+    wait_synced(index, pid)
+    how = "bootstrapped the cluster" if bootstrap else "joined"
+    log(f"Galera node {index} {how} on {HOST}:{port} in {time.monotonic() - started:.1f} s "
+        f"(pid {pid})")
+
+
+def galera_up() -> None:
+    """The 3 nodes, one after another: a joiner's state transfer keeps its donor busy."""
+    install_deps()
+    install_deps(GALERA_PACKAGES)
+    RUNTIME.mkdir(parents=True, exist_ok=True)
+    nodes = range(GALERA_SIZE)
+    synced = [i for i in nodes
+              if running_pid(galera_name(i)) and galera_state(galera_ports(i)[0]) == "Synced"]
+    for index in synced:
+        log(f"Galera node {index} already running on {HOST}:{galera_ports(index)[0]}")
+    if not synced:
+        for index in nodes:  # stale pid files of nodes that died with the cluster
+            stop(galera_name(index))
+        first = bootstrap_node()
+        galera_start(first, bootstrap=True)
+        synced = [first]
+    for index in nodes:
+        if index not in synced:
+            galera_start(index, bootstrap=False)
+
+
+def galera_down() -> None:
+    """The nodes one at a time, the first last: it restarts the cluster next time."""
+    for index in reversed(range(GALERA_SIZE)):
+        stop(galera_name(index))
+
+
+def galera_environment() -> dict[str, str]:
+    nodes = ",".join(f"{HOST}:{galera_ports(i)[0]}" for i in range(GALERA_SIZE))
+    return {"KVCACHE_GALERA": nodes, "KVCACHE_GALERA_PORT": str(GALERA_PORT)}
+
+
 # --- commands -----------------------------------------------------------------------------
 
 
@@ -328,13 +639,14 @@ def environment() -> dict[str, str]:
         "KVCACHE_MYSQL_PASSWORD": "",
         "KVCACHE_MYSQL_DATABASE": MYSQL_DATABASE,
         "KVCACHE_MYSQL_SHARD_PORTS": ",".join(map(str, MYSQL_SHARD_PORTS)),
+        "KVCACHE_MYSQL_REPLICA_PORT": str(MYSQL_REPLICA_PORT or ""),
         "KVCACHE_MEMCACHED": nodes,
     }
 
 
-def print_env() -> None:
-    text = "".join(f"export {name}={value}\n" for name, value in environment().items())
-    (RUNTIME / "services.env").write_text(text)
+def print_env(variables: dict[str, str], file_name: str = "services.env") -> None:
+    text = "".join(f"export {name}={value}\n" for name, value in variables.items())
+    (RUNTIME / file_name).write_text(text)
     sys.stdout.write(text)
 
 
@@ -343,29 +655,49 @@ def cmd_up() -> None:
     RUNTIME.mkdir(parents=True, exist_ok=True)
     mariadb_up()
     memcached_up()
-    print_env()
+    print_env(environment())
 
 
 def cmd_down() -> None:
+    """Everything `up` started; a Galera cluster is left to `galera down`."""
     if not RUNTIME.is_dir():
         return
     for path in sorted(RUNTIME.glob("*.pid")):
-        stop(path.stem)
+        if not path.stem.startswith(GALERA_PREFIX):
+            stop(path.stem)
+
+
+def cmd_galera(action: str | None) -> None:
+    if action == "down":
+        if RUNTIME.is_dir():
+            galera_down()
+        return
+    if action == "up":
+        galera_up()
+    RUNTIME.mkdir(parents=True, exist_ok=True)
+    print_env(galera_environment(), "galera.env")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["deps", "up", "down", "env"])
-    command = parser.parse_args(argv).command
+    parser.add_argument("command", choices=["deps", "up", "down", "env", "galera"])
+    parser.add_argument("action", nargs="?", choices=["up", "down", "env"],
+                        help="with 'galera': start, print the env vars of, or stop the cluster")
+    arguments = parser.parse_args(argv)
+    command = arguments.command
+    if (command == "galera") != (arguments.action is not None):
+        parser.error("an action (up, env, down) goes with 'galera', and only with it")
     if command == "deps":
         install_deps()
     elif command == "up":
         cmd_up()
     elif command == "down":
         cmd_down()
+    elif command == "galera":
+        cmd_galera(arguments.action)
     else:
         RUNTIME.mkdir(parents=True, exist_ok=True)
-        print_env()
+        print_env(environment())
 
 
 if __name__ == "__main__":

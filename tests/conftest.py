@@ -4,7 +4,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.servers import MariaDBServer, MemcachedNode
+from tests.servers import MariaDBServer, MemcachedNode, Replica, configured_replica
 
 
 @pytest.fixture(autouse=True)
@@ -67,3 +67,19 @@ def private_memcached_nodes() -> Iterator[list[str]]:
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.fixture(scope="session")
+def replica() -> Replica:
+    """shard2's real replica, replicating and caught up; the test is skipped where the
+    settings have none (KVCACHE_MYSQL_REPLICA_PORT empty: a mirror stands in)."""
+    replica = configured_replica()
+    if replica is None:
+        pytest.skip("no real replica: KVCACHE_MYSQL_REPLICA_PORT is empty")
+    status = replica.status()
+    assert (status["Slave_IO_Running"], status["Slave_SQL_Running"]) == ("Yes", "Yes"), (
+        f"the replica on port {replica.port} does not replicate: {status['Last_Error']}; "
+        "`scripts/services.py up` rebuilds it"
+    )
+    replica.caught_up()
+    return replica

@@ -88,6 +88,19 @@ def memcached_node(port: int | None = None) -> Iterator[MemcachedNode]:
         node.kill()
 
 
+def connection_settings(port: int, database: str = services.MYSQL_DATABASE) -> dict:
+    """Connection parameters of a loopback server of ours, in Django's DATABASES form."""
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "HOST": services.HOST,
+        "PORT": str(port),
+        "USER": services.MYSQL_USER,
+        "PASSWORD": "",
+        "NAME": database,
+        "OPTIONS": {"charset": "utf8mb4"},
+    }
+
+
 class MariaDBServer:
     """A MariaDB of a test's own, in a temporary data directory, on a fixed free port.
 
@@ -101,16 +114,7 @@ class MariaDBServer:
         self.process: subprocess.Popen | None = None
 
     def connection_settings(self) -> dict:
-        """Connection parameters in Django's DATABASES form."""
-        return {
-            "ENGINE": "django.db.backends.mysql",
-            "HOST": services.HOST,
-            "PORT": str(self.port),
-            "USER": services.MYSQL_USER,
-            "PASSWORD": "",
-            "NAME": services.MYSQL_DATABASE,
-            "OPTIONS": {"charset": "utf8mb4"},
-        }
+        return connection_settings(self.port)
 
     def start(self, timeout: float = 60.0) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -139,3 +143,138 @@ class MariaDBServer:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Replica:
+    """The real replica `scripts/services.py up` starts (the "shard2_replica" alias):
+    MariaDB replication (binlog, GTID) from the first shard server.
+
+    Tests may delay it (``MASTER_DELAY``) or stop its SQL thread; each context manager
+    puts it back and waits until it has caught up, so the next test finds it current.
+    """
+
+    def __init__(self, port: int, primary_port: int) -> None:
+        self.port = port
+        self.primary_port = primary_port
+
+    def query(self, statement: str, port: int | None = None) -> list[dict]:
+        """Rows of ``statement`` on the replica (or on ``port``), as dicts."""
+        import MySQLdb
+        from MySQLdb.cursors import DictCursor
+
+        connection = MySQLdb.connect(host=services.HOST, port=port or self.port,
+                                     user=services.MYSQL_USER, passwd="", connect_timeout=10)
+        try:
+            cursor = connection.cursor(DictCursor)
+            cursor.execute(statement)
+            return list(cursor.fetchall()) if cursor.description else []
+        finally:
+            connection.close()
+
+    def status(self) -> dict:
+        (status,) = self.query("SHOW SLAVE STATUS")
+        return status
+
+    def caught_up(self, timeout: float = 60.0) -> None:
+        """Wait until the replica has applied everything its primary has written so far."""
+        (row,) = self.query("SELECT @@gtid_binlog_pos AS pos", port=self.primary_port)
+        (waited,) = self.query(f"SELECT MASTER_GTID_WAIT('{row['pos']}', {timeout}) AS w")
+        if waited["w"] != 0:
+            status = self.status()
+            raise AssertionError(
+                f"the replica on port {self.port} did not catch up in {timeout} s: IO "
+                f"{status['Slave_IO_Running']}, SQL {status['Slave_SQL_Running']}, "
+                f"{status['Last_Error'] or 'no error'}"
+            )
+
+    def set_delay(self, seconds: int, timeout: float = 30.0) -> None:
+        """Held back ``seconds`` from now on; returns once both threads run again."""
+        # MariaDB changes MASTER_DELAY only while both replication threads are stopped.
+        self.query("STOP SLAVE")
+        self.query(f"CHANGE MASTER TO MASTER_DELAY={int(seconds)}")
+        self.query("START SLAVE")
+        deadline = time.monotonic() + timeout
+        while (status := self.status())["Slave_IO_Running"] != "Yes" or \
+                status["Slave_SQL_Running"] != "Yes":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the replica did not restart: {status['Last_Error']}")
+            time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def delayed(self, seconds: int) -> Iterator["Replica"]:
+        """Each event is applied ``seconds`` after it was written on the primary (MariaDB
+        times events in whole seconds: between ``seconds - 1`` and ``seconds`` later)."""
+        self.set_delay(seconds)
+        try:
+            yield self
+        finally:
+            self.set_delay(0)
+            self.caught_up()
+
+    @contextlib.contextmanager
+    def sql_thread_stopped(self) -> Iterator["Replica"]:
+        """Events arrive (IO thread) but none is applied until the block ends."""
+        self.query("STOP SLAVE SQL_THREAD")
+        try:
+            yield self
+        finally:
+            self.query("START SLAVE SQL_THREAD")
+            self.caught_up()
+
+
+def configured_replica() -> Replica | None:
+    """The real replica the settings name, or None where a mirror stands in for it."""
+    from django.conf import settings
+
+    if not settings.MYSQL_REPLICA_PORT or not settings.MYSQL_SHARD_PORTS:
+        return None
+    return Replica(int(settings.MYSQL_REPLICA_PORT), int(settings.MYSQL_SHARD_PORTS[0]))
+
+
+def replica_caught_up() -> None:
+    """Wait until the real replica has what its primary has (at once with a mirror):
+    for tests that read through the replica what they just wrote or created."""
+    replica = configured_replica()
+    if replica is not None:
+        replica.caught_up()
+
+
+class GaleraNode:
+    """A node of a test's own that joins the running Galera cluster (`services.py galera
+    up`): it receives the cluster's data by rsync (SST), and the test may kill it."""
+
+    def __init__(self, index: int = services.GALERA_SIZE) -> None:
+        self.index = index
+        self.port = services.galera_ports(index)[0]
+        self.datadir = services.RUNTIME / f"{services.galera_name(index)}-data"
+        self.tmpdir = services.RUNTIME / f"{services.galera_name(index)}-tmp"
+        self.log = services.RUNTIME / f"{services.galera_name(index)}.log"
+        self.process: subprocess.Popen | None = None
+
+    def connection_settings(self, database: str) -> dict:
+        return connection_settings(self.port, database)
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.remove_data()
+        argv = services.galera_argv(self.index, self.index + 1, self.datadir, bootstrap=False)
+        with open(self.log, "wb") as log_file:
+            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while services.galera_state(self.port) != "Synced":
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.kill()
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"Galera node {self.index} did not join:\n{tail}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes from the cluster mid-conversation, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def remove_data(self) -> None:
+        shutil.rmtree(self.datadir, ignore_errors=True)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        (services.RUNTIME / f"{services.galera_name(self.index)}-init.sql").unlink(missing_ok=True)

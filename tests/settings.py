@@ -79,11 +79,37 @@ DATABASES = {
         for number, port in enumerate(MYSQL_SHARD_PORTS, start=2)
     },
 }
-# A "replica" of shard2 for the read-your-writes tests: a second connection to shard2's
-# test database (a real replica would lag; this one proves where reads are routed).
+# shard2's replica for the REPLICAS and READ_YOUR_WRITES tests: the real replica
+# `services.py up` starts (binlog + GTID, a server of its own, which tests may delay or stop;
+# see tests/servers.py), whose test database arrives by replication. Without one
+# (KVCACHE_MYSQL_REPLICA_PORT empty) a second connection to shard2's test database stands
+# in: it shows where reads are routed, never lag.
+MYSQL_REPLICA_PORT = os.environ.get("KVCACHE_MYSQL_REPLICA_PORT", "23309").strip()
 if "shard2" in DATABASES:
-    DATABASES["shard2_replica"] = {**DATABASES["shard2"], "TEST": {"MIRROR": "shard2"}}
+    DATABASES["shard2_replica"] = {
+        **DATABASES["shard2"],
+        **({"PORT": MYSQL_REPLICA_PORT} if MYSQL_REPLICA_PORT else {}),
+        "TEST": {"MIRROR": "shard2"},
+    }
 SHARD_ALIASES = [alias for alias in DATABASES if alias.startswith("shard") and "_" not in alias]
+# A Galera cluster, when `services.py galera up` runs one (KVCACHE_GALERA, the nodes'
+# host:port): an alias per node. The test database is created through the first node and
+# reaches the others by replication.
+GALERA_NODES = [node for node in os.environ.get("KVCACHE_GALERA", "").split(",") if node.strip()]
+for number, node in enumerate(GALERA_NODES, start=1):
+    host, port = node.strip().rsplit(":", 1)
+    DATABASES[f"galera{number}"] = {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": MYSQL_DATABASE,
+        **MYSQL,
+        "HOST": host,
+        "PORT": port,
+        "OPTIONS": {"charset": "utf8mb4"},
+        # No dependency on "default": the Galera tests need no other server.
+        "TEST": {"NAME": TEST_DATABASE, "CHARSET": "utf8mb4", "DEPENDENCIES": []}
+        if number == 1 else {"MIRROR": "galera1"},
+    }
+GALERA_ALIASES = [f"galera{number}" for number in range(1, len(GALERA_NODES) + 1)]
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }

@@ -233,6 +233,12 @@ def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
     assert "unknown scenario(s) speed" in completed.stderr
 
 
+def test_default_names_the_default_scenarios(tmp_path: Path) -> None:
+    completed = benchmark(tmp_path, "--scenario", "default,shards,speed")
+    assert completed.returncode != 0
+    assert "unknown scenario(s) speed;" in completed.stderr  # "default" is not unknown
+
+
 def test_unknown_value_mix_is_refused(tmp_path: Path) -> None:
     completed = benchmark(tmp_path, "--scenario", "ops", "--values", "realistic,lorem")
     assert completed.returncode != 0
@@ -240,12 +246,40 @@ def test_unknown_value_mix_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("option, value", [
-    ("--capacity-mb", "8"), ("--capacity-fill", "0"), ("--storage-entries", "0")])
+    ("--capacity-mb", "8"), ("--capacity-fill", "0"), ("--storage-entries", "0"),
+    ("--server-cpu", "0"), ("--client-processes", "0"), ("--shard-seconds", "0")])
 def test_sizes_the_scenarios_cannot_use_are_refused(tmp_path: Path, option: str, value: str) -> None:
     completed = benchmark(tmp_path, "--scenario", "storage", option, value)
     assert completed.returncode != 0
     assert option in completed.stderr
     assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+# --- shards, on servers of the benchmark's own ------------------------------------------------
+
+
+def test_shards_measures_latency_and_capped_throughput(tmp_path: Path) -> None:
+    completed = benchmark(
+        tmp_path, "--scenario", "shards", "--server-cpu", "0.12", "--rounds", "1", "--calls", "3",
+        "--shard-seconds", "0.5", "--shard-rounds", "1", "--client-processes", "2",
+        "--client-threads", "2")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((tmp_path / "benchmark-realistic.json").read_text())
+    shards = results["scenarios"]["shards"]
+    rates = {(e["operation"], e["shards"]): e for e in shards["results"] if "ops_per_s" in e}
+    assert set(rates) == {(f"throughput {op}", n) for op in ("get", "set", "get_many(20)")
+                          for n in (1, 2, 3)}
+    for (_, n), entry in rates.items():
+        assert entry["ops_per_s"] > 0 and entry["errors"] == 0
+        assert len(entry["rounds_ops_per_s"]) == len(entry["rounds_vs_fewest"]) == 1
+        if shards["server_cpu"] is not None:  # the quota binds: never more CPU than it gives
+            assert entry["server_cores"] <= 0.12 * n * 1.25, entry
+    if shards["server_cpu"] is None:
+        assert any("shards:" in note and "uncapped" in note for note in results["notes"])
+    else:
+        assert rates["throughput get", 1]["throttled"] > 0.5  # one server, four callers: capped
+    assert {e["operation"] for e in shards["results"] if "median_us" in e} >= {"get_many", "set_many"}
+    assert "throughput (calls/s)" in completed.stdout and (tmp_path / "benchmark-realistic-shards.png").exists()
 
 
 # --- storage and capacity, on the servers ---------------------------------------------------

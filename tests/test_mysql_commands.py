@@ -11,7 +11,12 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 from django.test import override_settings
 
-from django_kvcache.checks import check_mysql_cache_tables, check_mysql_caches
+from django_kvcache.checks import (
+    check_engine_on_galera,
+    check_mysql_cache_tables,
+    check_mysql_caches,
+    is_galera_node,
+)
 from django_kvcache.maintenance import cull_all, python_literal
 from tests.mysql_support import BACKEND, drop_table, insert_row, sql
 
@@ -193,3 +198,11 @@ def test_valid_configuration_has_no_errors():
 )
 def test_migration_literals_round_trip(statement):
     assert " ".join(eval(python_literal(statement)).split()) == " ".join(statement.split())
+
+
+def test_a_myisam_table_on_a_server_that_is_not_a_galera_node_is_no_error():
+    """kvcache.E010 is for Galera nodes only (tests/test_galera.py shows it there)."""
+    myisam = {**CACHES, "mysql_b": {**CACHES["mysql_b"], "OPTIONS": {"ENGINE": "MyISAM"}}}
+    assert not is_galera_node(connections["default"])
+    with override_settings(CACHES=myisam):
+        assert check_engine_on_galera(databases=["default"]) == []

@@ -2,8 +2,9 @@
 operations and commands that span every shard, resharding and read replicas.
 
 The shards are real servers: "shard1" is the main MariaDB, "shard2" and "shard3" the two
-extra ones `scripts/services.py up` starts. "shard2_replica" is a second connection to
-shard2's test database (a TEST MIRROR): it proves where reads are routed, not lag.
+extra ones `scripts/services.py up` starts. "shard2_replica" is the real replica of shard2's
+server it starts too: these tests wait for it to catch up and show where reads are routed;
+tests/test_mysql_replica.py shows what its lag does.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from django_kvcache.mysql.server import DISCONNECTED, NOT_SENT, Pending, error_c
 from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
 from tests.mysql_support import BACKEND, now_ms, wait_for
+from tests.servers import replica_caught_up
 
 SHARDS = list(settings.SHARD_ALIASES)
 REPLICA = "shard2_replica"
@@ -590,14 +592,16 @@ def test_checks_find_a_shard_that_is_not_mysql(sharded_settings):
 
 
 def replicated(**options: Any) -> MySQLCache:
-    return sharded("shard2", REPLICAS={"shard2": REPLICA}, **options)
+    cache = sharded("shard2", REPLICAS={"shard2": REPLICA}, **options)
+    replica_caught_up()  # the table, on the real replica
+    return cache
 
 
 def test_reads_go_to_the_replica_until_this_thread_writes():
     writer = replicated()
     writer.clear()
     writer.set("seed", 1)
-    reader = replicated()  # another thread's instance: it wrote nothing
+    reader = replicated()  # another thread's instance: it wrote nothing; waits for "seed"
     reader.get("warm-up"), writer.get("warm-up")
     with Statements(["shard2", REPLICA]) as sent:
         assert reader.get("seed") == 1
@@ -615,6 +619,7 @@ def test_read_your_writes_ends_after_its_window():
     cache = replicated(READ_YOUR_WRITES=0.2)
     cache.set("key", 1)
     time.sleep(0.3)  # past the window: nothing races, the window is a monotonic deadline
+    replica_caught_up()
     with Statements(["shard2", REPLICA]) as sent:
         assert cache.get("key") == 1
     assert [len(sql) for sql in sent.per_alias().values()] == [0, 1]

@@ -38,7 +38,7 @@ from django_kvcache.mysql.lease import (
 from django_kvcache.mysql.sql import FOREVER
 from tests.mysql_support import MYISAM_TABLE, register_alias, unregister_alias
 from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
-from tests.servers import free_port
+from tests.servers import free_port, replica_caught_up
 from tests.test_stampede import Computation, in_threads
 
 TABLE = "kvcache_mysql_stampede"
@@ -596,6 +596,7 @@ def test_lease_reads_go_to_the_primary_and_do_not_count_as_writes():
     if not writer.table_exists():
         writer.create_table()
     writer.set("hot", "value", 60)
+    replica_caught_up()  # the table and the row, on the real replica
     cache = MySQLCache(TABLE, {"OPTIONS": options})  # another thread's instance: no writes
     cache.get("warm-up")  # the replica's server detection, out of the way
     with CaptureQueriesContext(connections["shard2"]) as primary, \

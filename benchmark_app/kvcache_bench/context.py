@@ -36,6 +36,11 @@ class Parameters:
     storage_entries: int = 1000  # entries of the mix written to measure bytes stored
     capacity_mb: int = 32  # memory (-m) of the memcached node the capacity scenario fills
     capacity_fill: float = 4.0  # bytes of values written into it, as a multiple of its memory
+    server_cpu: float | None = None  # shards: each server's CPU quota (cores); None: uncapped
+    client_processes: int = 4  # shards throughput: client processes...
+    client_threads: int = 8  # ... of this many threads each
+    shard_seconds: float = 4.0  # shards throughput: the counted window of each figure
+    shard_rounds: int = 3  # shards throughput: rounds (the figure is their median)
 
     def problem(self) -> str | None:
         """Why these sizes cannot run, naming the option; None when they can."""
@@ -46,6 +51,12 @@ class Parameters:
             return "--capacity-fill must be above 0"
         if self.storage_entries < 1:
             return "--storage-entries must be at least 1"
+        if self.server_cpu is not None and not 0 < self.server_cpu <= 64:
+            return "--server-cpu is a fraction of a core, e.g. 0.12 (above 0)"
+        if self.client_processes < 1 or self.client_threads < 1:
+            return "--client-processes and --client-threads must be at least 1"
+        if self.shard_seconds <= 0 or self.shard_rounds < 1:
+            return "--shard-seconds must be above 0 and --shard-rounds at least 1"
         return None
 
     @classmethod
@@ -59,7 +70,7 @@ class Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
                    node_calls=60, workers=(1, 4), iterations=30, callers=(8, 32), storage_entries=200,
-                   capacity_mb=16, capacity_fill=2.5)
+                   capacity_mb=16, capacity_fill=2.5, shard_seconds=1.0, shard_rounds=1)
 
 
 @dataclass

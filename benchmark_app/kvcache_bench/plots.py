@@ -204,15 +204,46 @@ def concurrency_lines(concurrency: dict[str, Any], results: dict[str, Any]) -> A
 def shards_scaling(shards: dict[str, Any], results: dict[str, Any]) -> Any:
     counts = shards["counts"]
     entries = shards["results"]
-    figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
+    figure, axes = plt.subplots(1, 2, figsize=(14, 5.5), layout="constrained")
     latency = _series([e for e in entries if "median_us" in e], "operation", "shards", counts,
                       "median_us")
-    _line_chart(axes[0], counts, latency, "MySQL shards", "µs per call (median)",
-                f"*_many of {shards['keys']} keys")
+    for operation, ys in latency.items():  # one round trip solid, the comparisons dashed
+        points = [(x, y) for x, y in zip(counts, ys) if y is not None]
+        axes[0].plot(*zip(*points), marker="o", label=operation,
+                     linestyle="-" if operation in ("get_many", "set_many") else "--")
+    axes[0].set_xticks(counts)
+    axes[0].set_xlabel("MySQL shards")
+    axes[0].set_ylabel("µs per call (median)")
+    axes[0].set_ylim(bottom=0)
+    axes[0].grid(True, alpha=0.3)
+    axes[0].set_title(f"latency, servers uncapped: *_many of {shards['keys']} keys", fontsize=10)
     axes[0].legend(fontsize=8)
-    rate = _series([e for e in entries if "ops_per_s" in e], "operation", "shards", counts,
-                   "ops_per_s")
-    _line_chart(axes[1], counts, rate, "MySQL shards", "operations per second", "throughput")
+    rates = [e for e in entries if "ops_per_s" in e]
+    axis = axes[1]
+    for operation in dict.fromkeys(e["operation"] for e in rates):
+        points = sorted((e["shards"], e) for e in rates if e["operation"] == operation)
+        xs = [n for n, _ in points]
+        ys = [e["ops_per_s"] for _, e in points]
+        low = [y - min(e["rounds_ops_per_s"]) for y, (_, e) in zip(ys, points)]
+        high = [max(e["rounds_ops_per_s"]) - y for y, (_, e) in zip(ys, points)]
+        line = axis.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3,
+                             label=operation.removeprefix("throughput "))
+        for x, y in list(zip(xs, ys))[1:]:
+            axis.annotate(f"{y / ys[0]:.2f}x", (x, y), textcoords="offset points",
+                          xytext=(6, -10), fontsize=8, color=line[0].get_color())
+        axis.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", linewidth=0.8,
+                  color=line[0].get_color())  # linear scaling, for reference
+    axis.set_xticks(counts)
+    axis.set_xlabel("MySQL shards (dotted: linear scaling)")
+    axis.set_ylabel("calls per second (median of rounds; bars: min-max)")
+    axis.set_ylim(bottom=0)
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(_human))
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    cap = (f"each server on one core, capped at {shards['server_cpu']:g}"
+           if shards.get("server_cpu") else "servers uncapped")
+    axis.set_title(f"throughput, {shards['client_processes']} processes x "
+                   f"{shards['client_threads']} threads, {cap}", fontsize=10)
     _title(figure, "shards: MySQLCache over N MariaDB servers", results, values=FILLER_LABEL)
     return figure
 

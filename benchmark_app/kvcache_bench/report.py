@@ -169,19 +169,75 @@ def codec_text(codec: dict[str, Any], mix: str = "") -> str:
 
 def shards_text(shards: dict[str, Any]) -> str:
     counts = shards["counts"]
-    by_key = {(e["operation"], e["shards"]): e for e in shards["results"]}
-    operations = list(dict.fromkeys(e["operation"] for e in shards["results"]))
+    latency = [e for e in shards["results"] if "median_us" in e]
+    rates = [e for e in shards["results"] if "ops_per_s" in e]
+    parts = []
+    if latency:
+        by_key = {(e["operation"], e["shards"]): e for e in latency}
+        operations = list(dict.fromkeys(e["operation"] for e in latency))
+        lines = [[operation, *(micros(by_key[operation, n]["median_us"]) if (operation, n) in by_key
+                               else "-" for n in counts)] for operation in operations]
+        parts.append(f"shards: MySQLCache over N MariaDB servers (uncapped), median per call of "
+                     f"{shards['keys']} keys\n\n"
+                     + table(["operation", *(f"{n} shard(s)" for n in counts)], lines))
+    if rates:
+        parts.append(f"{shards_capping(shards)}\n\n" + table(
+            ["throughput (calls/s)", *(f"{n} shard(s)" for n in counts),
+             f"{counts[-1]}÷{counts[0]}", "target", "spread", "client cores",
+             "server µs/call", "throttled", "others' cores"],
+            shards_rate_lines(shards, rates)))
+    return "\n\n".join(parts)
 
-    def cell(operation: str, n: int) -> str:
-        entry = by_key.get((operation, n))
-        if entry is None:
-            return "-"
-        return f"{entry['ops_per_s']:,.0f}/s" if "ops_per_s" in entry else micros(entry["median_us"])
 
-    lines = [[operation, *(cell(operation, n) for n in counts)] for operation in operations]
-    return (f"shards: MySQLCache over N MariaDB servers, median per call of {shards['keys']} keys "
-            f"and throughput of {shards['workers']} threads\n\n"
-            + table(["operation", *(f"{n} shard(s)" for n in counts)], lines))
+def shards_capping(shards: dict[str, Any]) -> str:
+    cap = (f"each server capped at {shards['server_cpu']:g} of a core (cgroup v1 cpu quota) "
+           "on a core of its own"
+           if shards.get("server_cpu") else "servers uncapped")
+    return (f"shards: throughput of {shards['client_processes']} client processes x "
+            f"{shards['client_threads']} threads, {cap}; median of {shards['rounds']} round(s) of "
+            f"{shards['window_s']:g} s (in brackets: the lowest and highest ratio of one round; "
+            "spread: (max - min) / median; client cores: CPU the client "
+            "processes used; server µs/call: the servers' CPU per call; "
+            "throttled: the share of the servers' quota periods their quota cut short; others' "
+            "cores: what other programs kept busy meanwhile, which the figures compete with)")
+
+
+def shards_scaling_ratio(shards: dict[str, Any], operation: str) -> float | None:
+    """Throughput on the most shards over the throughput on the fewest."""
+    counts = shards["counts"]
+    by_count = {e["shards"]: e["ops_per_s"] for e in shards["results"]
+                if e["operation"] == operation and "ops_per_s" in e}
+    low, high = by_count.get(counts[0]), by_count.get(counts[-1])
+    return round(high / low, 2) if low and high else None
+
+
+def rounds_range(ratios: list[float | None] | None) -> str:
+    """`` (a-b)``: the lowest and highest of the per-round ratios, when there are several."""
+    ratios = [r for r in ratios or [] if r is not None]
+    return f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+
+
+def shards_rate_lines(shards: dict[str, Any], rates: list[dict[str, Any]]) -> list[list[str]]:
+    counts = shards["counts"]
+    lines = []
+    for operation in dict.fromkeys(e["operation"] for e in rates):
+        entries = {e["shards"]: e for e in rates if e["operation"] == operation}
+        ratio = shards_scaling_ratio(shards, operation)
+        target = shards["targets"].get(operation.split()[-1].split("(")[0])
+        widest = entries.get(counts[-1], {})
+        met = "" if ratio is None or target is None else (" met" if ratio >= target else " MISSED")
+        lines.append([
+            operation.removeprefix("throughput "),
+            *(f"{entries[n]['ops_per_s']:,.0f}" if n in entries else "-" for n in counts),
+            (f"{ratio:.2f}x" if ratio else "-") + rounds_range(widest.get("rounds_vs_fewest")),
+            (f">={target:g}x" + met) if target else "-",
+            f"{max(e['spread'] or 0 for e in entries.values()):.0%}",
+            " / ".join(f"{entries[n]['client_cores']:.2f}" for n in counts if n in entries),
+            " / ".join(f"{entries[n]['server_cpu_us']:.0f}" for n in counts if n in entries),
+            " / ".join(f"{entries[n]['throttled']:.0%}" for n in counts if n in entries),
+            " / ".join(f"{entries[n]['other_cores']:.2f}" for n in counts if n in entries),
+        ])
+    return lines
 
 
 def stampede_text(stampede: dict[str, Any]) -> str:

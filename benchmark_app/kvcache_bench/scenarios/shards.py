@@ -1,90 +1,138 @@
-"""``shards``: MySQLCache over 1, 2, 3 MariaDB servers (``OPTIONS["DATABASES"]``).
+"""``shards``: MySQLCache over 1, 2 and 3 MariaDB servers (``OPTIONS["DATABASES"]``).
 
-Per shard count: the latency of ``get_many`` and ``set_many`` of ``--batch`` keys (one
-statement per shard, every shard's statement sent before any reply is read: one round
-trip), and the throughput of 8 threads each repeating ``get_many`` + ``set_many`` of its
-own keys. From 2 shards on, each is also measured "sequential": the same calls with a
-pass-through ``connection.execute_wrapper()`` on every shard alias, which makes the
-backend ask the shards one after another through Django's cursor (its path while
-statements are watched) — the path of the previous version, measured in the same rounds
-for an A/B comparison. ``get_many threads`` fans ``get_many`` out over a thread pool
-instead (one thread per shard, connections kept), the path the backend does not take.
+The servers are the benchmark's own, three alike in everything
+(``kvcache_bench.servers.mariadb_servers``), so no shard is the busier main server.
 
-The shards are the main MariaDB and the extra ones ``scripts/services.py up`` starts
-(``KVCACHE_MYSQL_SHARD_PORTS``); their aliases are registered for the run only. Run it
-with ``--scenario shards``: it is not part of the default set.
+**Latency** (servers uncapped): per shard count, the median of ``get_many`` and
+``set_many`` of ``--batch`` keys (one statement per shard, every shard's statement sent
+before any reply is read: one round trip). From 2 shards on, each is also measured
+"sequential": the same calls with a pass-through ``connection.execute_wrapper()`` on every
+shard alias, which makes the backend ask the shards one after another through Django's
+cursor (its path while statements are watched), in the same rounds for an A/B comparison.
+``get_many threads`` fans ``get_many`` out over a thread pool instead (one thread per
+shard, connections kept), the path the backend does not take.
+
+**Throughput** (with ``--server-cpu Q``, each server capped at Q of a core): a shard on a
+host of its own brings its own CPU, which one machine can only imitate. Each server is put
+in a cgroup v1 cpu group of its own with a quota of Q cores (and a high CPU weight, so it
+gets its quota however busy the client keeps the cores) and held on one core (server N on
+core N modulo the cores): a host with one slow core. The client runs beside
+them unconstrained: ``--client-processes`` processes of ``--client-threads`` threads, each
+thread repeating one operation (``get``, ``set`` or ``get_many`` of ``--batch`` keys) on
+random keys of a populated key space. After a warm-up, the calls that complete within a
+window of ``--shard-seconds`` that all of them run through are counted. Shard counts and
+operations are interleaved over ``--shard-rounds`` rounds (one operation's shard counts
+back to back); the figure is the rounds' median, reported with their spread, each
+round's ratio to the same round on one shard, the client's CPU (cores busy), the servers'
+CPU per call, how often their quota held them back, and what other programs kept the
+machine's cores busy meanwhile. Where the controller is not writable
+(cgroup v2 only, not root) a note says so and the servers run uncapped.
+
+Run it with ``--scenario shards`` (``make bench`` does, with ``--server-cpu``).
 """
 from __future__ import annotations
 
+import itertools
+import multiprocessing
+import os
+import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from kvcache_bench import servers
 from kvcache_bench.caches import KV_MYSQL, TIMEOUT
 from kvcache_bench.context import Context
 from kvcache_bench.data import filler
 from kvcache_bench.timing import rotated, summarize, time_calls
 
 SHARD_COUNTS = (1, 2, 3)
-WORKERS = 8
 ALIAS_PREFIX = "kvbench_shard_"
+#: What the throughput part repeats; ``get_many`` asks for ``--batch`` keys.
+OPERATIONS = ("get", "set", "get_many")
+#: Keys every throughput operation picks from at random (all present before it starts).
+KEY_SPACE = 2000
+#: Between the start of the client processes and the counted window: connections, server
+#: detection, the caches' first statements, the quota's first periods.
+WARM_UP_S = 1.5
+#: Scaling the issue asks of 3 shards over 1 (throughput of one run): get_many touches
+#: every shard, so only its per-key work spreads.
+TARGETS = {"get": 2.4, "set": 2.4, "get_many": 1.2}
+BARRIER_TIMEOUT = 120.0
+#: Random key draws per client thread, cycled.
+DRAWS = 1000
 
 
-def shard_aliases() -> list[str]:
-    """The main server's alias, then one alias per extra server (registered here)."""
-    from tests.settings import MYSQL_SHARD_PORTS
-
-    aliases = [DEFAULT_DB_ALIAS]
-    for port in MYSQL_SHARD_PORTS:
+def register(host: str, ports: list[int] | tuple[int, ...]) -> list[str]:
+    """One alias per server of ours (the ``kvcache`` user and database, as services.py
+    sets them up)."""
+    aliases = []
+    for port in ports:
         alias = f"{ALIAS_PREFIX}{port}"
-        # A copy of the main alias (defaults already filled in) on the shard's port.
-        connections.settings[alias] = {**connections.settings[DEFAULT_DB_ALIAS], "PORT": str(port)}
+        connections.settings[alias] = {
+            **connections.settings[DEFAULT_DB_ALIAS], "HOST": host, "PORT": str(port),
+            "USER": "kvcache", "PASSWORD": "", "NAME": "kvcache",
+        }
         aliases.append(alias)
     return aliases
 
 
-def reachable(alias: str) -> bool:
-    try:
-        connections[alias].ensure_connection()
-    except Exception:  # any driver error: no server to benchmark
-        return False
-    return True
-
-
-def build(context: Context, aliases: list[str], **options: Any) -> Any:
+def build(location: str, key_prefix: str, aliases: list[str], **options: Any) -> Any:
     from django.utils.module_loading import import_string
 
-    location = f"kvbench_{context.token}_shards"
     databases = {"DATABASES": aliases} if len(aliases) > 1 else {"DATABASE": aliases[0]}
-    params = {"TIMEOUT": TIMEOUT, "KEY_PREFIX": f"kvb-{context.token}-shards",
+    params = {"TIMEOUT": TIMEOUT, "KEY_PREFIX": key_prefix,
               "OPTIONS": {"MAX_ENTRIES": 10_000_000, "CULL_PROBABILITY": 0, **databases, **options}}
     return import_string(KV_MYSQL)(location, params)
 
 
 def run(context: Context) -> dict[str, Any]:
     p = context.parameters
-    aliases = [alias for alias in shard_aliases() if reachable(alias)]
-    counts = [n for n in SHARD_COUNTS if n <= len(aliases)]
-    if len(counts) < len(SHARD_COUNTS):
-        context.notes.append(f"shards: only {len(aliases)} MariaDB server(s) reachable "
-                             "(scripts/services.py up starts 3)")
-    caches = {n: build(context, aliases[:n]) for n in counts}
-    widest = caches[counts[-1]]
-    widest.create_table()
+    location, key_prefix = f"kvbench_{context.token}_shards", f"kvb-{context.token}-shards"
+    with servers.mariadb_servers(max(SHARD_COUNTS), context.token,
+                                 cpu_groups=p.server_cpu is not None) as own:
+        if own.note:
+            context.notes.append(f"shards: {own.note}: the servers ran uncapped")
+        aliases = register(own.host, own.ports)
+        caches = {n: build(location, key_prefix, aliases[:n]) for n in SHARD_COUNTS}
+        caches[max(SHARD_COUNTS)].create_table()
+        try:
+            results = latency(context, caches, aliases, location, key_prefix)
+            capped = bool(own.groups) and p.server_cpu is not None
+            own.limit(p.server_cpu if capped else None)
+            results += throughput(context, own, caches, aliases, location, key_prefix)
+        finally:
+            own.limit(None)
+            for alias in aliases:
+                connections[alias].close()
+    return {"counts": list(SHARD_COUNTS), "keys": p.batch,
+            "server_cpu": p.server_cpu if capped else None,
+            "client_processes": p.client_processes, "client_threads": p.client_threads,
+            "window_s": p.shard_seconds, "rounds": p.shard_rounds, "key_space": KEY_SPACE,
+            "targets": TARGETS, "results": results}
+
+
+# --- latency ---------------------------------------------------------------------------------
+
+
+def latency(context: Context, caches: dict[int, Any], aliases: list[str], location: str,
+            key_prefix: str) -> list[dict[str, Any]]:
+    p = context.parameters
     values = filler(p.seed, p.batch)
     items = {f"shard.{context.token}.{i}": value for i, value in enumerate(values)}
     keys = list(items)
-    results: list[dict[str, Any]] = []
     durations: dict[tuple[int, str], list[int]] = {}
-    pools = {n: ThreadPoolExecutor(n) for n in counts if n > 1}
+    pools = {n: ThreadPoolExecutor(n) for n in SHARD_COUNTS if n > 1}
     try:
-        with context.progress("shards", p.rounds * len(counts)) as bar:
+        with context.progress("shards latency", p.rounds * len(SHARD_COUNTS)) as bar:
             for round_index in range(p.rounds):
-                for n in rotated(counts, round_index):
+                for n in rotated(SHARD_COUNTS, round_index):
                     cache = caches[n]
                     timed = {}
                     for sequential in rotated([False, True] if n > 1 else [False], round_index):
@@ -95,29 +143,19 @@ def run(context: Context) -> dict[str, Any]:
                             timed["get_many" + suffix] = time_calls(
                                 lambda _: cache.get_many(keys), range(p.calls))
                     if n in pools:
-                        fan_out = parallel_get_many(context, aliases[:n], pools[n])
+                        fan_out = parallel_get_many(cache, aliases[:n], pools[n], location,
+                                                    key_prefix)
                         timed["get_many threads"] = time_calls(lambda _: fan_out(keys), range(p.calls))
                     for operation, outcome in timed.items():
                         durations.setdefault((n, operation), []).extend(outcome.durations)
                         if operation.startswith("get_many") and any(r != items for r in outcome.results):
                             context.failures.append(f"shards: {operation} on {n} shard(s) was wrong")
                     bar.update()
-        for (n, operation), taken in sorted(durations.items()):
-            results.append({"operation": operation, "shards": n, **summarize(taken)})
-        for n in counts:
-            for sequential in [False, True] if n > 1 else [False]:
-                operation = f"throughput x{WORKERS}" + (" sequential" if sequential else "")
-                results.append({"operation": operation, "shards": n, **throughput(
-                    context, aliases[:n], p.iterations, values, sequential)})
     finally:
         for pool in pools.values():
             pool.shutdown()
-        for cache in caches.values():
-            cache.clear()
-        for alias in aliases:
-            with connections[alias].cursor() as cursor:
-                cursor.execute(f"DROP TABLE IF EXISTS `{widest.table}`")
-    return {"counts": counts, "keys": p.batch, "workers": WORKERS, "results": results}
+    return [{"operation": operation, "shards": n, **summarize(taken)}
+            for (n, operation), taken in sorted(durations.items())]
 
 
 def passthrough(execute: Callable[..., Any], sql: str, params: Any, many: bool,
@@ -136,16 +174,15 @@ def watched(aliases: list[str], on: bool) -> Iterator[None]:
         yield
 
 
-def parallel_get_many(context: Context, aliases: list[str],
-                      pool: ThreadPoolExecutor) -> Callable[[list[str]], dict[str, Any]]:
+def parallel_get_many(sharded: Any, aliases: list[str], pool: ThreadPoolExecutor, location: str,
+                      key_prefix: str) -> Callable[[list[str]], dict[str, Any]]:
     """get_many with one pool thread per shard (each its own single-database cache)."""
-    sharded = build(context, aliases)
     local = threading.local()
 
     def on_shard(index: int, group: list[str]) -> dict[str, Any]:
         if not hasattr(local, "caches"):
             local.caches = {}
-        cache = local.caches.setdefault(index, build(context, [aliases[index]]))
+        cache = local.caches.setdefault(index, build(location, key_prefix, [aliases[index]]))
         return cache.get_many(group)
 
     def get_many(keys: list[str]) -> dict[str, Any]:
@@ -161,31 +198,185 @@ def parallel_get_many(context: Context, aliases: list[str],
     return get_many
 
 
-def throughput(context: Context, aliases: list[str], iterations: int,
-               values: list[bytes], sequential: bool = False) -> dict[str, Any]:
-    """8 threads, each ``iterations`` times set_many + get_many of its own keys."""
-    barrier = threading.Barrier(WORKERS)
-    operations = [0] * WORKERS
-    spans: list[tuple[float, float]] = []
+# --- throughput ------------------------------------------------------------------------------
 
-    def work(worker: int) -> None:
-        cache = build(context, aliases)
-        items = {f"shard.{context.token}.w{worker}.{i}": value for i, value in enumerate(values)}
+
+@dataclass(frozen=True)
+class Load:
+    """What one client process does for one throughput figure."""
+
+    host: str
+    ports: tuple[int, ...]  # the shards of this cache
+    location: str
+    key_prefix: str
+    operation: str
+    batch: int
+    seed: int
+    threads: int
+    start_at: float = 0.0  # time.monotonic() (one clock for every process): counting starts
+    end_at: float = 0.0  # counting, and the calls, stop
+
+
+_barrier: Any = None  # set in each client process by _start_client
+
+
+def _start_client(barrier: Any) -> None:
+    global _barrier
+    import django
+
+    django.setup()
+    _barrier = barrier
+
+
+def drive(load: Load) -> dict[str, Any]:
+    """In a client process: ``load.threads`` threads repeat the operation until ``end_at``.
+    Returns the calls that completed within ``[start_at, end_at)``, this process's CPU
+    time in that window, and the errors."""
+    _barrier.wait(BARRIER_TIMEOUT)  # one Load per process: none takes two
+    aliases = register(load.host, load.ports)
+    values = filler(load.seed, 64)
+    keys = [f"k{i}" for i in range(KEY_SPACE)]
+    counted = [0] * load.threads
+    errors: list[str] = []
+
+    def repeat(index: int) -> None:
+        cache = build(load.location, load.key_prefix, aliases)
+        # The random keys (and values) drawn before the clock runs: drawing 20 keys per
+        # get_many cost a tenth of the client's CPU.
+        rng = random.Random(f"{load.seed}.{os.getpid()}.{index}")
+        chosen = [rng.sample(keys, load.batch) for _ in range(DRAWS)]
+        call = {
+            "get": lambda i: cache.get(chosen[i][0]),
+            "set": lambda i: cache.set(chosen[i][0], values[i % len(values)]),
+            "get_many": lambda i: cache.get_many(chosen[i]),
+        }[load.operation]
+        calls = 0
         try:
-            cache.get_many(list(items))  # connect before the clock starts
-            barrier.wait(120)
-            started = time.monotonic()
-            with watched(aliases, sequential):
-                for _ in range(iterations):
-                    cache.set_many(items)
-                    cache.get_many(list(items))
-                    operations[worker] += 2
-            spans.append((started, time.monotonic()))
+            for draw in itertools.cycle(range(DRAWS)):
+                try:
+                    call(draw)
+                except Exception as exc:  # counted and reported, never a figure
+                    errors.append(repr(exc))
+                done = time.monotonic()
+                if done >= load.end_at:
+                    break
+                if done >= load.start_at:
+                    calls += 1
         finally:
+            counted[index] = calls
             connections.close_all()
 
-    with ThreadPoolExecutor(WORKERS) as threads:
-        list(threads.map(work, range(WORKERS)))
-    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
-    return {"ops_per_s": round(sum(operations) / elapsed, 1) if elapsed > 0 else None,
-            "operations": sum(operations), "elapsed_s": round(elapsed, 4)}
+    threads = [threading.Thread(target=repeat, args=(index,)) for index in range(load.threads)]
+    for thread in threads:
+        thread.start()
+    sleep_until(load.start_at)
+    cpu_start = time.process_time()
+    sleep_until(load.end_at)
+    cpu = time.process_time() - cpu_start
+    for thread in threads:
+        thread.join()
+    return {"calls": sum(counted), "cpu_s": cpu, "errors": len(errors),
+            "first_error": errors[0] if errors else None}
+
+
+def sleep_until(moment: float) -> None:
+    while (left := moment - time.monotonic()) > 0:
+        time.sleep(left)
+
+
+def throughput(context: Context, own: servers.MariaDBServers, caches: dict[int, Any],
+               aliases: list[str], location: str, key_prefix: str) -> list[dict[str, Any]]:
+    p = context.parameters
+    values = filler(p.seed, 64)
+    for cache in caches.values():  # every key present on its shard, whatever the count
+        cache.set_many({f"k{i}": values[i % len(values)] for i in range(KEY_SPACE)})
+    rounds: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    spawn = multiprocessing.get_context("spawn")
+    barrier = spawn.Barrier(p.client_processes)
+    total = p.shard_rounds * len(SHARD_COUNTS) * len(OPERATIONS)
+    with spawn.Pool(p.client_processes, initializer=_start_client, initargs=(barrier,)) as pool, \
+            context.progress("shards throughput", total) as bar:
+        for round_index in range(p.shard_rounds):
+            # One operation's shard counts back to back: the machine's drift (other work,
+            # frequency) weighs on them alike, and each round gives a ratio of its own.
+            for operation in rotated(OPERATIONS, round_index):
+                for n in rotated(SHARD_COUNTS, round_index):
+                    load = Load(own.host, tuple(own.ports[:n]), location, key_prefix, operation, p.batch,
+                                p.seed + round_index, p.client_threads)
+                    rounds.setdefault((n, operation), []).append(
+                        one_window(pool, own, load, p.client_processes, p.shard_seconds))
+                    bar.update()
+    results = []
+    for (n, operation), measured in sorted(rounds.items(), key=lambda item: (
+            OPERATIONS.index(item[0][1]), item[0][0])):
+        entry = summarize_rounds(context, n, operation, p.batch, measured)
+        # Each round against the same round on the fewest shards: measured back to back.
+        fewest = rounds[min(SHARD_COUNTS), operation]
+        entry["rounds_vs_fewest"] = [round(m["calls"] / f["calls"], 2) if f["calls"] else None
+                                     for m, f in zip(measured, fewest)]
+        results.append(entry)
+    return results
+
+
+def one_window(pool: Any, own: servers.MariaDBServers, load: Load, processes: int,
+               seconds: float) -> dict[str, Any]:
+    """Every client process on ``load``; what the window counted, client and servers."""
+    start_at = time.monotonic() + WARM_UP_S
+    load = replace(load, start_at=start_at, end_at=start_at + seconds)
+    pending = pool.map_async(drive, [load] * processes, chunksize=1)
+    sleep_until(load.start_at)
+    cpu_before, periods_before = own.cpu_seconds(), own.periods()
+    busy_before = servers.machine_busy_seconds()
+    sleep_until(load.end_at)
+    cpu_after, periods_after = own.cpu_seconds(), own.periods()
+    busy = servers.machine_busy_seconds() - busy_before
+    outcomes = pending.get(timeout=BARRIER_TIMEOUT + seconds + 60)
+    shards = len(load.ports)
+    periods = [(after[0] - before[0], after[1] - before[1])
+               for before, after in zip(periods_before[:shards], periods_after[:shards])]
+    client_cpu = sum(o["cpu_s"] for o in outcomes)
+    return {
+        "calls": sum(o["calls"] for o in outcomes),
+        "client_cpu_s": client_cpu,
+        # What else kept the machine's cores busy meanwhile (other programs, this
+        # process): the measurement's interference.
+        "other_cpu_s": max(0.0, busy - client_cpu - sum(
+            after - before for before, after in zip(cpu_before, cpu_after))),
+        # The servers this cache used (the others idle meanwhile).
+        "server_cpu_s": sum(after - before for before, after in
+                            zip(cpu_before[:shards], cpu_after[:shards])),
+        "periods": sum(ran for ran, _ in periods),
+        "throttled_periods": sum(cut for _, cut in periods),
+        "errors": sum(o["errors"] for o in outcomes),
+        "first_error": next((o["first_error"] for o in outcomes if o["first_error"]), None),
+        "seconds": seconds,
+    }
+
+
+def summarize_rounds(context: Context, n: int, operation: str, batch: int,
+                     measured: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [m["calls"] / m["seconds"] for m in measured]
+    calls = sum(m["calls"] for m in measured) or 1
+    seconds = sum(m["seconds"] for m in measured)
+    errors = sum(m["errors"] for m in measured)
+    name = f"get_many({batch})" if operation == "get_many" else operation
+    if errors:
+        first = next(m["first_error"] for m in measured if m["first_error"])
+        context.failures.append(f"shards: throughput {name} on {n} shard(s): {errors} "
+                                f"error(s), first: {first}")
+    median = statistics.median(rates)
+    return {
+        "operation": f"throughput {name}", "shards": n,
+        "ops_per_s": round(median, 1),
+        "rounds_ops_per_s": [round(rate, 1) for rate in rates],
+        "spread": round((max(rates) - min(rates)) / median, 3) if median else None,
+        "client_cores": round(sum(m["client_cpu_s"] for m in measured) / seconds, 2),
+        "server_cpu_us": round(sum(m["server_cpu_s"] for m in measured) / calls * 1e6, 1),
+        "server_cores": round(sum(m["server_cpu_s"] for m in measured) / seconds, 3),
+        "other_cores": round(sum(m["other_cpu_s"] for m in measured) / seconds, 2),
+        # Of the quota periods the servers ran in, the share their quota cut short: near 1
+        # when the cap is what limits them.
+        "throttled": round(sum(m["throttled_periods"] for m in measured)
+                           / max(1, sum(m["periods"] for m in measured)), 3),
+        "errors": errors,
+    }

@@ -48,9 +48,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--scenario", type=_names, action="extend",
-                            help=f"comma-separated, from {', '.join(SCENARIOS)} (default all), "
-                                 f"or {', '.join(ON_REQUEST_SCENARIOS)} (only when named); on a "
-                                 f"site's caches from {', '.join(SITE_SCENARIOS)} (default all)")
+                            help=f"comma-separated, from {', '.join(SCENARIOS)} ('default': "
+                                 f"all of them, the default), or {', '.join(ON_REQUEST_SCENARIOS)} "
+                                 f"(only when named); on a site's caches from "
+                                 f"{', '.join(SITE_SCENARIOS)} (default all)")
         parser.add_argument("--caches", type=_names, action="extend",
                             help="comma-separated aliases of your CACHES (default: every "
                                  "django-kvcache cache); in the project's benchmark, cache "
@@ -79,6 +80,17 @@ class Command(BaseCommand):
                             help="memory (-m) of the memcached node capacity fills (32)")
         parser.add_argument("--capacity-fill", type=float, dest="capacity_fill",
                             help="bytes written into that node, as a multiple of its memory (4)")
+        parser.add_argument("--server-cpu", type=float, dest="server_cpu", metavar="Q",
+                            help="shards: cap each MariaDB server at Q cores (cgroup v1 cpu "
+                                 "quota, e.g. 0.12) for the throughput figures")
+        parser.add_argument("--client-processes", type=int, dest="client_processes",
+                            help="shards throughput: client processes (4)")
+        parser.add_argument("--client-threads", type=int, dest="client_threads",
+                            help="shards throughput: threads per client process (8)")
+        parser.add_argument("--shard-seconds", type=float, dest="shard_seconds",
+                            help="shards throughput: seconds counted per figure (4)")
+        parser.add_argument("--shard-rounds", type=int, dest="shard_rounds",
+                            help="shards throughput: rounds, the figure is their median (3)")
         parser.add_argument("--results", type=Path, default=Path("results"),
                             help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots "
                                  "(default ./results)")
@@ -98,7 +110,10 @@ class Command(BaseCommand):
                 f"'bench' extra (pip install 'django-kvcache[bench]'), or from a checkout "
                 f"pip install {' '.join(missing)}")
         site = is_site_run(options["caches"])
-        scenarios = options["scenario"] or list(SITE_SCENARIOS if site else SCENARIOS)
+        # "default" names the default set, so a run can add an on-request scenario to it.
+        default = list(SITE_SCENARIOS if site else SCENARIOS)
+        named = options["scenario"] or ["default"]
+        scenarios = [s for name in named for s in (default if name == "default" else [name])]
         known = SCENARIOS + ON_REQUEST_SCENARIOS
         unknown = sorted(set(scenarios) - set(known))
         if unknown:
