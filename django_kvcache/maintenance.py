@@ -18,7 +18,7 @@ from typing import Iterable
 
 from django.conf import settings
 from django.core.cache import caches
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
 
@@ -103,8 +103,22 @@ def own_databases(cache: MySQLCache) -> set[str]:
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
-    """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``."""
-    return {alias: cache.cull() for alias, cache in mysql_caches(aliases).items()}
+    """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``.
+
+    A cache whose cull fails (a shard down, without IGNORE_EXCEPTIONS) is logged and the
+    others are culled all the same; then its error is raised (a cron job fails loudly).
+    """
+    culled: dict[str, int] = {}
+    failure: DatabaseError | None = None
+    for alias, cache in mysql_caches(aliases).items():
+        try:
+            culled[alias] = cache.cull()
+        except DatabaseError as exc:
+            logger.error("Cull of cache %r failed: %s: %s", alias, type(exc).__name__, exc)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return culled
 
 
 MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases}).{databases}"""
