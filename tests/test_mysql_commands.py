@@ -78,14 +78,11 @@ def test_migration_module_creates_and_drops_each_table():
     source = command("kvcache_migration")
     namespace: dict = {}
     exec(compile(source, "0002_cache_tables.py", "exec"), namespace)
-    operations = namespace["Migration"].operations
-    assert len(operations) == 2
-    with connections["default"].cursor() as cursor:
-        for operation in operations:
-            cursor.execute(operation.sql)
+    (operation,) = namespace["Migration"].operations
+    with connections["default"].schema_editor() as editor:
+        operation.code(None, editor)
         assert tables() == set(TABLES)
-        for operation in operations:
-            cursor.execute(operation.reverse_sql)
+        operation.reverse_code(None, editor)
     assert tables() == set()
 
 
@@ -193,3 +190,21 @@ def test_valid_configuration_has_no_errors():
 )
 def test_migration_literals_round_trip(statement):
     assert " ".join(eval(python_literal(statement)).split()) == " ".join(statement.split())
+
+
+# --- issue 21: the collation suspicion --------------------------------------------------------
+
+
+def test_the_migration_picks_the_collation_of_the_server_it_runs_on():
+    """Confirmed: kvcache_migration embedded the collation of the server that generated it
+    (MariaDB's utf8mb4_nopad_bin, unknown to MySQL 8). The module names both and picks by
+    the flavour of the connection it is applied to."""
+    source = command("kvcache_migration")
+    assert "utf8mb4_nopad_bin" in source and "utf8mb4_0900_bin" in source
+    namespace: dict = {}
+    exec(compile(source, "0002_cache_tables.py", "exec"), namespace)
+    with connections["default"].schema_editor() as editor:
+        for operation in namespace["Migration"].operations:
+            operation.code(None, editor)
+    (_, create), = sql(f"SHOW CREATE TABLE `{TABLES[0]}`")
+    assert "utf8mb4_nopad_bin" in create  # this server is MariaDB

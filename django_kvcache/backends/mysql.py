@@ -620,10 +620,14 @@ class MySQLCache(KVCache):
     # ``table_exists`` to every shard; the tables of test databases are made through the
     # alias being set up, which a TEST MIRROR alias is not yet.
 
-    def create_table_sql(self, database: str | None = None) -> str:
+    def create_table_sql(self, database: str | None = None, collation: str | None = None) -> str:
+        """The table's DDL for ``database``'s server (``collation``: another name of its
+        binary NO PAD collation, or a placeholder for a migration)."""
         connection = connections[database or self.db_alias(write=True)]
         mariadb = server_info(connection).mariadb
-        return create_table_sql(self.table, connection.ops.quote_name, mariadb, self.engine)
+        return create_table_sql(
+            self.table, connection.ops.quote_name, mariadb, self.engine, collation
+        )
 
     def drop_table_sql(self, database: str | None = None) -> str:
         connection = connections[database or self.db_alias(write=True)]

@@ -45,9 +45,14 @@ def check_engine(engine: object) -> str:
 
 
 def create_table_sql(
-    table: str, quote_name: Callable[[str], str], mariadb: bool, engine: str = "InnoDB"
+    table: str,
+    quote_name: Callable[[str], str],
+    mariadb: bool,
+    engine: str = "InnoDB",
+    collation: str | None = None,
 ) -> str:
-    collation = MARIADB_COLLATION if mariadb else MYSQL_COLLATION
+    """The table's DDL; ``collation`` defaults to the flavour's binary NO PAD one."""
+    collation = collation or (MARIADB_COLLATION if mariadb else MYSQL_COLLATION)
     return (
         f"CREATE TABLE IF NOT EXISTS {quote_name(table)} (\n"
         f"    `cache_key` VARCHAR({MAX_KEY_LENGTH}) CHARACTER SET utf8mb4"
