@@ -192,7 +192,35 @@ def test_migration_literals_round_trip(statement):
     assert " ".join(eval(python_literal(statement)).split()) == " ".join(statement.split())
 
 
-# --- issue 21: the collation suspicion --------------------------------------------------------
+# --- issue 21: charset and collation suspicions ------------------------------------------------
+
+
+@pytest.fixture
+def utf8mb3_alias():
+    """A MySQL alias whose connections use utf8mb3 ("utf8": Django 4.2's default)."""
+    entry = dict(connections.settings["default"])
+    connections.settings["mb3"] = {**entry, "OPTIONS": {"charset": "utf8"}, "TEST": {"MIRROR": "default"}}
+    yield "mb3"
+    if "mb3" in [c.alias for c in connections.all(initialized_only=True)]:
+        connections["mb3"].close()
+        del connections["mb3"]
+    del connections.settings["mb3"]
+
+
+def test_a_utf8mb3_connection_is_a_warning(utf8mb3_alias):
+    """Confirmed: on a utf8mb3 connection a key with a 4-byte character (an emoji) fails
+    with 1366 (1267 under a non-strict sql_mode): a check says so before a request does."""
+    from django_kvcache import checks
+
+    on_mb3 = {**CACHES, "mb3cache": {"BACKEND": BACKEND, "LOCATION": "t",
+                                      "OPTIONS": {"DATABASE": utf8mb3_alias}}}
+    with override_settings(CACHES=on_mb3):
+        messages = checks.check_mysql_connection_charsets()
+    assert check_ids(messages) == ["kvcache.W003"]
+    assert "'mb3cache'" in messages[0].msg and "'mb3'" in messages[0].msg
+    assert "utf8mb4" in messages[0].hint
+    with override_settings(CACHES=CACHES):
+        assert checks.check_mysql_connection_charsets() == []
 
 
 def test_the_migration_picks_the_collation_of_the_server_it_runs_on():
