@@ -60,19 +60,19 @@ def perform(items: list[tuple[str, Query]]) -> list[Any]:
 
 
 def one(connection: BaseDatabaseWrapper, query: Query) -> Any:
-    if may_bypass_cursor(connection):
-        try:
-            raw = ready(connection, query)
-            reply = local_reply(raw, query)
-            if reply is None:
-                with connection.wrap_database_errors:
-                    raw.send_query(statement_bytes(raw, query.sql, query.params))
-                reply = receive(connection, raw)
-                remember_reply(raw, query, reply)
-            return reply
-        except Exception as exc:
-            return failed(connection, exc)
-    return through_cursor(connection, query)
+    if not may_bypass_cursor(connection):
+        return through_cursor(connection, query)
+    try:
+        raw = ready(connection, query)
+        reply = local_reply(raw, query)
+        if reply is None:
+            with connection.wrap_database_errors:
+                raw.send_query(statement_bytes(raw, query.sql, query.params))
+            reply = receive(connection, raw)
+            remember_reply(raw, query, reply)
+        return reply
+    except Exception as exc:
+        return failed(connection, exc)
 
 
 def through_cursor(connection: BaseDatabaseWrapper, query: Query) -> Any:
@@ -118,16 +118,15 @@ def ready(connection: BaseDatabaseWrapper, query: Query) -> Any:
 def receive(connection: BaseDatabaseWrapper, raw: Any) -> Reply:
     """The reply of the statement sent on ``raw``: its rows, or its counts."""
     with connection.wrap_database_errors:
-        raw.read_query_result()
-    try:
-        with connection.wrap_database_errors:
+        raw.read_query_result()  # an error reply carries no result: nothing left unread
+        try:
             result = raw.store_result()
             if result is None:
                 return (None, raw.affected_rows(), raw.insert_id(), raw.info())
             return (result.fetch_row(0), raw.affected_rows(), raw.insert_id(), None)
-    except BaseException:
-        connection.close()  # rows may be left unread on it
-        raise
+        except BaseException:
+            connection.close()  # rows may be left unread on it
+            raise
 
 
 def pipelined(targets: list[tuple[BaseDatabaseWrapper, Query]]) -> list[Any]:

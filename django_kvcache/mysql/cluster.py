@@ -214,6 +214,7 @@ class Cluster:
         self.tracks_writes = any(s.replica or s.alias is None for s in self.shards)
         self._health: dict[str, NodeHealth] = {}
         self._statements: dict[bool, Statements] = {}
+        self._missed: dict[str, MissedWrites] = {}  # primary alias -> its record
         self.single = self.shards[0] if self.router is None else None
 
     # --- where keys live ---------------------------------------------------------------
@@ -244,7 +245,11 @@ class Cluster:
         return shard_stats(self.table, alias)
 
     def missed(self, shard: Shard) -> MissedWrites:
-        return missed_writes(self.table, shard.primary(), self.scope)
+        alias = shard.primary()
+        record = self._missed.get(alias)
+        if record is None:
+            record = self._missed[alias] = missed_writes(self.table, alias, self.scope)
+        return record
 
     def statements(self, alias: str) -> Statements | None:
         """The statement text for ``alias``'s server flavour; None until it is detected."""

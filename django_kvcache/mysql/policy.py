@@ -123,6 +123,12 @@ def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Repl
     that no fallback answers once every call is done."""
     runs = [Run(session, call) for call in calls]
     try:
+        if len(runs) == 1:  # the usual call: one run, one statement per round
+            run = runs[0]
+            if run.begin():
+                while run.pending is not None:
+                    run.advance((yield Exchange([run.pending]))[0])
+            return settle(session, runs)
         active = [run for run in runs if run.begin()]
         while active:
             busy: set[str] = set()
@@ -138,10 +144,10 @@ def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Repl
             for run, reply in zip(sending, replies):
                 run.advance(reply)
             active = [run for run in active if run.pending is not None]
+        return settle(session, runs)
     finally:
         for run in runs:
             run.end()
-    return settle(session, runs)
 
 
 class Task:
