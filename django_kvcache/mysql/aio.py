@@ -35,7 +35,13 @@ from django.db import OperationalError, connections
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.query import Query, Reply
-from django_kvcache.mysql.server import hung_up, local_reply, remember_reply, statement_bytes
+from django_kvcache.mysql.server import (
+    hung_up,
+    local_reply,
+    readable,
+    remember_reply,
+    statement_bytes,
+)
 
 
 async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
@@ -55,15 +61,58 @@ async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
 
 
 class OwnConnection:
-    """One DB-API connection of the pool; ``raw`` is mysqlclient's."""
+    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop for
+    as long as it is open: readable while a statement is out means its reply is here;
+    readable while idle means the server has closed it (or sent an error before
+    closing), and it is no longer watched (one registration per connection, not one
+    per statement)."""
 
-    __slots__ = ("raw", "fd")
+    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = raw
         self.fd = raw.fileno()
+        self.loop = loop
+        self.waiter: asyncio.Future | None = None
+        self.sent = False  # a statement is out, its reply not read yet
+        self.hung_up = False
+        loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        if self.sent:
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif readable(self.fd):  # (not an event of the reply just read: still readable)
+            self.hung_up = True  # nothing was asked: the server is ending the session
+            self.loop.remove_reader(self.fd)
+
+    def send(self, query: Query) -> None:
+        raw = self.raw
+        raw.send_query(statement_bytes(raw, query.sql, query.params))
+        self.sent = True
+
+    async def reply(self, timeout: float | None) -> Reply:
+        """The reply of the statement sent, once it is here (at most ``timeout`` s)."""
+        deadline = self.loop.time() + timeout if timeout else None
+        while True:
+            waiter = self.waiter = self.loop.create_future()
+            timer = self.loop.call_at(deadline, _expire, waiter, timeout) if deadline else None
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if readable(self.fd):  # else woken by an event of the previous reply: wait on
+                break
+        reply = receive(self.raw)
+        self.sent = False
+        return reply
 
     def close(self) -> None:
+        if not self.hung_up and not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
         try:
             self.raw.close()
         except Exception:  # already closed, or the server is gone: nothing to keep
@@ -76,6 +125,7 @@ class AliasPool:
     def __init__(self, alias: str, max_size: int, timeout: float) -> None:
         wrapper = connections[alias]  # this thread's: its settings, never its connection
         self.settings = wrapper.settings_dict
+        self.entry = connections.settings[alias]  # replaced when the alias is redefined
         self.params = {**wrapper.get_connection_params(), "autocommit": True}
         level = getattr(wrapper, "isolation_level", None)  # set by get_connection_params
         self.session_sql = (
@@ -89,29 +139,45 @@ class AliasPool:
         self.connects = 0
 
     async def checkout(self) -> OwnConnection:
-        if self.idle and not self.waiters:
-            return self.idle.pop()
+        while self.idle and not self.waiters:
+            connection = self.idle.pop()
+            if not connection.hung_up:
+                return connection
+            self.discard(connection)  # closed by the server while idle
         if self.size < self.max_size:
             return self._connect()
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self.waiters.append(waiter)
+        timer = loop.call_later(self.timeout, self._exhausted, waiter)
         try:
-            handed = await asyncio.wait_for(waiter, self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
-            raise errors.PoolExhausted(
-                f"all {self.max_size} connections of this event loop to "
-                f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
-                "POOL_TIMEOUT)"
-            ) from None
+            handed = await waiter
         except BaseException:  # cancelled just as a connection was handed over: pass it on
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 handed = waiter.result()
                 self._free_slot() if handed is None else self.checkin(handed)
             raise
         finally:
-            if waiter in self.waiters:
-                self.waiters.remove(waiter)
+            timer.cancel()
+            if not waiter.done() or waiter.cancelled():
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:
+                    pass
         return handed if handed is not None else self._connect(counted=True)
+
+    def _exhausted(self, waiter: asyncio.Future) -> None:
+        if waiter.done():
+            return
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            pass
+        waiter.set_exception(errors.PoolExhausted(
+            f"all {self.max_size} connections of this event loop to "
+            f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
+            "POOL_TIMEOUT)"
+        ))
 
     def _connect(self, counted: bool = False) -> OwnConnection:
         """A new connection (blocking: mysqlclient has no asynchronous connect)."""
@@ -125,7 +191,7 @@ class AliasPool:
             self._free_slot()
             raise
         self.connects += 1
-        return OwnConnection(raw)
+        return OwnConnection(raw, asyncio.get_running_loop())
 
     def checkin(self, connection: OwnConnection) -> None:
         while self.waiters:
@@ -157,52 +223,75 @@ class AliasPool:
 async def perform(items: list[tuple[str, Query]], max_size: int, timeout: float) -> list[Any]:
     """One round: every statement sent, then every reply awaited and read. A connection
     leaves with its reply read, or is closed (an error, a timeout, a cancellation)."""
+    if len(items) == 1:
+        alias, query = items[0]
+        return [await one(pool_of(alias, max_size, timeout), query)]
     replies: list[Any] = [None] * len(items)
     in_flight: list[tuple[int, AliasPool, OwnConnection, Query]] = []
     try:
         for index, (alias, query) in enumerate(items):
             pool = pool_of(alias, max_size, timeout)
-            try:
-                connection = await pool.checkout()
-            except Exception as exc:
-                replies[index] = policy.Failed(errors.translate(exc))
-                continue
-            try:
-                if not query.idempotent and hung_up(connection.raw):
-                    pool.discard(connection)  # closed by the server while idle
-                    connection = await pool.checkout()
-                known = local_reply(connection.raw, query)
-                if known is not None:
-                    replies[index] = known
-                    pool.checkin(connection)
-                    continue
-                raw = connection.raw
-                raw.send_query(statement_bytes(raw, query.sql, query.params))
-            except BaseException as exc:
-                pool.discard(connection)
-                if not isinstance(exc, Exception):
-                    raise
-                replies[index] = policy.Failed(errors.translate(exc))
-                continue
-            in_flight.append((index, pool, connection, query))
+            sent = await send(pool, query)
+            if isinstance(sent, OwnConnection):
+                in_flight.append((index, pool, sent, query))
+            else:
+                replies[index] = sent
         while in_flight:
             index, pool, connection, query = in_flight[0]
-            try:
-                await readable(connection.fd, pool.read_timeout)
-                reply = receive(connection.raw)
-            except Exception as exc:
-                in_flight.pop(0)
-                pool.discard(connection)
-                replies[index] = policy.Failed(errors.translate(exc))
-                continue
+            replies[index] = await receive_on(pool, connection, query)
             in_flight.pop(0)
-            remember_reply(connection.raw, query, reply)
-            pool.checkin(connection)
-            replies[index] = reply
     finally:
         for _, pool, connection, _ in in_flight:  # cancelled: replies left unread
             pool.discard(connection)
     return replies
+
+
+async def one(pool: AliasPool, query: Query) -> Any:
+    sent = await send(pool, query)
+    if not isinstance(sent, OwnConnection):
+        return sent
+    try:
+        return await receive_on(pool, sent, query)
+    except BaseException:  # cancelled: the reply is left unread
+        pool.discard(sent)
+        raise
+
+
+async def send(pool: AliasPool, query: Query) -> Any:
+    """``query`` sent on a connection of ``pool``: the connection, or the answer when
+    none was needed (a known packet limit) or a :class:`policy.Failed`."""
+    try:
+        connection = await pool.checkout()
+    except Exception as exc:
+        return policy.Failed(errors.translate(exc))
+    try:
+        if not query.idempotent and hung_up(connection.raw):
+            pool.discard(connection)  # closed by the server while idle
+            connection = await pool.checkout()
+        known = local_reply(connection.raw, query)
+        if known is not None:
+            pool.checkin(connection)
+            return known
+        connection.send(query)
+    except BaseException as exc:
+        pool.discard(connection)
+        if not isinstance(exc, Exception):
+            raise
+        return policy.Failed(errors.translate(exc))
+    return connection
+
+
+async def receive_on(pool: AliasPool, connection: OwnConnection, query: Query) -> Any:
+    """The reply on ``connection`` (back to the pool), or a :class:`policy.Failed`
+    (the connection closed). A cancellation is the caller's to handle."""
+    try:
+        reply = await connection.reply(pool.read_timeout)
+    except Exception as exc:
+        pool.discard(connection)
+        return policy.Failed(errors.translate(exc))
+    remember_reply(connection.raw, query, reply)
+    pool.checkin(connection)
+    return reply
 
 
 def receive(raw: Any) -> Reply:
@@ -213,31 +302,12 @@ def receive(raw: Any) -> Reply:
     return (result.fetch_row(0), raw.affected_rows(), raw.insert_id(), None)
 
 
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def _expire(future: asyncio.Future, timeout: float) -> None:
     if not future.done():
         future.set_exception(OperationalError(
             2013, f"Lost connection to server during query (no reply within read_timeout, "
             f"{timeout} s)"
         ))
-
-
-async def readable(fd: int, timeout: float | None) -> None:
-    """Until ``fd`` has something to read; a lost-reply error after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-    loop.add_reader(fd, _wake, future)
-    timer = loop.call_later(timeout, _expire, future, timeout) if timeout else None
-    try:
-        await future
-    finally:
-        loop.remove_reader(fd)
-        if timer is not None:
-            timer.cancel()
 
 
 # --- one set of pools per event loop -------------------------------------------------------
@@ -274,7 +344,7 @@ def pool_of(alias: str, max_size: int, timeout: float) -> AliasPool:
     loop = asyncio.get_running_loop()
     pools = _loops.get(loop) or _pools_of(loop)
     pool = pools.pools.get(alias)
-    if pool is None or pool.settings is not connections[alias].settings_dict:
+    if pool is None or pool.entry is not connections.settings[alias]:
         if pool is not None:
             pool.close_idle()
         pool = pools.pools[alias] = AliasPool(alias, max_size, timeout)
