@@ -9,7 +9,6 @@ the loop, cancellation, restarts and the shared failure policy.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterator
@@ -23,7 +22,8 @@ from django.db import OperationalError, connections, transaction
 import django_kvcache.base
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.mysql import aio, errors
-from tests.mysql_support import register_alias, unregister_alias
+from tests.mysql_support import make_cache, registered_alias
+from tests.test_memcached_async import run_on_a_fresh_loop
 
 TABLE = "kvcache_async"
 SHARDS = list(settings.SHARD_ALIASES)
@@ -58,28 +58,8 @@ NATIVE: dict[str, Callable[[MySQLCache, str, str], Awaitable[Any]]] = {
 }
 
 
-class NoExecutor(concurrent.futures.ThreadPoolExecutor):
-    """The loop's default executor, failing if anything hands it work."""
-
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("an executor was used")
-
-
-def run_on_a_fresh_loop(coroutine: Awaitable[Any]) -> Any:
-    """``asyncio.run`` with an executor that fails if anything hands work to a thread."""
-
-    async def guarded() -> Any:
-        asyncio.get_running_loop().set_default_executor(NoExecutor())
-        return await coroutine
-
-    return asyncio.run(guarded())
-
-
 def build(**options: Any) -> MySQLCache:
-    cache = MySQLCache(TABLE, {"OPTIONS": {"CULL_PROBABILITY": 0, **options}})
-    if not cache.table_exists():
-        cache.create_table()
-    return cache
+    return make_cache(TABLE, OPTIONS=options)
 
 
 @pytest.fixture
@@ -162,14 +142,10 @@ def options_alias(django_db_blocker) -> Iterator[str]:
     no-backslash sql_mode and a one-second read_timeout."""
     entry = dict(connections.settings["default"])
     mode = "STRICT_ALL_TABLES,ANSI_QUOTES,NO_BACKSLASH_ESCAPES"
-    register_alias(ALIAS, {**entry, "TEST": {}, "NAME": connections["default"].settings_dict["NAME"],
-                           "OPTIONS": {"charset": "utf8mb4", "read_timeout": 1,
-                                       "init_command": f"SET SESSION sql_mode = '{mode}'"}})
-    try:
-        with django_db_blocker.unblock():
-            yield ALIAS
-    finally:
-        unregister_alias(ALIAS)
+    options = {"charset": "utf8mb4", "read_timeout": 1,
+               "init_command": f"SET SESSION sql_mode = '{mode}'"}
+    with registered_alias(ALIAS, {**entry, "TEST": {}, "OPTIONS": options}, django_db_blocker):
+        yield ALIAS
 
 
 def test_own_connections_honour_the_alias_options(options_alias):
@@ -353,13 +329,9 @@ FAULTY = "kvcache_async_faulty"
 @pytest.fixture
 def own_server(mariadb_server, django_db_blocker) -> Iterator[Any]:
     entry = mariadb_server.connection_settings()
-    register_alias(FAULTY, {**entry, "OPTIONS": {**entry["OPTIONS"], "connect_timeout": 2,
-                                                 "read_timeout": 5}})
-    try:
-        with django_db_blocker.unblock():
-            yield mariadb_server
-    finally:
-        unregister_alias(FAULTY)
+    options = {**entry["OPTIONS"], "connect_timeout": 2, "read_timeout": 5}
+    with registered_alias(FAULTY, {**entry, "OPTIONS": options}, django_db_blocker):
+        yield mariadb_server
 
 
 def test_first_async_call_after_a_restart_succeeds_and_add_is_never_sent_twice(own_server):

@@ -25,7 +25,7 @@ from django_kvcache import outdated
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.mysql.errors import ShardDown, is_unreachable
-from tests.mysql_support import register_alias, unregister_alias, wait_for
+from tests.mysql_support import register_alias, registered_alias, unregister_alias, wait_for
 from tests.servers import MariaDBServer
 
 OWN = "kvcache_shard_faults"
@@ -570,13 +570,9 @@ def test_cull_all_culls_every_cache_before_raising(own_shard, settings):
 def slow_own_shard(healthy_shard, mariadb_server, django_db_blocker) -> Iterator[Any]:
     """The test's own shard with the read_timeout the docs recommend: 1 s."""
     entry = mariadb_server.connection_settings()
-    register_alias(OWN, {**entry, "OPTIONS": {**entry["OPTIONS"], "connect_timeout": 2,
-                                              "read_timeout": 1, "write_timeout": 5}})
-    try:
-        with django_db_blocker.unblock():
-            yield mariadb_server
-    finally:
-        unregister_alias(OWN)
+    options = {**entry["OPTIONS"], "connect_timeout": 2, "read_timeout": 1, "write_timeout": 5}
+    with registered_alias(OWN, {**entry, "OPTIONS": options}, django_db_blocker):
+        yield mariadb_server
 
 
 def test_an_owed_flush_that_times_out_does_not_mark_its_shard_down(slow_own_shard, caplog):

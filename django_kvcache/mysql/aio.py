@@ -23,15 +23,13 @@ it needs no lock; its connections close when the loop shuts down
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
-import weakref
 from collections import deque
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 import MySQLdb
 from django.db import OperationalError, connections
 
+from django_kvcache.loops import PerLoop
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.query import Query, Reply
@@ -313,84 +311,30 @@ def _expire(future: asyncio.Future, timeout: float) -> None:
 # --- one set of pools per event loop -------------------------------------------------------
 
 
-class _LoopPools:
-    def __init__(self) -> None:
-        self.pools: dict[str, AliasPool] = {}
-        self.guard: AsyncIterator[None] | None = None
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close_idle()
+def _close(pools: dict[str, AliasPool]) -> None:
+    for pool in pools.values():
+        pool.close_idle()
 
 
-_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPools] = (
-    weakref.WeakKeyDictionary()
-)
-_loops_lock = threading.Lock()
-
-
-async def _closed_with_the_loop(loop: asyncio.AbstractEventLoop, pools: _LoopPools):
-    """An async generator the loop finalizes at shutdown: then the pools close."""
-    try:
-        yield
-    finally:
-        pools.close()
-        with _loops_lock:
-            _loops.pop(loop, None)
+_pools: PerLoop[dict[str, AliasPool]] = PerLoop(dict, _close)
 
 
 def pool_of(alias: str, max_size: int, timeout: float) -> AliasPool:
     """The running loop's pool for ``alias`` (made again if its DATABASES entry changed)."""
-    loop = asyncio.get_running_loop()
-    pools = _loops.get(loop) or _pools_of(loop)
-    pool = pools.pools.get(alias)
+    pools = _pools.get()
+    pool = pools.get(alias)
     if pool is None or pool.entry is not connections.settings[alias]:
         if pool is not None:
             pool.close_idle()
-        pool = pools.pools[alias] = AliasPool(alias, max_size, timeout)
+        pool = pools[alias] = AliasPool(alias, max_size, timeout)
     return pool
-
-
-def _pools_of(loop: asyncio.AbstractEventLoop) -> _LoopPools:
-    """The loop's pools, registered to close with it: the guard's first step runs here
-    (a coroutine step, driven by hand) so the loop's asyncgen hook adopts it."""
-    with _loops_lock:
-        pools = _loops.setdefault(loop, _LoopPools())
-    if pools.guard is None:
-        pools.guard = _closed_with_the_loop(loop, pools)
-        try:
-            pools.guard.__anext__().send(None)
-        except StopIteration:  # reached its ``yield``: registered, now waits for shutdown
-            pass
-    return pools
 
 
 def close_pools(aliases: Sequence[str]) -> None:
     """Close the running loop's idle connections to ``aliases``."""
-    pools = _loops.get(asyncio.get_running_loop())
+    pools = _pools.existing()
     if pools is not None:
         for alias in aliases:
-            pool = pools.pools.get(alias)
+            pool = pools.get(alias)
             if pool is not None:
                 pool.close_idle()
-
-
-def pool_figures(alias: str) -> dict[str, int]:
-    """The asyncio pools' figures for ``alias``, summed over the process's event loops."""
-    with _loops_lock:
-        loops = list(_loops.values())
-    pools = [p for p in (loop.pools.get(alias) for loop in loops) if p is not None]
-    return {
-        "async_pool_size": sum(pool.size for pool in pools),
-        "async_pool_idle": sum(len(pool.idle) for pool in pools),
-        "async_pool_connects": sum(pool.connects for pool in pools),
-    }
-
-
-def _forget_after_fork() -> None:
-    global _loops_lock
-    _loops_lock = threading.Lock()
-    _loops.clear()  # the parent's loops and sockets
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
