@@ -6,6 +6,8 @@
 
 * ``kvcache.E001`` one of the cache's databases (a shard, or a shard's replica) is not
   MySQL/MariaDB;
+* ``kvcache.W003`` one of the cache's databases connects with the utf8mb3 character set
+  (``"utf8"``: Django 4.2's default), on which keys with 4-byte characters (emoji) fail;
 * ``kvcache.W001`` the table is missing in one of the cache's own databases. Like Django's
   own database checks it needs a connection, so it runs only when the checks are given
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
@@ -141,6 +143,38 @@ def check_engine_on_galera(
                     hint="Remove OPTIONS['ENGINE'] (InnoDB is the default) and recreate "
                     "the table with 'manage.py kvcache_createtable'.",
                     id="kvcache.E010",
+                )
+            )
+    return messages
+
+
+#: The names of MySQL's three-byte UTF-8 (no emoji, no characters outside the BMP).
+UTF8MB3 = frozenset({"utf8", "utf8mb3"})
+
+
+@register(Tags.caches)
+def check_mysql_connection_charsets(
+    app_configs: Iterable[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``kvcache.W003``: the connection character set, as Django will connect (OPTIONS
+    ``charset``, else the Django version's default) — read from settings, no connection."""
+    messages: list[CheckMessage] = []
+    for alias in mysql_cache_aliases():
+        for database in all_databases(caches[alias]):
+            connection = connections[database]
+            if connection.vendor != "mysql":
+                continue  # kvcache.E001
+            charset = connection.get_connection_params().get("charset")
+            if charset not in UTF8MB3:
+                continue
+            messages.append(
+                Warning(
+                    f"CACHES[{alias!r}] is a MySQLCache on database {database!r}, which "
+                    f"connects with the {charset!r} (utf8mb3) character set: a key with a "
+                    "4-byte character (an emoji) fails with error 1366 or 1267.",
+                    hint=f"Set DATABASES[{database!r}]['OPTIONS']['charset'] to 'utf8mb4' "
+                    "(Django's default from 5.2).",
+                    id="kvcache.W003",
                 )
             )
     return messages

@@ -23,10 +23,11 @@ from typing import Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 
 from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
+from django_kvcache.mysql.sql import MARIADB_COLLATION, MYSQL_COLLATION
 
 logger = logging.getLogger(__name__)
 
@@ -152,26 +153,58 @@ def prepare_migrate(
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
-    """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``."""
-    return {alias: cache.cull() for alias, cache in mysql_caches(aliases).items()}
+    """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``.
+
+    A cache whose cull fails (a shard down, without IGNORE_EXCEPTIONS) is logged and the
+    others are culled all the same; then its error is raised (a cron job fails loudly).
+    """
+    culled: dict[str, int] = {}
+    failure: DatabaseError | None = None
+    for alias, cache in mysql_caches(aliases).items():
+        try:
+            culled[alias] = cache.cull()
+        except DatabaseError as exc:
+            logger.error("Cull of cache %r failed: %s: %s", alias, type(exc).__name__, exc)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return culled
 
 
-MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases}).{databases}"""
+MIGRATION_TEMPLATE = '''"""Cache tables of django-kvcache's MySQLCache ({aliases}).{databases}
+
+Each table's collation is binary and NO PAD ("a" and "a " are two keys); MariaDB and
+MySQL 8 name it differently, so it is the one of the server the migration runs on.
+"""
 from django.db import migrations
+
+COLLATION = "{placeholder}"
+COLLATIONS = {{"mariadb": "{mariadb}", "mysql": "{mysql}"}}
+CREATE = [
+{creates}]
+DROP = [
+{drops}]
+
+
+def create_tables(apps, schema_editor):
+    flavour = "mariadb" if schema_editor.connection.mysql_is_mariadb else "mysql"
+    for statement in CREATE:
+        schema_editor.execute(statement.replace(COLLATION, COLLATIONS[flavour]), None)
+
+
+def drop_tables(apps, schema_editor):
+    for statement in DROP:
+        schema_editor.execute(statement, None)
 
 
 class Migration(migrations.Migration):
     dependencies = []
 
-    operations = [
-{operations}    ]
+    operations = [migrations.RunPython(create_tables, drop_tables)]
 '''
 
-OPERATION_TEMPLATE = """        migrations.RunSQL(
-            sql={create},
-            reverse_sql={drop},
-        ),
-"""
+#: Where the migration puts the collation of the server it runs on.
+COLLATION_PLACEHOLDER = "{kvcache-collation}"
 
 
 def python_literal(sql: str) -> str:
@@ -183,19 +216,21 @@ def python_literal(sql: str) -> str:
 
 
 def migration_source(aliases: Iterable[str] | None = None) -> str:
-    """A migration module creating each cache's table, one ``RunSQL`` (with reverse) each."""
+    """A migration module creating each cache's table (dropping it when reversed), with
+    the collation of the server it is applied to."""
     selected = mysql_caches(aliases)
     tables: dict[str, MySQLCache] = {}
     for cache in selected.values():  # two aliases may share one table
         tables.setdefault(cache.table, cache)
-    operations = "".join(
-        OPERATION_TEMPLATE.format(
-            create=python_literal(cache.create_table_sql()), drop=repr(cache.drop_table_sql())
-        )
+    creates = "".join(
+        f"    {python_literal(cache.create_table_sql(collation=COLLATION_PLACEHOLDER))},\n"
         for cache in tables.values()
     )
+    drops = "".join(f"    {cache.drop_table_sql()!r},\n" for cache in tables.values())
     return MIGRATION_TEMPLATE.format(
-        aliases=", ".join(selected), databases=databases_note(selected), operations=operations
+        aliases=", ".join(selected), databases=databases_note(selected), creates=creates,
+        drops=drops, placeholder=COLLATION_PLACEHOLDER, mariadb=MARIADB_COLLATION,
+        mysql=MYSQL_COLLATION,
     )
 
 

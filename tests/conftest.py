@@ -16,6 +16,17 @@ def new_corrupt_entry_episode() -> None:
     unreadable_entries.episodes.clear()
 
 
+@pytest.fixture(autouse=True)
+def new_mysql_failure_episodes() -> None:
+    """Each test's first MySQL failure of a kind is logged (the logs are rate-limited:
+    an earlier test's episode would only count it)."""
+    from django_kvcache.backends.mysql import oversized
+    from django_kvcache.mysql.policy import ignored_failures, maintenance_failures
+
+    for failure_log in (oversized, ignored_failures, maintenance_failures):
+        failure_log.episodes.clear()
+
+
 @pytest.fixture
 def without_zstd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What a process without any zstd engine (zstandard, or before Python 3.14

@@ -7,6 +7,7 @@ transaction; the ones that need real commits use ``transaction=True``.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -62,6 +63,18 @@ def register_alias(alias: str, entry: dict[str, Any]) -> None:
     connections.settings[alias] = connections.configure_settings({DEFAULT_DB_ALIAS: dict(entry)})[
         DEFAULT_DB_ALIAS
     ]
+
+
+@contextmanager
+def registered_alias(alias: str, entry: dict[str, Any], django_db_blocker: Any) -> Iterator[str]:
+    """``alias`` defined for the block, database access allowed (a server of a test's own,
+    or another view of one): the pytest-django blocker does not know run-time aliases."""
+    register_alias(alias, entry)
+    try:
+        with django_db_blocker.unblock():
+            yield alias
+    finally:
+        unregister_alias(alias)
 
 
 def unregister_alias(alias: str) -> None:

@@ -83,14 +83,11 @@ def test_migration_module_creates_and_drops_each_table():
     source = command("kvcache_migration")
     namespace: dict = {}
     exec(compile(source, "0002_cache_tables.py", "exec"), namespace)
-    operations = namespace["Migration"].operations
-    assert len(operations) == 2
-    with connections["default"].cursor() as cursor:
-        for operation in operations:
-            cursor.execute(operation.sql)
+    (operation,) = namespace["Migration"].operations
+    with connections["default"].schema_editor() as editor:
+        operation.code(None, editor)
         assert tables() == set(TABLES)
-        for operation in operations:
-            cursor.execute(operation.reverse_sql)
+        operation.reverse_code(None, editor)
     assert tables() == set()
 
 
@@ -206,3 +203,49 @@ def test_a_myisam_table_on_a_server_that_is_not_a_galera_node_is_no_error():
     assert not is_galera_node(connections["default"])
     with override_settings(CACHES=myisam):
         assert check_engine_on_galera(databases=["default"]) == []
+
+
+# --- issue 21: charset and collation suspicions ------------------------------------------------
+
+
+@pytest.fixture
+def utf8mb3_alias():
+    """A MySQL alias whose connections use utf8mb3 ("utf8": Django 4.2's default)."""
+    entry = dict(connections.settings["default"])
+    connections.settings["mb3"] = {**entry, "OPTIONS": {"charset": "utf8"}, "TEST": {"MIRROR": "default"}}
+    yield "mb3"
+    if "mb3" in [c.alias for c in connections.all(initialized_only=True)]:
+        connections["mb3"].close()
+        del connections["mb3"]
+    del connections.settings["mb3"]
+
+
+def test_a_utf8mb3_connection_is_a_warning(utf8mb3_alias):
+    """Confirmed: on a utf8mb3 connection a key with a 4-byte character (an emoji) fails
+    with 1366 (1267 under a non-strict sql_mode): a check says so before a request does."""
+    from django_kvcache import checks
+
+    on_mb3 = {**CACHES, "mb3cache": {"BACKEND": BACKEND, "LOCATION": "t",
+                                      "OPTIONS": {"DATABASE": utf8mb3_alias}}}
+    with override_settings(CACHES=on_mb3):
+        messages = checks.check_mysql_connection_charsets()
+    assert check_ids(messages) == ["kvcache.W003"]
+    assert "'mb3cache'" in messages[0].msg and "'mb3'" in messages[0].msg
+    assert "utf8mb4" in messages[0].hint
+    with override_settings(CACHES=CACHES):
+        assert checks.check_mysql_connection_charsets() == []
+
+
+def test_the_migration_picks_the_collation_of_the_server_it_runs_on():
+    """Confirmed: kvcache_migration embedded the collation of the server that generated it
+    (MariaDB's utf8mb4_nopad_bin, unknown to MySQL 8). The module names both and picks by
+    the flavour of the connection it is applied to."""
+    source = command("kvcache_migration")
+    assert "utf8mb4_nopad_bin" in source and "utf8mb4_0900_bin" in source
+    namespace: dict = {}
+    exec(compile(source, "0002_cache_tables.py", "exec"), namespace)
+    with connections["default"].schema_editor() as editor:
+        for operation in namespace["Migration"].operations:
+            operation.code(None, editor)
+    (_, create), = sql(f"SHOW CREATE TABLE `{TABLES[0]}`")
+    assert "utf8mb4_nopad_bin" in create  # this server is MariaDB

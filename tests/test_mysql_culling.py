@@ -188,7 +188,7 @@ def index_used(statement: str, params) -> str:
 def test_statements_use_the_index_meant_for_them(cache):
     for batch in range(4):
         cache.set_many({f"k{batch}-{i}": i for i in range(500)}, timeout=600 + batch)
-    _, statements = cache._writer()
+    statements = cache.cluster.statements("default")
     now = now_ms()
     assert index_used(statements.delete_expired, (now, 1000)) == "kvcache_expires"
     assert index_used(statements.nth_latest, (100,)) == "kvcache_expires"

@@ -552,3 +552,65 @@ def test_metrics_count_what_compression_saves(cache):
     assert 0 < saved < 2 * serialized
     stored = after["bytes_encoded"] - before["bytes_encoded"]
     assert stored + saved == 2 * serialized + len(b"7")
+
+
+# --- issue 21: caller's keys in messages; bounded deletes ------------------------------------
+
+
+def test_incr_messages_name_the_caller_s_key(cache):
+    """Defect 6: Django's messages name the key the caller gave, not the stored ':1:' one."""
+    cache.set("text", "abc")
+    cache.set("huge", 2**70)  # an int, stored pickled beyond 64 bits
+    cache.set("top", INT64_MAX)
+    with pytest.raises(ValueError) as missing:
+        cache.incr("missing")
+    with pytest.raises(TypeError) as text:
+        cache.incr("text")
+    with pytest.raises(TypeError) as huge:
+        cache.incr("huge")
+    with pytest.raises(OverflowError) as top:
+        cache.incr("top")
+    assert str(missing.value) == "Key 'missing' not found"
+    assert str(text.value) == "The value of key 'text' is not an integer"
+    assert "'huge'" in str(huge.value) and "not an integer" not in str(huge.value)
+    assert "64-bit" in str(huge.value)
+    assert "key 'top'" in str(top.value)
+    assert not any(":1:" in str(e.value) for e in (missing, text, huge, top))
+    assert cache.get("huge") == 2**70
+
+
+def test_a_value_too_large_for_a_statement_is_logged_rate_limited_with_the_caller_s_key(
+    cache, max_packet, caplog
+):
+    """Issue 24's MySQL side: never a failed page. set and set_many delete the old value
+    and log (once per episode, then summarized), add says False; the line names the
+    caller's key."""
+    too_big = random.Random(9).randbytes(max_packet + 1024)
+    cache.set_many({"a": "old", "b": "old"})
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        for _ in range(5):
+            assert cache.set("a", too_big) is None
+            assert cache.set_many({"b": too_big, "c": 1}) == ["b"]
+            assert cache.add("d", too_big) is False
+    assert cache.get_many(["a", "b", "c", "d"]) == {"c": 1}
+    lines = [r.getMessage() for r in caplog.records if "max_allowed_packet" in r.getMessage()]
+    assert len(lines) == 1, lines  # rate-limited: one line for the episode
+    assert "'a'" in lines[0] and ":1:" not in lines[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_clear_and_delete_with_prefix_delete_in_bounded_batches(mysql_tables, monkeypatch):
+    """Defect 4: like culling, no DELETE of clear() or delete_with_prefix() is unbounded."""
+    from django_kvcache.mysql import plans
+
+    monkeypatch.setattr(plans, "DELETE_BATCH_ROWS", 40, raising=False)
+    for prefix in (None, "kp"):
+        cache = make_cache(KEY_PREFIX=prefix) if prefix else make_cache()
+        cache.set_many({f"page:{i}": i for i in range(100)})
+        cache.set_many({f"other:{i}": i for i in range(30)})
+        deleted, executed = statements(cache, lambda: cache.delete_with_prefix("page:"))
+        assert deleted == 100
+        assert len(executed) == 3 and all(" LIMIT " in s for s in executed), executed
+        _, executed = statements(cache, cache.clear)
+        assert len(executed) == 1 and " LIMIT " in executed[0]
+        assert rows() == []

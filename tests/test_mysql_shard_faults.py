@@ -13,17 +13,19 @@ import logging
 import socket
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import MySQLdb
 import pytest
 from django.db import OperationalError, connections
+from django.test.utils import CaptureQueriesContext
 
 from django_kvcache import outdated
 
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql.shards import ShardDown, is_unreachable
-from tests.mysql_support import register_alias, unregister_alias, wait_for
+from django_kvcache.mysql.errors import ShardDown, is_unreachable
+from tests.mysql_support import register_alias, registered_alias, unregister_alias, wait_for
 from tests.servers import MariaDBServer
 
 OWN = "kvcache_shard_faults"
@@ -425,3 +427,232 @@ def test_restart_under_load_with_exceptions_raised(own_shard):
     assert {result for _, _, result, _ in load.outcomes} == {"ok", "error"}
     last_failure = max(t for t, _, _ in failures)
     assert last_failure < back + 1.0  # every call once it is back succeeds
+
+
+# --- one failure policy on every path (issue 21) ---------------------------------------------
+
+
+def dead_first(ignore: bool, **options: Any) -> MySQLCache:
+    """A cache whose first shard is the test's own (stopped by the test), so a policy that
+    stops at the first failure never reaches the healthy one."""
+    make_cache(ignore)  # the table on both shards, emptied
+    return MySQLCache(TABLE, {"OPTIONS": {
+        "DATABASES": [OWN, HEALTHY], "IGNORE_EXCEPTIONS": ignore, "CULL_PROBABILITY": 0,
+        "RETRY_TIMEOUT": options.pop("RETRY_TIMEOUT", 0.3), **options}})
+
+
+def own_first(cache: MySQLCache, healthy: list[str], own: list[str]) -> list[str]:
+    """The caller keys in an order whose first key lives on the stopped shard."""
+    return own + healthy
+
+
+@contextmanager
+def watched(alias: str) -> Iterator[list[str]]:
+    """An execute_wrapper on ``alias``: Django must see every statement, so the shards
+    are asked one after another through its cursor (the sequential path)."""
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connections[alias].execute_wrapper(wrapper):
+        yield seen
+
+
+@pytest.mark.parametrize("path", ["pipelined", "sequential"])
+@pytest.mark.parametrize("ignore", [False, True])
+@pytest.mark.parametrize("operation", ["set_many", "delete_many"])
+def test_a_many_call_reaches_every_shard_whatever_the_path(own_shard, operation, ignore, path):
+    """Defect 1: one shard down must not keep the others' older values; the keys of the
+    down shard are remembered as missed. Both paths follow one policy."""
+    cache = dead_first(ignore)
+    healthy, own = keys_by_shard(cache)
+    keys = own_first(cache, healthy, own)
+    cache.set_many(dict.fromkeys(keys, "old"))
+    own_shard.stop()
+    call = {"set_many": lambda: cache.set_many(dict.fromkeys(keys, "new")),
+            "delete_many": lambda: cache.delete_many(keys)}[operation]
+    with watched(HEALTHY) if path == "sequential" else nullcontext():
+        if ignore:
+            result = call()
+            if operation == "set_many":
+                assert sorted(result) == sorted(own)
+        else:
+            with pytest.raises(OperationalError):
+                call()
+    expected = dict.fromkeys(healthy, "new") if operation == "set_many" else {}
+    assert MySQLCache(TABLE, {"OPTIONS": {"DATABASE": HEALTHY}}).get_many(healthy) == expected
+    assert cache.metrics()["shards"][OWN]["outdated_keys"] == len(own)
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_clear_and_delete_with_prefix_reach_every_shard(own_shard, ignore):
+    """Defect 2: a shard that fails a clear() or delete_with_prefix() leaves the others
+    done, and is flushed when it returns."""
+    cache = dead_first(ignore)
+    healthy, own = keys_by_shard(cache)
+    on_healthy = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": HEALTHY}})
+    for operation in (cache.clear, lambda: cache.delete_with_prefix("key")):
+        own_shard.start()
+        assert wait_for(lambda: serves(cache, own[0]))
+        cache.set_many(dict.fromkeys(healthy + own, "old"))
+        own_shard.stop()
+        if ignore:
+            operation()
+        else:
+            with pytest.raises(OperationalError):
+                operation()
+        assert on_healthy.get_many(healthy) == {}
+        assert cache.metrics()["shards"][OWN]["flush_pending"] is True
+
+
+def expired_rows(alias: str, count: int) -> None:
+    past = int(time.time() * 1000) - 60_000
+    with connections[alias].cursor() as cursor:
+        cursor.executemany(f"INSERT INTO `{TABLE}` VALUES (%s, 'x', 0, %s)",
+                           [(f":1:expired{i}", past) for i in range(count)])
+
+
+def rows_on(alias: str) -> int:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*) FROM `{TABLE}`")
+        return cursor.fetchone()[0]
+
+
+def test_cull_culls_the_shards_that_answer(own_shard):
+    """Defect 2: cull() tries every shard; under IGNORE_EXCEPTIONS a failing one is
+    logged and counted, not raised; without, it raises once the others are culled."""
+    for ignore in (True, False):
+        cache = dead_first(ignore)
+        expired_rows(HEALTHY, 5)
+        own_shard.stop()
+        if ignore:
+            assert cache.cull() == 5
+        else:
+            with pytest.raises(OperationalError):
+                cache.cull()
+        assert rows_on(HEALTHY) == 0
+        own_shard.start()
+
+
+def test_cull_all_culls_every_cache_before_raising(own_shard, settings):
+    """Defect 2: kvcache_cull from cron culls every other cache when one fails."""
+    fine_table = "kvcache_shard_fine"
+    fine = MySQLCache(fine_table, {"OPTIONS": {"DATABASE": HEALTHY}})
+    if not fine.table_exists():
+        fine.create_table()
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "broken": {"BACKEND": "django_kvcache.backends.mysql.MySQLCache", "LOCATION": TABLE,
+                   "OPTIONS": {"DATABASE": OWN, "RETRY_TIMEOUT": 0.3}},
+        "fine": {"BACKEND": "django_kvcache.backends.mysql.MySQLCache",
+                 "LOCATION": fine_table, "OPTIONS": {"DATABASE": HEALTHY}},
+    }
+    from django_kvcache.maintenance import cull_all
+
+    past = int(time.time() * 1000) - 60_000
+    with connections[HEALTHY].cursor() as cursor:
+        cursor.executemany(f"INSERT INTO `{fine_table}` VALUES (%s, 'x', 0, %s)",
+                           [(f":1:expired{i}", past) for i in range(4)])
+        own_shard.stop()
+        with pytest.raises(OperationalError):
+            cull_all()
+        cursor.execute(f"SELECT COUNT(*) FROM `{fine_table}`")
+        assert cursor.fetchone() == (0,)  # culled although "broken" came first
+        cursor.execute(f"DROP TABLE `{fine_table}`")
+
+
+# --- owed clean-up: bounded, and never a reason to mark a shard down (defect 4) ------------
+
+
+@pytest.fixture
+def slow_own_shard(healthy_shard, mariadb_server, django_db_blocker) -> Iterator[Any]:
+    """The test's own shard with the read_timeout the docs recommend: 1 s."""
+    entry = mariadb_server.connection_settings()
+    options = {**entry["OPTIONS"], "connect_timeout": 2, "read_timeout": 1, "write_timeout": 5}
+    with registered_alias(OWN, {**entry, "OPTIONS": options}, django_db_blocker):
+        yield mariadb_server
+
+
+def test_an_owed_flush_that_times_out_does_not_mark_its_shard_down(slow_own_shard, caplog):
+    """After a missed clear(), the shard owes a flush. A row of it is locked (any slow
+    DELETE would do: 1.2 M rows take longer than read_timeout too), so the clean-up
+    times out: that is maintenance failing, not the shard. The call that found the work
+    owed is served, the shard is neither counted as failing nor marked down, and the
+    keys the flush still owes are misses, never old values."""
+    caplog.set_level(logging.WARNING)
+    cache = MySQLCache(TABLE, {"KEY_PREFIX": "mine", "OPTIONS": {
+        "DATABASES": [HEALTHY, OWN], "IGNORE_EXCEPTIONS": True, "RETRY_TIMEOUT": 0.3,
+        "FAILURE_THRESHOLD": 1, "CULL_PROBABILITY": 0}})
+    if not cache.table_exists():
+        cache.create_table()
+    cache.clear()
+    healthy, own = keys_by_shard(cache)
+    cache.set_many(dict.fromkeys(own, "old"))
+    slow_own_shard.stop()
+    cache.clear()  # missed by the stopped shard: a flush is owed
+    slow_own_shard.start()
+    assert wait_for(lambda: ping(OWN))
+    time.sleep(0.4)  # past RETRY_TIMEOUT: the next call probes the shard
+    locker = MySQLdb.connect(**observer_params(slow_own_shard))
+    try:
+        locker.query(b"BEGIN")
+        first = min(cache.make_key(key) for key in own)  # the first row any flush deletes
+        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = '{first}' FOR UPDATE".encode())
+        locker.store_result()
+        probe, *others = [key for key in own if cache.make_key(key) != first]
+        errors_before = cache.metrics()["shards"][OWN]["errors"]
+        cache.set(probe, "new")
+        assert cache.get(probe) == "new"
+        assert cache.metrics()["shards"][OWN]["down"] is False
+        assert cache.metrics()["shards"][OWN]["errors"] == errors_before
+        assert cache.get_many(others) == {}  # owed: never the old values
+        assert any(r.getMessage().startswith("Ignored MySQL maintenance failure on shard "
+                                              f"{OWN}: Owed clean-up") for r in caplog.records)
+    finally:
+        locker.query(b"ROLLBACK")
+        locker.close()
+
+
+def ping(alias: str) -> bool:
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return True
+    except OperationalError:
+        connections[alias].close()
+        return False
+
+
+def test_an_owed_flush_runs_in_bounded_steps_a_few_per_call(own_shard, monkeypatch):
+    """Defect 4: the flush owed after a missed clear() is DELETE ... LIMIT batches, at
+    most a budget of them per call (the rest by later calls or cull()); meanwhile the
+    keys it owes are misses."""
+    from django_kvcache.mysql import cluster
+
+    monkeypatch.setattr(cluster, "OWED_BATCH_ROWS", 100, raising=False)
+    cache = MySQLCache(TABLE, {"KEY_PREFIX": "mine", "OPTIONS": {
+        "DATABASES": [HEALTHY, OWN], "IGNORE_EXCEPTIONS": True, "RETRY_TIMEOUT": 0.3,
+        "CULL_PROBABILITY": 0}})
+    make_cache(True)
+    healthy, own = keys_by_shard(cache, 1200)
+    cache.set_many(dict.fromkeys(own, "old"))
+    assert len(own) > 300
+    own_shard.stop()
+    cache.clear()
+    own_shard.start()
+    assert wait_for(lambda: ping(OWN))
+    with CaptureQueriesContext(connections[OWN]) as first_call:
+        assert cache.get_many(own[:50]) == {}
+    deletes = [q["sql"] for q in first_call.captured_queries if q["sql"].startswith("DELETE")]
+    flush_batches = [sql for sql in deletes if " LIKE " in sql]
+    by_key = [sql for sql in deletes if " IN (" in sql]  # the call's own keys, 50
+    assert len(flush_batches) == 1 and flush_batches[0].endswith(" LIMIT 100")  # one step
+    assert len(by_key) == 1 and by_key[0].count(", ") == 49
+    assert len(deletes) == 2
+    assert cache.get_many(own) == {}
+    assert cache.metrics()["shards"][OWN]["flush_pending"] is True
+    cache.cull()  # finishes what is owed
+    assert cache.metrics()["shards"][OWN]["flush_pending"] is False
+    assert rows_on(OWN) == 0

@@ -25,7 +25,8 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.maintenance import create_tables_in, cull_all, migration_source
-from django_kvcache.mysql.server import DISCONNECTED, NOT_SENT, Pending, error_code, run_each
+from django_kvcache.mysql import blocking, errors, policy
+from django_kvcache.mysql.query import Query, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
 from tests.mysql_support import BACKEND, now_ms, wait_for
@@ -180,9 +181,7 @@ def test_single_key_operations_on_every_shard(cache):
 
 def test_many_operations_send_one_statement_per_shard(cache):
     items = {f"m{i}": i for i in range(60)}
-    cache.get("warm-up")  # server detection happens once per alias and process
-    for alias in SHARDS:
-        cache._db(alias)
+    cache.get_many(items)  # server detection happens once per alias and process
     with Statements(SHARDS) as sent:
         assert cache.set_many(items) == []
     assert {alias: [s.split()[0] for s in sql] for alias, sql in sent.per_alias().items()} == {
@@ -301,26 +300,31 @@ def test_every_shard_has_its_statement_before_any_reply_is_read(cache, operation
 
 @pytest.mark.parametrize("idempotent", [True, False])
 def test_a_lost_reply_is_sent_again_only_for_an_idempotent_statement(cache, idempotent):
-    """run_each's retry rule, per statement: shard2's INSERT waits for a table lock when
-    its connection is killed (the reply is lost). An idempotent statement runs again on a
-    fresh connection; one that must not run twice reports the error. shard1's reply is
-    read either way, and every connection works afterwards."""
+    """The policy's rerun rule, per statement of a pipelined round: shard2's INSERT waits
+    for a table lock when its connection is killed (the reply is lost). An idempotent
+    statement runs again on a fresh connection; one that must not run twice reports the
+    error. shard1's reply is read either way, and every connection works afterwards."""
+    cache.get_many([f"warm-up{i}" for i in range(30)])  # every server detected
     locker = raw_connection("shard2")
     locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
     session: list[int] = []
     outcome: list[Any] = []
+    shard1, shard2 = cache.shards[0], cache.shards[1]
+    insert = f"INSERT INTO `{TABLE}` VALUES (%s, %s, 0, %s)"
+    calls = [
+        policy.Call(shard1, policy.Access.WRITE, lambda sql: Query("SELECT %s", [7], rows)),
+        policy.Call(shard2, policy.Access.WRITE, lambda sql: Query(
+            insert, ["lost-reply", b"v", FOREVER], rowcount, idempotent=idempotent)),
+    ]
 
     def call() -> None:
         try:
             connections["shard2"].ensure_connection()
             session.append(connections["shard2"].connection.thread_id())
-            statements = [
-                Pending(connections["shard1"], "SELECT %s", [7]),
-                Pending(connections["shard2"], f"INSERT INTO `{TABLE}` VALUES (%s, %s, 0, %s)",
-                        ["lost-reply", b"v", FOREVER], idempotent=idempotent),
-            ]
-            run_each(statements)
-            outcome.extend(statements)
+            try:
+                outcome.append(blocking.execute(cache.session, calls))
+            except OperationalError as exc:
+                outcome.append(exc)
             for alias in ("shard1", "shard2"):
                 with connections[alias].cursor() as cursor:
                     cursor.execute("SELECT 1")
@@ -338,15 +342,14 @@ def test_a_lost_reply_is_sent_again_only_for_an_idempotent_statement(cache, idem
         locker.query(b"UNLOCK TABLES")
         locker.close()
         thread.join(30)
-    first, second, *usable = outcome
-    assert (first.outcome, first.error) == (((7,),), None)
+    answers, *usable = outcome
     assert usable == [(1,), (1,)]
     if idempotent:
-        assert (second.outcome, second.error) == (1, None)
+        assert answers == [((7,),), 1]
         assert "lost-reply" in keys_on("shard2")
     else:
-        assert isinstance(second.error, OperationalError)
-        assert error_code(second.error) in DISCONNECTED - NOT_SENT
+        assert isinstance(answers, OperationalError)
+        assert errors.classify(answers) is errors.LOST_REPLY
         assert "lost-reply" not in keys_on("shard2")
 
 
@@ -685,3 +688,56 @@ def test_the_shards_are_three_separate_servers():
             cursor.execute("SELECT @@port")
             ports.add(cursor.fetchone()[0])
     assert len(ports) == 3  # scripts/services.py up started the two extra ones
+
+
+def test_read_your_writes_counts_from_the_end_of_the_write():
+    """Defect 3: a write slower than the window (here a row lock held 1.5 s, the window
+    1 s) must still send the next read to the primary, not the replica."""
+    cache = replicated(READ_YOUR_WRITES=1)
+    cache.clear()
+    cache.set("slow", "old")
+    time.sleep(1.1)  # the window of that write is over
+    assert cache.get("slow") == "old"  # from the replica (detected here, once)
+    locker = raw_connection("shard2")
+    locker.query(b"BEGIN")
+    locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = ':1:slow' FOR UPDATE".encode())
+    locker.store_result()
+    release = threading.Timer(1.5, lambda: (locker.query(b"COMMIT"), locker.close()))
+    release.start()
+    try:
+        cache.set("slow", "new")  # waits for the lock
+    finally:
+        release.join()
+    with Statements(["shard2", REPLICA]) as sent:
+        assert cache.get("slow") == "new"
+    assert [len(sql) for sql in sent.per_alias().values()] == [1, 0]  # the primary
+    cache.clear()
+
+
+def test_one_replica_alias_for_two_shards_gets_one_statement_at_a_time():
+    """Suspicion: a replica alias shared by two shards (or a replica that is another
+    shard's primary) must never get two statements in flight on one connection
+    (libmysqlclient answers 2014 "Commands out of sync"; MariaDB Connector/C happens to
+    queue them). Each of its statements is sent once the previous reply is read."""
+    writer = sharded("shard2", "shard3")
+    writer.clear()
+    items = {f"r{i}": i for i in range(30)}
+    writer.set_many(items)
+    reader = sharded("shard2", "shard3", REPLICAS={"shard2": "shard3", "shard3": "shard3"})
+    reader.get("warm-up")
+    from django_kvcache.mysql import policy
+
+    seen: list[list[str]] = []
+    original = policy.Exchange.__init__
+
+    def recording(self, items_: Any) -> None:
+        original(self, items_)
+        seen.append([alias for alias, _ in self.items])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy.Exchange, "__init__", recording)
+        found = reader.get_many(items)
+    on_shard3 = {k: v for k, v in items.items() if reader._shard_for(reader.make_key(k)).alias == "shard3"}
+    assert found == on_shard3  # shard2's keys were asked of shard3, which lacks them
+    assert seen and all(len(aliases) == len(set(aliases)) for aliases in seen)
+    writer.clear()

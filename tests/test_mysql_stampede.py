@@ -18,6 +18,7 @@ import time
 from functools import partial
 from typing import Any, Iterator
 
+import MySQLdb
 import pytest
 from django.conf import settings
 from django.db import OperationalError, connections
@@ -651,3 +652,31 @@ def test_the_lease_is_taken_under_simultaneous_assignment(cache):
             cursor.execute(
                 "SET SESSION sql_mode = REPLACE(@@sql_mode, 'SIMULTANEOUS_ASSIGNMENT', '')"
             )
+
+
+def test_aget_or_set_called_inside_a_transaction_takes_its_lease_outside_it(cache):
+    """Suspicion confirmed: the async API decided on the lease from the event loop
+    thread's connection while its statements ran, through a thread hop, inside the
+    caller's transaction: the lease row stayed uncommitted, invisible to every other
+    caller. Async code never runs inside a user's atomic(): the lease is seen by all."""
+    from asgiref.sync import async_to_sync
+    from django.db import transaction
+
+    entry = connections["default"].settings_dict
+    observer = MySQLdb.connect(host=entry["HOST"], port=int(entry["PORT"]), user=entry["USER"],
+                               password=entry["PASSWORD"], database=entry["NAME"])
+    seen: list[int] = []
+
+    def compute() -> str:
+        observer.query(f"SELECT COUNT(*) FROM `{TABLE}` WHERE `cache_key` LIKE "
+                       f"'{LEASE_KEY_HEAD}%'".encode())
+        seen.append(observer.store_result().fetch_row()[0][0])
+        return "value"
+
+    try:
+        with transaction.atomic():
+            assert async_to_sync(cache.aget_or_set)("x", compute, 60) == "value"
+    finally:
+        observer.close()
+    assert seen == [1]  # another session sees the lease while the value is computed
+    assert cache.get("x") == "value"

@@ -121,6 +121,17 @@ def async_text(scenario: dict[str, Any]) -> str:
                 for e in latency]
         text += ("\n\nget_many one call at a time: sync against native aget_many\n\n"
                  + table(["client", "nodes", "keys", "sync median", "async median", "async/sync"], rows))
+    mysql = scenario.get("mysql") or {}
+    if mysql.get("results"):
+        lines = [[e["client"], e["operation"], e["coroutines"], f"{e['ops_per_s']:,.0f}",
+                  micros(e["cpu_us"]), micros(e["p99_us"])] for e in mysql["results"]]
+        text += (f"\n\nasync on MySQL: concurrent coroutines on one event loop (values: "
+                 f"{mysql['values']}; CPU time of the process per call)\n\n"
+                 + table(["client", "operation", "coroutines", "ops/s", "cpu", "p99"], lines))
+        speedups = [[e["operation"], e["coroutines"], e["versus"], f"{e['speedup']:.2f}x"]
+                    for e in mysql["speedups"]]
+        text += ("\n\nkv-mysql native's throughput over\n\n"
+                 + table(["operation", "coroutines", "versus", "speed-up"], speedups))
     return text
 
 
@@ -298,7 +309,8 @@ def csv_rows(results: dict[str, Any]) -> Iterable[list[Any]]:
         yield ["parameters", "", "", "", field, value]
     for name, scenario in results["scenarios"].items():
         identity = IDENTITY[name]
-        for entry in scenario["results"]:
+        entries = list(scenario["results"]) + list((scenario.get("mysql") or {}).get("results", []))
+        for entry in entries:
             subject, operation, setting = [entry.get(key, "") for key in identity] + [""] * (3 - len(identity))
             for metric, value in entry.items():
                 if metric not in identity:

@@ -1,8 +1,17 @@
 """Helpers of the MySQL/MariaDB backend (:mod:`django_kvcache.backends.mysql`).
 
-``sql`` builds the statement text per table and server flavour, ``keys`` maps cache keys
-to the stored key column, ``server`` detects the server once per alias and retries after a
-dropped connection what may safely run twice, ``culling`` keeps the table under
-``MAX_ENTRIES``. None of them imports the backend; what works over every cache in
-``CACHES`` (table creation, ``cull_all``) is in :mod:`django_kvcache.maintenance`.
+* ``plans``: each operation written once — which statements go to which shard, and what
+  their replies make; ``sql`` builds the statement text per table and server flavour,
+  ``keys`` maps cache keys to the stored key column, ``culling`` keeps the table under
+  ``MAX_ENTRIES``, ``lease`` is ``get_or_set``'s herd protection;
+* ``policy``: the one failure policy that runs a plan's calls on shards, as rounds of
+  statements (no I/O of its own); ``errors`` classifies an error once for every path;
+* ``blocking`` and ``aio``: the two drivers that move those statements — this thread's
+  Django connections, or the event loop's own;
+* ``shards`` reads the shards and replicas from OPTIONS (and decides which alias serves a
+  read), ``cluster`` keeps what is shared per configuration (health, counters, missed
+  writes and their bounded clean-up), ``server`` what is known per server and connection.
+
+None of them imports the backend; what works over every cache in ``CACHES`` (table
+creation, ``cull_all``) is in :mod:`django_kvcache.maintenance`.
 """

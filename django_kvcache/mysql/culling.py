@@ -20,9 +20,9 @@ statement holds locks on a large part of the table.
 """
 from __future__ import annotations
 
-from operator import attrgetter, methodcaller
-from typing import Any, Callable, Sequence
+from typing import Any, Generator
 
+from django_kvcache.mysql.query import Query, first_row, rowcount
 from django_kvcache.mysql.sql import Statements
 
 #: Rows per DELETE. Small on the write path, so a request that draws a cull holds few
@@ -44,9 +44,7 @@ LIMIT_CHECK_ENTRIES = 1000
 #: The largest number MySQL and MariaDB parse in ``LIMIT``/``OFFSET`` (BIGINT UNSIGNED).
 MAX_OFFSET = 2**64 - 1
 
-Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
-rowcount = attrgetter("rowcount")
-fetchone = methodcaller("fetchone")
+Statements_ = Generator[Query, Any, int]
 
 
 def draw_limit_check(max_entries: int, draw: float) -> bool:
@@ -55,9 +53,11 @@ def draw_limit_check(max_entries: int, draw: float) -> bool:
 
 
 class Cull:
+    """One cull of one table, as a plan: :meth:`run` yields each statement and gets its
+    answer back (run by whichever driver runs the call)."""
+
     def __init__(
         self,
-        execute: Execute,
         sql: Statements,
         max_entries: int,
         cull_frequency: int,
@@ -66,7 +66,6 @@ class Cull:
         batch_size: int | None = None,
         keep_stale_ms: int = 0,
     ) -> None:
-        self.execute = execute
         self.sql = sql
         self.max_entries = min(max(max_entries, 0), MAX_OFFSET)
         self.cull_frequency = cull_frequency
@@ -78,38 +77,38 @@ class Cull:
         #: first, as they expire first).
         self.keep_stale_ms = max(keep_stale_ms, 0)
 
-    def run(self, now_ms: int) -> int:
+    def run(self, now_ms: int) -> Statements_:
         """Delete expired rows, then evict if over the limit; returns the rows deleted."""
         expired_before = now_ms - self.keep_stale_ms
-        deleted = self.delete_in_batches(self.sql.delete_expired, [expired_before])
+        deleted = yield from self.delete_in_batches(self.sql.delete_expired, [expired_before])
         if not self.check_limit:
             return deleted
-        if self.execute(self.sql.row_at, [self.max_entries], fetchone) is None:
+        if (yield Query(self.sql.row_at, [self.max_entries], first_row)) is None:
             return deleted
-        return deleted + self.evict()
+        return deleted + (yield from self.evict())
 
     def entries_to_keep(self) -> int:
         if self.cull_frequency == 0:  # Django's meaning: clear the whole cache
             return 0
         return min(self.max_entries - self.max_entries // self.cull_frequency, self.max_entries)
 
-    def evict(self) -> int:
+    def evict(self) -> Statements_:
         keep = self.entries_to_keep()
         if keep == 0:
-            return self.delete_in_batches(self.sql.evict_all, [])
+            return (yield from self.delete_in_batches(self.sql.evict_all, []))
         # The newest entry to go, in (expires, cache_key) order: the key breaks ties so
         # that entries sharing one expiry (e.g. every "forever" entry) are split exactly.
-        row = self.execute(self.sql.nth_latest, [keep], fetchone)
+        row = yield Query(self.sql.nth_latest, [keep], first_row)
         if row is None:  # someone else deleted rows in the meantime
             return 0
         expires, key = row
-        return self.delete_in_batches(self.sql.evict_through, [expires, expires, key])
+        return (yield from self.delete_in_batches(self.sql.evict_through, [expires, expires, key]))
 
-    def delete_in_batches(self, statement: str, params: list[Any]) -> int:
+    def delete_in_batches(self, statement: str, params: list[Any]) -> Statements_:
         deleted = 0
         while self.batches_left > 0:
             self.batches_left -= 1
-            count = self.execute(statement, [*params, self.batch_size], rowcount)
+            count = yield Query(statement, [*params, self.batch_size], rowcount)
             deleted += count
             if count < self.batch_size:
                 break

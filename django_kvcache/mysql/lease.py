@@ -29,15 +29,13 @@ import math
 import random
 import uuid
 from functools import partial
-from operator import attrgetter, methodcaller
-from typing import Any, Callable, Protocol, Sequence
-
-from asgiref.sync import sync_to_async
+from typing import Any, Callable, Generator, Protocol
 
 from django_kvcache import steps
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
+from django_kvcache.mysql.query import Query, lastrowid, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER, Statements, now_ms
-from django_kvcache.stampede import MISSING, Policy, Read
+from django_kvcache.stampede import MISSING, CacheCall, Policy, Read
 
 LEASE_KEY_HEAD = "kvcache-lease:"
 #: ``flags`` of a lease row (never read as an entry: its key is no caller's).
@@ -50,12 +48,8 @@ RELEASED = b"released:"
 #: as the window opens, 37 % two thirds of the way in, 100 % at expiry.
 EARLY_STEEPNESS = 3.0
 
-Execute = Callable[[str, Sequence[Any], Callable[[Any], Any]], Any]
-Work = Callable[[Execute, Statements], Any]
+Work = Callable[[Statements], Any]  # a Query, or a generator of them (a shard's work)
 Row = tuple[bytes, int, int]  # value, flags, expires
-fetchall = methodcaller("fetchall")
-lastrowid = attrgetter("lastrowid")
-rowcount = attrgetter("rowcount")
 
 
 def lease_key(entry_key: str) -> str:
@@ -84,28 +78,17 @@ class LeaseHost(Protocol):
     def set(self, key: Any, value: Any, timeout: Any = ..., version: int | None = None) -> None: ...
 
     def _lease_call(self, key: str, write: bool, work: Work, fallback: Any) -> Any:
-        """``work(execute, statements)`` on the primary of ``key``'s shard; ``fallback``
-        when IGNORE_EXCEPTIONS hides an unreachable server."""
-
-
-class Blocking:
-    """A step: a blocking call, run in Django's sync thread on the async API (Django's
-    database layer is sync-only, as every MySQLCache call)."""
-
-    __slots__ = ("function", "args")
-
-    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
-        self.function, self.args = function, args
-
-    def run(self) -> Any:
-        return self.function(*self.args)
-
-    def arun(self) -> Any:
-        return sync_to_async(self.function, thread_sensitive=True)(*self.args)
+        """A plan step: ``work(statements)`` on the primary of ``key``'s shard;
+        ``fallback`` when IGNORE_EXCEPTIONS hides an unreachable server."""
 
 
 #: What the read found when the shard was unreachable under IGNORE_EXCEPTIONS.
 UNREACHABLE: Any = object()
+
+
+def _won(reply: Any) -> bool:
+    """A take's answer: LAST_INSERT_ID is 0 only for the caller that took the lease."""
+    return lastrowid(reply) == 0
 
 
 class MySQLLeaseStore:
@@ -135,30 +118,30 @@ class MySQLLeaseStore:
         early = policy.early_recompute
         self.early_ms = None if early is None else math.ceil(early * 1000)
 
-    def _call(self, write: bool, work: Work, fallback: Any) -> Blocking:
-        return Blocking(self.cache._lease_call, self.entry_key, write, work, fallback)
+    def _call(self, write: bool, work: Work, fallback: Any) -> Any:
+        return self.cache._lease_call(self.entry_key, write, work, fallback)
 
     # --- the statements ----------------------------------------------------------------
 
-    def _select(self, execute: Execute, sql: Statements) -> tuple[int, list[Any]]:
+    def _select(self, sql: Statements) -> Generator[Query, Any, tuple[int, list[Any]]]:
         now = now_ms()
-        rows = execute(sql.lease_read, (self.entry_key, self.lease_key), fetchall)
-        return now, rows
+        found = yield Query(sql.lease_read, (self.entry_key, self.lease_key), rows)
+        return now, found
 
-    def _take(self, seen: bytes | None, execute: Execute, sql: Statements) -> bool:
+    def _take(self, seen: bytes | None, sql: Statements) -> Query:
         """``seen``: the lease row's value as read (None: no row)."""
         now = now_ms()
         params = (self.lease_key, self.token, LEASE_FLAGS, now + self.lease_ms, now, seen,
                   self.token, now, seen)
         # Not retried after a lost reply: a second run would find our own row and lose.
-        return execute(sql.lease_take, params, lastrowid, False) == 0
+        return Query(sql.lease_take, params, _won, idempotent=False)
 
-    def _release(self, execute: Execute, sql: Statements) -> None:
+    def _release(self, sql: Statements) -> Query:
         params = (RELEASED + self.token, now_ms() + self.lease_ms, self.lease_key, self.token)
-        execute(sql.lease_release, params, rowcount)
+        return Query(sql.lease_release, params, rowcount)
 
-    def _drop(self, execute: Execute, sql: Statements) -> None:
-        execute(sql.lease_drop, (self.lease_key, self.token), rowcount)
+    def _drop(self, sql: Statements) -> Query:
+        return Query(sql.lease_drop, (self.lease_key, self.token), rowcount)
 
     # --- the plans ---------------------------------------------------------------------
 
@@ -201,7 +184,7 @@ class MySQLLeaseStore:
         return early_draw(entry[2], now, self.early_ms, self.draw())
 
     def store(self, value: Any) -> steps.Plan:
-        yield Blocking(self.cache.set, self.key, value, self.timeout, self.version)
+        yield CacheCall(self.cache, "set", self.key, value, self.timeout, version=self.version)
         yield self._call(True, self._release, None)
 
     def release(self) -> steps.Plan:

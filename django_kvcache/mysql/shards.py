@@ -1,47 +1,31 @@
-"""The databases a MySQLCache spreads its keys over, and what it does when one fails.
+"""The databases a MySQLCache spreads its keys over, read from its OPTIONS.
 
 A *shard* is one Django database alias (``OPTIONS["DATABASE"]``, one entry of
 ``OPTIONS["DATABASES"]``, or whatever the database routers name when neither is set),
 with an optional replica alias for reads (``OPTIONS["REPLICAS"]``). Which shard owns a key
 is decided by the shared rendezvous router (:mod:`django_kvcache.routing`), so removing a
-shard from the list moves only that shard's keys.
+shard from the list moves only that shard's keys. Which alias serves a read of a shard
+is decided in one place, :meth:`Shard.reader`.
 
-Health (down after ``FAILURE_THRESHOLD`` connection failures in a row, retried after
-``RETRY_TIMEOUT``) is the process-wide record of :mod:`django_kvcache.health`; counters
-are process-wide too, per table and alias, so they survive Django's per-thread instances,
-and so are the keys a shard missed a write of while it failed (``MissedWrites``).
+What happens when a shard fails (health, missed writes, counters) is the cluster's
+(:mod:`django_kvcache.mysql.cluster`) and the failure policy's
+(:mod:`django_kvcache.mysql.policy`).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, cast
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import OperationalError, connections, router
+from django.db import connections, router
 
-from django_kvcache.mysql.server import DISCONNECTED, error_code
 from django_kvcache.options import seconds
-from django_kvcache.outdated import OutdatedCopies
 from django_kvcache.routing import KvcacheRouter, Router, parse_weights
 
 #: Health records of shards are named with this kind ("MySQL shard cache2 is down ...").
 SHARD_KIND = "MySQL shard"
 #: Seconds after a write during which this thread reads that shard from its primary.
 DEFAULT_READ_YOUR_WRITES = 5.0
-
-#: Errors meaning the server cannot be reached or has dropped us, not that the statement
-#: is wrong: the disconnects ``run()`` knows, 2002/2003 cannot connect (socket/TCP), 2005
-#: unknown host, 1040 too many connections, 1053 server shutdown in progress.
-UNREACHABLE = DISCONNECTED | {2002, 2003, 2005, 1040, 1053}
-
-
-class ShardDown(OperationalError):
-    """A shard marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
-
-
-def is_unreachable(exc: BaseException) -> bool:
-    return isinstance(exc, ShardDown) or error_code(exc) in UNREACHABLE  # type: ignore[arg-type]
 
 
 @dataclass
@@ -71,11 +55,20 @@ class Shard:
         self.replica = replica
         self.model = model  # what the routers are asked about
 
+    def __repr__(self) -> str:
+        return f"<MySQL shard {self.alias or '(routers)'}>"
+
     def primary(self) -> str:
         return self.alias if self.alias is not None else router.db_for_write(self.model)
 
-    def reader(self) -> str:
-        """Where reads go when nothing was written lately: the replica, else the primary."""
+    def reader(self, wrote_lately: bool = False) -> str:
+        """The alias that serves a read of this shard — the one place that decides it.
+
+        Within READ_YOUR_WRITES of a write by this thread (``wrote_lately``) the primary,
+        else the replica, else the primary (or what the routers say).
+        """
+        if wrote_lately:
+            return self.primary()
         if self.alias is None:
             return router.db_for_read(self.model)
         return self.replica or self.alias
@@ -148,31 +141,3 @@ def make_shards(options: Mapping[str, Any], model: type) -> tuple[list[Shard], R
 
 def read_your_writes(options: Mapping[str, Any]) -> float:
     return cast(float, seconds(options, "READ_YOUR_WRITES", DEFAULT_READ_YOUR_WRITES))
-
-
-class MissedWrites(OutdatedCopies):
-    """The keys of one cache whose copy on one shard may be older than this process's
-    last write (:mod:`django_kvcache.outdated`), and the lock held while deleting them,
-    so that other threads wait for the clean-up instead of reading what it deletes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cleaning = threading.Lock()
-
-    def _after_fork(self) -> None:
-        super()._after_fork()
-        self.cleaning = threading.Lock()
-
-
-#: (table, primary alias, the cache's own-keys pattern) -> its record, process-wide.
-_missed_writes: dict[tuple[str, str, str | None], MissedWrites] = {}
-
-
-def missed_writes(table: str, alias: str, scope: str | None) -> MissedWrites:
-    """The record of a cache (``scope``: the LIKE pattern of its own keys, which a flush
-    deletes; ``None``: the whole table) on one shard's primary."""
-    key = (table, alias, scope)
-    record = _missed_writes.get(key)
-    if record is None:
-        record = _missed_writes.setdefault(key, MissedWrites())
-    return record

@@ -45,9 +45,14 @@ def check_engine(engine: object) -> str:
 
 
 def create_table_sql(
-    table: str, quote_name: Callable[[str], str], mariadb: bool, engine: str = "InnoDB"
+    table: str,
+    quote_name: Callable[[str], str],
+    mariadb: bool,
+    engine: str = "InnoDB",
+    collation: str | None = None,
 ) -> str:
-    collation = MARIADB_COLLATION if mariadb else MYSQL_COLLATION
+    """The table's DDL; ``collation`` defaults to the flavour's binary NO PAD one."""
+    collation = collation or (MARIADB_COLLATION if mariadb else MYSQL_COLLATION)
     return (
         f"CREATE TABLE IF NOT EXISTS {quote_name(table)} (\n"
         f"    `cache_key` VARCHAR({MAX_KEY_LENGTH}) CHARACTER SET utf8mb4"
@@ -153,12 +158,15 @@ class Statements:
             f"AND IF(`flags` IN ({INTEGER_FLAGS}), {as_decimal} + %s, NULL) "
             f"BETWEEN {INT64_RANGE}"
         )
-        self.incr_failure = (
-            f"SELECT `flags` IN ({INTEGER_FLAGS}), `value` FROM {t} "
-            f"WHERE `cache_key` = %s AND {live}"
+        self.incr_failure = f"SELECT `flags`, `value` FROM {t} WHERE `cache_key` = %s AND {live}"
+        # Every DELETE of a clear, a prefix delete or an owed flush is a batch in key order
+        # (``LIMIT``): none holds locks on a large part of the table, none outlasts a
+        # read_timeout, and statement-based replication deletes the same rows.
+        self.clear_batch = f"DELETE FROM {t} ORDER BY `cache_key` LIMIT %s"
+        self.clear_prefix_batch = (
+            f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' "
+            "ORDER BY `cache_key` LIMIT %s"
         )
-        self.clear = f"DELETE FROM {t}"
-        self.clear_prefix = f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}'"
         self.select_many = (
             f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
         )
@@ -169,11 +177,11 @@ class Statements:
         self.get_with_prefix = (
             f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {like} ORDER BY `cache_key`"
         )
-        self.delete_with_prefix = f"DELETE FROM {t} WHERE {like}"
+        self.delete_with_prefix = f"DELETE FROM {t} WHERE {like} ORDER BY `cache_key` LIMIT %s"
         # With STALE_TIMEOUT, what expired under the prefix goes too (never served stale).
         self.delete_expired_with_prefix = (
             f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' "
-            "AND `expires` + 0 <= %s"
+            "AND `expires` + 0 <= %s ORDER BY `cache_key` LIMIT %s"
         )
         # For training a compression dictionary: a scan, kept out of the request path.
         self.sample = f"SELECT `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"

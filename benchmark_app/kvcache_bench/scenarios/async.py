@@ -16,6 +16,18 @@ Figures per (client, nodes, operation, coroutines): throughput (calls per second
 whole batch) and the per-call latency percentiles. And per node count, ``latency``: one
 ``get_many`` of 100 keys at a time, sync (no loop) against native ``aget_many`` (per-call
 percentiles of each, and their ratio).
+
+Under ``"mysql"``, the same batches against the MySQL caches selected (kvcache's InnoDB
+table and django-mysql), on the run's value mix (realistic by default), with the CPU
+time of the process per call beside the throughput:
+
+* ``kv-mysql native``: MySQLCache's asyncio driver on the loop's own connections;
+* ``kv-mysql sync_to_async``: our sync methods behind one ``sync_to_async`` hop each;
+* ``django-mysql``: its async methods (Django's delegation: one hop per call, and per
+  key in ``aget_many`` before Django 6.1);
+
+each figure the median of three rounds in which the clients take turns, and ``speedups``: native against the two others at the issue's settings (``aget`` with
+256 coroutines, ``aget_many(20)`` with 64).
 """
 from __future__ import annotations
 
@@ -44,6 +56,12 @@ Operation = Callable[[int], Awaitable[Any]]
 
 
 def run(context: Context) -> dict[str, Any]:
+    figures = _memcached(context)
+    figures["mysql"] = _mysql(context)
+    return figures
+
+
+def _memcached(context: Context) -> dict[str, Any]:
     p = context.parameters
     available = len(context.memcached_nodes)
     counts = [n for n in sorted(p.nodes) if n <= available]
@@ -119,7 +137,7 @@ async def _measure(cache: Any, client: str, nodes: int, keys: list[str],
 
 
 def _operations(cache: Any, client: str, keys: list[str]) -> dict[str, Operation]:
-    if client == HOPPED:
+    if client in (HOPPED, MYSQL_HOPPED):
         get, get_many, put = (sync_to_async(cache.get), sync_to_async(cache.get_many),
                               sync_to_async(cache.set))
     else:
@@ -131,6 +149,92 @@ def _operations(cache: Any, client: str, keys: list[str]) -> dict[str, Operation
             [keys[(i * BATCH + j) % count] for j in range(BATCH)]),
         "aset": lambda i: put(keys[i % count], b"x" * 100),
     }
+
+
+# --- MySQL -----------------------------------------------------------------------------
+
+MYSQL_NATIVE, MYSQL_HOPPED, MYSQL_DJANGO = (
+    "kv-mysql native", "kv-mysql sync_to_async", "django-mysql")
+#: The issue's settings: (operation, coroutines) at which native must be 3x the others.
+TARGETS = (("aget", 256), (f"aget_many({BATCH})", 64))
+#: Rounds per figure (the median is kept), the clients taking turns within each.
+MYSQL_ROUNDS = 3
+
+
+def _mysql(context: Context) -> dict[str, Any]:
+    specs = {spec.family: spec for spec in context.caches
+             if spec.name in ("kv-mysql-innodb", "django-mysql")}
+    if "kv-mysql" not in specs:
+        context.notes.append("async: MySQL skipped, kv-mysql-innodb not selected")
+        return {"results": [], "speedups": []}
+    calls = max(context.parameters.node_calls, 256)
+    entries = context.values.entries if context.values is not None else filler(0, KEYS)
+    items = {f"async.{context.token}.{i}": entries[i % len(entries)] for i in range(KEYS)}
+    clients = [(MYSQL_NATIVE, specs["kv-mysql"]), (MYSQL_HOPPED, specs["kv-mysql"])]
+    if "django-mysql" in specs:
+        clients.append((MYSQL_DJANGO, specs["django-mysql"]))
+    caches = {client: spec.build() for client, spec in clients}
+    for cache in caches.values():
+        cache.set_many(items)
+    try:
+        results = asyncio.run(_measure_mysql(context, caches, list(items), calls))
+    finally:
+        for cache in caches.values():
+            cache.delete_many(list(items))
+    return {"results": results, "speedups": _speedups(results), "calls": calls,
+            "rounds": MYSQL_ROUNDS,
+            "values": context.values.mix.name if context.values is not None else "filler"}
+
+
+async def _measure_mysql(context: Context, caches: dict[str, Any], keys: list[str],
+                         calls: int) -> list[dict[str, Any]]:
+    """Each (operation, coroutines): every client in turn, MYSQL_ROUNDS times in a rotating
+    order, so a change in the machine's load hits all clients alike; per client the round
+    of median throughput."""
+    operations = {client: _operations(cache, client, keys) for client, cache in caches.items()}
+    names = list(next(iter(operations.values())))
+    results = []
+    with context.progress("async mysql", len(names) * len(COROUTINES)) as bar:
+        for operation in names:
+            for coroutines in COROUTINES:
+                rounds: dict[str, list[dict[str, Any]]] = {client: [] for client in caches}
+                for round_ in range(MYSQL_ROUNDS):
+                    order = list(caches)
+                    order = order[round_ % len(order):] + order[:round_ % len(order)]
+                    for client in order:
+                        call = operations[client][operation]
+                        if round_ == 0:
+                            await _batch(call, coroutines, coroutines)  # warm: connections open
+                        cpu = time.process_time()
+                        durations, wall = await _batch(call, coroutines, calls)
+                        cpu = time.process_time() - cpu
+                        rounds[client].append({
+                            "client": client, "operation": operation,
+                            "setting": f"mysql x{coroutines}", "nodes": 1,
+                            "coroutines": coroutines,
+                            "ops_per_s": round(len(durations) / wall, 1),
+                            "cpu_us": round(cpu / len(durations) * 1e6, 1),
+                            **summarize(durations),
+                        })
+                for client, measured in rounds.items():
+                    measured.sort(key=lambda entry: entry["ops_per_s"])
+                    results.append(measured[len(measured) // 2])
+                bar.update()
+    return results
+
+
+def _speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Native's throughput over each other client's, at the issue's settings."""
+    rate = {(e["client"], e["operation"], e["coroutines"]): e["ops_per_s"] for e in results}
+    found = []
+    for operation, coroutines in TARGETS:
+        native = rate.get((MYSQL_NATIVE, operation, coroutines))
+        for other in (MYSQL_HOPPED, MYSQL_DJANGO):
+            theirs = rate.get((other, operation, coroutines))
+            if native and theirs:
+                found.append({"operation": operation, "coroutines": coroutines, "versus": other,
+                              "speedup": round(native / theirs, 2)})
+    return found
 
 
 async def _batch(call: Operation, coroutines: int, calls: int) -> tuple[list[int], float]:

@@ -1,0 +1,340 @@
+"""The asyncio driver: the policy's statements on the event loop's own connections.
+
+Per event loop and per database alias, a small pool of mysqlclient connections of the
+backend's own (:class:`AliasPool`, at most MAX_POOL_SIZE, waiting at most POOL_TIMEOUT),
+built from the alias's DATABASES entry the way Django builds its own (Django's
+``get_connection_params()``: host, port, user, database, charset, TLS, timeouts,
+``init_command``; then autocommit and the session's transaction isolation level, as
+Django sets them). Never Django's connection of the thread: async code never runs inside
+a caller's ``atomic()``, and a statement on the async API commits on its own.
+
+A statement is sent with ``send_query``, the loop waits for the socket to become
+readable (``loop.add_reader``; at most the alias's ``read_timeout``, after which the
+connection is closed and the statement fails as a lost reply, as the blocking client
+reports it), then ``read_query_result`` reads the reply. What still blocks the loop:
+opening a connection (``connect``, up to ``connect_timeout``), sending a statement larger
+than the socket's buffer, and reading a reply that has not fully arrived once the first
+bytes have (a large result).
+
+A pool belongs to the loop that made it and is only touched from that loop's thread, so
+it needs no lock; its connections close when the loop shuts down
+(``loop.shutdown_asyncgens()``, which ``asyncio.run``, asgiref and uvicorn call).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Sequence
+
+import MySQLdb
+from django.db import OperationalError, connections
+
+from django_kvcache.loops import PerLoop
+from django_kvcache.mysql import errors, policy
+from django_kvcache.mysql.cluster import Session
+from django_kvcache.mysql.query import Query, Reply
+from django_kvcache.mysql.server import (
+    hung_up,
+    local_reply,
+    readable,
+    remember_reply,
+    statement_bytes,
+)
+
+
+async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
+    """:func:`policy.execute` on the running loop's connections."""
+    engine = policy.execute(session, calls)
+    cluster = session.cluster
+    replies: Any = None
+    try:
+        while True:
+            try:
+                exchange = engine.send(replies)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            replies = await perform(exchange.items, cluster.max_pool_size, cluster.pool_timeout)
+    finally:
+        engine.close()  # interrupted (cancelled): the policy lets go of what it holds
+
+
+class OwnConnection:
+    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop for
+    as long as it is open: readable while a statement is out means its reply is here;
+    readable while idle means the server has closed it (or sent an error before
+    closing), and it is no longer watched (one registration per connection, not one
+    per statement)."""
+
+    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up")
+
+    def __init__(self, raw: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.raw = raw
+        self.fd = raw.fileno()
+        self.loop = loop
+        self.waiter: asyncio.Future | None = None
+        self.sent = False  # a statement is out, its reply not read yet
+        self.hung_up = False
+        loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        if self.sent:
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif readable(self.fd):  # (not an event of the reply just read: still readable)
+            self.hung_up = True  # nothing was asked: the server is ending the session
+            self.loop.remove_reader(self.fd)
+
+    def send(self, query: Query) -> None:
+        raw = self.raw
+        raw.send_query(statement_bytes(raw, query.sql, query.params))
+        self.sent = True
+
+    async def reply(self, timeout: float | None) -> Reply:
+        """The reply of the statement sent, once it is here (at most ``timeout`` s)."""
+        deadline = self.loop.time() + timeout if timeout else None
+        while True:
+            waiter = self.waiter = self.loop.create_future()
+            timer = self.loop.call_at(deadline, _expire, waiter, timeout) if deadline else None
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if readable(self.fd):  # else woken by an event of the previous reply: wait on
+                break
+        reply = receive(self.raw)
+        self.sent = False
+        return reply
+
+    def close(self) -> None:
+        if not self.hung_up and not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
+        try:
+            self.raw.close()
+        except Exception:  # already closed, or the server is gone: nothing to keep
+            pass
+
+
+class AliasPool:
+    """One loop's connections to one alias (see the module docstring)."""
+
+    def __init__(self, alias: str, max_size: int, timeout: float) -> None:
+        wrapper = connections[alias]  # this thread's: its settings, never its connection
+        self.settings = wrapper.settings_dict
+        self.entry = connections.settings[alias]  # replaced when the alias is redefined
+        self.params = {**wrapper.get_connection_params(), "autocommit": True}
+        level = getattr(wrapper, "isolation_level", None)  # set by get_connection_params
+        self.session_sql = (
+            f"SET SESSION TRANSACTION ISOLATION LEVEL {level.upper()}".encode() if level else b""
+        )
+        self.read_timeout = self.params.get("read_timeout") or None
+        self.max_size, self.timeout = max_size, timeout
+        self.idle: list[OwnConnection] = []
+        self.waiters: deque[asyncio.Future] = deque()
+        self.size = 0
+        self.connects = 0
+
+    async def checkout(self) -> OwnConnection:
+        while self.idle and not self.waiters:
+            connection = self.idle.pop()
+            if not connection.hung_up:
+                return connection
+            self.discard(connection)  # closed by the server while idle
+        if self.size < self.max_size:
+            return self._connect()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self.waiters.append(waiter)
+        timer = loop.call_later(self.timeout, self._exhausted, waiter)
+        try:
+            handed = await waiter
+        except BaseException:  # cancelled just as a connection was handed over: pass it on
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                handed = waiter.result()
+                self._free_slot() if handed is None else self.checkin(handed)
+            raise
+        finally:
+            timer.cancel()
+            if not waiter.done() or waiter.cancelled():
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:
+                    pass
+        return handed if handed is not None else self._connect(counted=True)
+
+    def _exhausted(self, waiter: asyncio.Future) -> None:
+        if waiter.done():
+            return
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            pass
+        waiter.set_exception(errors.PoolExhausted(
+            f"all {self.max_size} connections of this event loop to "
+            f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
+            "POOL_TIMEOUT)"
+        ))
+
+    def _connect(self, counted: bool = False) -> OwnConnection:
+        """A new connection (blocking: mysqlclient has no asynchronous connect)."""
+        if not counted:
+            self.size += 1
+        try:
+            raw = MySQLdb.connect(**self.params)
+            if self.session_sql:
+                raw.query(self.session_sql)
+        except BaseException:
+            self._free_slot()
+            raise
+        self.connects += 1
+        return OwnConnection(raw, asyncio.get_running_loop())
+
+    def checkin(self, connection: OwnConnection) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(connection)
+                return
+        self.idle.append(connection)
+
+    def discard(self, connection: OwnConnection) -> None:
+        connection.close()
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        while self.waiters:  # None: the waiter opens a connection of its own
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.size -= 1
+
+    def close_idle(self) -> None:
+        idle, self.idle = self.idle, []
+        self.size -= len(idle)
+        for connection in idle:
+            connection.close()
+
+
+async def perform(items: list[tuple[str, Query]], max_size: int, timeout: float) -> list[Any]:
+    """One round: every statement sent, then every reply awaited and read. A connection
+    leaves with its reply read, or is closed (an error, a timeout, a cancellation)."""
+    if len(items) == 1:
+        alias, query = items[0]
+        return [await one(pool_of(alias, max_size, timeout), query)]
+    replies: list[Any] = [None] * len(items)
+    in_flight: list[tuple[int, AliasPool, OwnConnection, Query]] = []
+    try:
+        for index, (alias, query) in enumerate(items):
+            pool = pool_of(alias, max_size, timeout)
+            sent = await send(pool, query)
+            if isinstance(sent, OwnConnection):
+                in_flight.append((index, pool, sent, query))
+            else:
+                replies[index] = sent
+        while in_flight:
+            index, pool, connection, query = in_flight[0]
+            replies[index] = await receive_on(pool, connection, query)
+            in_flight.pop(0)
+    finally:
+        for _, pool, connection, _ in in_flight:  # cancelled: replies left unread
+            pool.discard(connection)
+    return replies
+
+
+async def one(pool: AliasPool, query: Query) -> Any:
+    sent = await send(pool, query)
+    if not isinstance(sent, OwnConnection):
+        return sent
+    try:
+        return await receive_on(pool, sent, query)
+    except BaseException:  # cancelled: the reply is left unread
+        pool.discard(sent)
+        raise
+
+
+async def send(pool: AliasPool, query: Query) -> Any:
+    """``query`` sent on a connection of ``pool``: the connection, or the answer when
+    none was needed (a known packet limit) or a :class:`policy.Failed`."""
+    try:
+        connection = await pool.checkout()
+    except Exception as exc:
+        return policy.Failed(errors.translate(exc))
+    try:
+        if not query.idempotent and hung_up(connection.raw):
+            pool.discard(connection)  # closed by the server while idle
+            connection = await pool.checkout()
+        known = local_reply(connection.raw, query)
+        if known is not None:
+            pool.checkin(connection)
+            return known
+        connection.send(query)
+    except BaseException as exc:
+        pool.discard(connection)
+        if not isinstance(exc, Exception):
+            raise
+        return policy.Failed(errors.translate(exc))
+    return connection
+
+
+async def receive_on(pool: AliasPool, connection: OwnConnection, query: Query) -> Any:
+    """The reply on ``connection`` (back to the pool), or a :class:`policy.Failed`
+    (the connection closed). A cancellation is the caller's to handle."""
+    try:
+        reply = await connection.reply(pool.read_timeout)
+    except Exception as exc:
+        pool.discard(connection)
+        return policy.Failed(errors.translate(exc))
+    remember_reply(connection.raw, query, reply)
+    pool.checkin(connection)
+    return reply
+
+
+def receive(raw: Any) -> Reply:
+    raw.read_query_result()
+    result = raw.store_result()
+    if result is None:
+        return (None, raw.affected_rows(), raw.insert_id(), raw.info())
+    return (result.fetch_row(0), raw.affected_rows(), raw.insert_id(), None)
+
+
+def _expire(future: asyncio.Future, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(OperationalError(
+            2013, f"Lost connection to server during query (no reply within read_timeout, "
+            f"{timeout} s)"
+        ))
+
+
+# --- one set of pools per event loop -------------------------------------------------------
+
+
+def _close(pools: dict[str, AliasPool]) -> None:
+    for pool in pools.values():
+        pool.close_idle()
+
+
+_pools: PerLoop[dict[str, AliasPool]] = PerLoop(dict, _close)
+
+
+def pool_of(alias: str, max_size: int, timeout: float) -> AliasPool:
+    """The running loop's pool for ``alias`` (made again if its DATABASES entry changed)."""
+    pools = _pools.get()
+    pool = pools.get(alias)
+    if pool is None or pool.entry is not connections.settings[alias]:
+        if pool is not None:
+            pool.close_idle()
+        pool = pools[alias] = AliasPool(alias, max_size, timeout)
+    return pool
+
+
+def close_pools(aliases: Sequence[str]) -> None:
+    """Close the running loop's idle connections to ``aliases``."""
+    pools = _pools.existing()
+    if pools is not None:
+        for alias in aliases:
+            pool = pools.get(alias)
+            if pool is not None:
+                pool.close_idle()

@@ -1,0 +1,128 @@
+"""What a MySQL/MariaDB error means for the cache, decided once for every path.
+
+Each error code belongs to one class (:data:`CLASSES`); everything else is a
+``STATEMENT`` error (the statement itself failed: raised, never retried, never held
+against the server). The failure policy (:mod:`django_kvcache.mysql.policy`) and both
+drivers ask :func:`classify` and nothing else:
+
+* ``unreachable``: the server, or the path to it, failed. It counts against the
+  server's health, a write that failed so is remembered as missed, and
+  ``IGNORE_EXCEPTIONS`` may turn it into a miss or a no-op;
+* ``connection_lost``: the connection is unusable: the driver closes it, and the next
+  statement starts on a fresh one;
+* ``rerun``: whether the statement may run once more: ``NOT_APPLIED`` errors prove the
+  server did not apply it (so it may run again outside a transaction, whatever it does),
+  ``LOST_REPLY`` errors leave that open (only a statement that may run twice runs again).
+
+A new retryable class — say a cluster's "certification failed, not applied" error —
+is one more entry in :data:`CLASSES`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import django.db.utils
+from django.db import DatabaseError, OperationalError, ProgrammingError
+
+
+class Rerun(enum.Enum):
+    NEVER = "never"
+    NOT_APPLIED = "not applied: may run again outside a transaction"
+    IF_IDEMPOTENT = "may have been applied: runs again only if running twice is harmless"
+
+
+@dataclass(frozen=True)
+class ErrorClass:
+    name: str
+    unreachable: bool
+    connection_lost: bool
+    rerun: Rerun
+
+
+#: The client could not send the statement (2006 "server has gone away" when sending),
+#: or MySQL closed an idle session before reading it (4031): never run.
+NOT_SENT = ErrorClass("not sent", unreachable=True, connection_lost=True, rerun=Rerun.NOT_APPLIED)
+#: The connection broke after the statement was sent: 2013 lost connection during query
+#: (also a KILLed connection or a read_timeout), 2055 lost connection (extended), 1927
+#: MariaDB connection killed. The server may have run the statement.
+LOST_REPLY = ErrorClass("reply lost", unreachable=True, connection_lost=True,
+                        rerun=Rerun.IF_IDEMPOTENT)
+#: No connection: 2002/2003 cannot connect (socket/TCP), 2005 unknown host, 1040 too many
+#: connections, 1053 server shutdown in progress.
+NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=True,
+                           rerun=Rerun.NEVER)
+#: InnoDB rolled the statement back: 1213 deadlock (Galera reports a certification
+#: failure the same way: not applied), 1205 lock wait timeout.
+ROLLED_BACK = ErrorClass("rolled back", unreachable=False, connection_lost=False,
+                         rerun=Rerun.NOT_APPLIED)
+#: Anything else: the statement failed; the server and the connection are fine.
+STATEMENT = ErrorClass("statement", unreachable=False, connection_lost=False, rerun=Rerun.NEVER)
+
+CLASSES: dict[int, ErrorClass] = {
+    **dict.fromkeys((2006, 4031), NOT_SENT),
+    **dict.fromkeys((2013, 2055, 1927), LOST_REPLY),
+    **dict.fromkeys((2002, 2003, 2005, 1040, 1053), NO_CONNECTION),
+    **dict.fromkeys((1213, 1205), ROLLED_BACK),
+}
+
+#: "Table ... doesn't exist".
+NO_SUCH_TABLE = 1146
+
+
+class ShardDown(OperationalError):
+    """A shard marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
+
+
+class CacheTableMissing(ProgrammingError):
+    """A MySQLCache's table does not exist; the message names the command that creates it.
+
+    The server's error (1146) is chained as ``__cause__``.
+    """
+
+
+class PoolExhausted(OperationalError):
+    """Every connection of an event loop's pool stayed busy for POOL_TIMEOUT (the server
+    is fine: nothing is held against it)."""
+
+
+def error_code(exc: BaseException) -> int | None:
+    args = getattr(exc, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def classify(exc: BaseException) -> ErrorClass:
+    if isinstance(exc, ShardDown):
+        return NO_CONNECTION
+    code = error_code(exc)
+    return CLASSES.get(code, STATEMENT) if code is not None else STATEMENT
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    return classify(exc).unreachable
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    return classify(exc) is ROLLED_BACK
+
+
+def may_rerun(exc: BaseException, idempotent: bool, in_transaction: bool) -> bool:
+    """Whether a statement that failed with ``exc`` may be sent once more. Never inside a
+    transaction: its earlier work is lost, only the caller may decide what to do."""
+    if in_transaction or not isinstance(exc, DatabaseError):
+        return False
+    rerun = classify(exc).rerun
+    return rerun is Rerun.NOT_APPLIED or (rerun is Rerun.IF_IDEMPOTENT and idempotent)
+
+
+def translate(exc: Exception) -> Exception:
+    """A DB-API error of the driver as Django's exception of the same name (what Django's
+    own wrapper does), the driver's error chained as ``__cause__``."""
+    if isinstance(exc, DatabaseError):  # Django's already
+        return exc
+    django_class = getattr(django.db.utils, type(exc).__name__, None)
+    if not (isinstance(django_class, type) and issubclass(django_class, DatabaseError)):
+        return exc
+    translated = django_class(*exc.args)
+    translated.__cause__ = exc
+    return translated

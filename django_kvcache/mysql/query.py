@@ -1,0 +1,89 @@
+"""One statement and what the cache reads from its reply, as plain values.
+
+A :class:`Query` is what a plan sends; a :data:`Reply` is what either driver makes of
+the server's answer, the same on every path (the backend's own connection or Django's
+cursor, blocking or asyncio): ``(rows, rowcount, lastrowid, info)``.
+
+* ``rows``: the result set as a tuple of tuples, ``None`` for a statement without one;
+* ``rowcount``: affected rows (Django connects with CLIENT.FOUND_ROWS: an UPDATE counts
+  the rows it matched);
+* ``lastrowid``: ``LAST_INSERT_ID()`` as the statement left it;
+* ``info``: the server's info line ("Rows matched: 1  Changed: 1  Warnings: 0"), or None.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+Reply = tuple[Any, int, int, Any]
+ROWS, ROWCOUNT, LASTROWID, INFO = range(4)
+
+
+class Query:
+    """``sql`` (``%s`` placeholders) with ``params``; ``read`` turns the reply into the
+    statement's answer. ``idempotent=False``: running it twice is not harmless (``add``,
+    ``incr``, a delete whose count is its answer), so it is not sent again after a lost
+    reply."""
+
+    __slots__ = ("sql", "params", "read", "idempotent")
+
+    def __init__(
+        self,
+        sql: str,
+        params: Sequence[Any],
+        read: Callable[[Reply], Any],
+        idempotent: bool = True,
+    ) -> None:
+        self.sql, self.params, self.read, self.idempotent = sql, params, read, idempotent
+
+    def __repr__(self) -> str:
+        return f"<Query {self.sql[:60]!r}>"
+
+
+def rows(reply: Reply) -> Any:
+    return reply[ROWS] or ()
+
+
+def first_row(reply: Reply) -> Any:
+    found = reply[ROWS]
+    return found[0] if found else None
+
+
+def rowcount(reply: Reply) -> int:
+    return reply[ROWCOUNT]
+
+
+def lastrowid(reply: Reply) -> int:
+    return reply[LASTROWID]
+
+
+def found(reply: Reply) -> bool:
+    return bool(reply[ROWS])
+
+
+def update_outcome(reply: Reply) -> tuple[int, int, int]:
+    """Rows matched, rows changed and LAST_INSERT_ID of an UPDATE.
+
+    CLIENT.FOUND_ROWS makes ``rowcount`` count matched rows; the changed count is only
+    in the info line. No info line at all only when no row matched (seen on an empty
+    MyISAM table).
+    """
+    counts = (reply[INFO] or "").partition("Changed: ")[2].split()
+    return reply[ROWCOUNT], int(counts[0]) if counts else 0, reply[LASTROWID]
+
+
+class PacketLimit(Query):
+    """``@@max_allowed_packet`` of the connection the statement runs on. A session keeps
+    the limit it started with, so the drivers remember the answer per connection and ask
+    the server only once per connection (:mod:`django_kvcache.mysql.server`)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__("SELECT @@max_allowed_packet", (), _first_int)
+
+
+def _first_int(reply: Reply) -> int:
+    return int(reply[ROWS][0][0])
+
+
+PACKET_LIMIT = PacketLimit()
