@@ -145,23 +145,23 @@ def test_values_written_async_are_read_by_django_pymemcache_and_back(node):
 
 def test_meta_commands_on_a_live_node(node):
     cache = MemcachedCache([node.address], {})
-    cache.set_many({"a": "A", "c": "C"})
+    cache.set_many({"a": 1, "c": 3})  # integers are stored as decimal text
     client = Connection(cache._nodes[0].pool.address, cache._nodes[0].pool.settings)
     try:
         assert client.exchange(wire.meta_probe()) is True  # memcached >= 1.6.6
-        found = client.exchange(wire.meta_get_quiet([b":1:a", b":1:b", b":1:c"]))
-        assert sorted(found) == [b":1:a", b":1:c"]
+        found = client.exchange(wire.meta_sequence([b"mg :1:a v\r\n", b"mg :1:b v\r\n"], False))
+        assert [(reply.code, reply.value) for reply in found] == [(b"VA", b"1"), (b"EN", None)]
     finally:
         client.close()
 
-    async def same_on_the_loop() -> dict:
+    async def same_on_the_loop() -> list:
         connection = aio.AsyncConnection(client.address, client.settings)
         try:
-            return await connection.exchange(wire.meta_get_quiet([b":1:a", b":1:b"]))
+            return await connection.exchange(wire.meta_sequence([b"mg :1:c v\r\n"], False))
         finally:
             connection.close()
 
-    assert list(asyncio.run(same_on_the_loop())) == [b":1:a"]
+    assert [reply.value for reply in asyncio.run(same_on_the_loop())] == [b"3"]
 
 
 # --- event loops and pools ---------------------------------------------------------------
