@@ -331,3 +331,31 @@ def test_a_timed_out_async_write_is_settled_before_its_clean_up(memcached_node_f
     # Each request reached the server exactly once: the old value, the late one, the
     # fence's ``version`` and the clean-up's ``delete`` — nothing sent twice, no garbage.
     assert stats["cmd_set"] == 2 and stats["delete_hits"] == 1
+
+
+def test_a_checkout_that_times_out_as_it_is_handed_a_connection_gives_it_back(node):
+    """From Python 3.12 ``asyncio.wait_for`` may raise TimeoutError after its future got
+    a result. Here the loop is blocked past both the hand-over and POOL_TIMEOUT; when it
+    wakes, the connection handed to the waiter must not be lost with a PoolExhausted —
+    with MAX_POOL_SIZE 1 every later checkout would fail."""
+    cache = MemcachedCache([node.address], {"OPTIONS": {
+        "MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05, "IGNORE_EXCEPTIONS": False}})
+
+    async def scenario() -> list[Any]:
+        pool = aio.pool_of(cache._nodes[0])
+        held = await pool.checkout()
+        waiting = asyncio.ensure_future(pool.checkout())
+        await asyncio.sleep(0)  # the waiter queues
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.1)  # the loop stalls past POOL_TIMEOUT...
+        loop.call_later(0.03, pool.checkin, held)  # ...and the hand-over, both due together
+        outcome = await asyncio.gather(waiting, return_exceptions=True)
+        got = outcome[0]
+        if not isinstance(got, BaseException):
+            pool.checkin(got)
+        later = [await cache.aset(f"k{i}", i) for i in range(3)]  # the pool still works
+        return [got, later, pool.size, len(pool.idle)]
+
+    got, later, size, idle = asyncio.run(scenario())
+    assert later == [None, None, None]
+    assert size == idle == 1  # nothing leaked: the one connection is back

@@ -206,26 +206,36 @@ class AsyncPool:
         return None
 
     async def checkout(self) -> AsyncConnection:
+        """A connection, waiting at most POOL_TIMEOUT for one.
+
+        The waiter's future decides between a hand-over and the timeout: whichever comes
+        first sets it (no ``asyncio.wait_for``, which from Python 3.12 may raise
+        TimeoutError after the future got its connection). A caller cancelled after a
+        connection was handed over gives it on.
+        """
         connection = self.try_checkout()
         if connection is not None:
             return connection
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self.waiters.append(waiter)
         self.waits += 1
+        timer = loop.call_later(self.settings.pool_timeout, _expire, waiter)
         try:
-            handed = await asyncio.wait_for(waiter, self.settings.pool_timeout)
-        except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
+            handed = await waiter
+        except TimeoutError:  # set by the timer: nothing was handed over
             raise PoolExhausted(
                 self.address.name,
                 f"all {self.settings.max_size} connections busy for "
                 f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
             ) from None
         except BaseException:  # cancelled just as a connection was handed over: give it on
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 handed = waiter.result()
                 self.free_slot() if handed is None else self.checkin(handed)
             raise
         finally:
+            timer.cancel()
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
         return handed if handed is not None else self._new()
