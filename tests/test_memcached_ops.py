@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -142,6 +143,37 @@ def test_timeout_over_thirty_days_is_stored_as_a_unix_time(cache):
     assert cache.get("long") == "value"  # sent as seconds it would have expired at once
     ttl = meta_ttl(cache, ":1:long")
     assert THIRTY_DAYS < ttl <= THIRTY_DAYS + 3600 + 2  # memcached's clock ticks coarsely
+
+
+#: memcached reads an expiry time over 30 days as a signed 32-bit Unix time.
+LATEST_EXPIRY = 2**31 - 1
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_timeout_beyond_what_memcached_can_date_is_clamped(cache, api):
+    """Past 2038 memcached's 32-bit expiry wraps (stored "fine", already expired), and
+    from 2**63 s it refuses the command line without reading the value, whose bytes would
+    then run as commands. Such timeouts are clamped to the latest time it takes."""
+    def call(name, *args, **kwargs):
+        if api == "sync":
+            return getattr(cache, name)(*args, **kwargs)
+        return asyncio.run(getattr(cache, f"a{name}")(*args, **kwargs))
+
+    call("set", "long", "kept", 20 * 365 * 86400)
+    assert call("get", "long") == "kept"
+    assert cache.ttl("long") > 10 * 365 * 86400
+    injected = "a\r\nset :1:victim 1 0 5\r\nI42\n.\r\n"  # a pickled 42, as a command
+    call("set", "k", injected, timeout=sys.maxsize)
+    assert call("add", "k2", "a\r\nflush_all\r\n", timeout=10**20) is True
+    assert call("get", "victim") is None
+    assert call("get_many", ["k", "k2", "long"]) == {
+        "k": injected, "k2": "a\r\nflush_all\r\n", "long": "kept"}
+    call("touch", "long", 10**20)
+    assert call("get", "long") == "kept"
+    assert call("set_many", {"m": 1}, timeout=sys.maxsize) == []
+    assert call("get", "m") == 1
+    assert cache.expire_time(20 * 365 * 86400) == LATEST_EXPIRY
+    assert cache.expire_time(10**20) == cache.expire_time(float("inf")) == LATEST_EXPIRY
 
 
 def meta_ttl(cache, key):

@@ -42,6 +42,11 @@ from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
+#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
+#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
+#: it refuses the command line without reading the value (whose bytes are then read as
+#: commands). Longer timeouts are clamped to it.
+LATEST_EXPIRY = 2**31 - 1
 CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
 
 logger = logging.getLogger(__name__)
@@ -247,7 +252,8 @@ class MemcachedCache(KVCache):
             )
 
     def expire_time(self, timeout: Any = DEFAULT_TIMEOUT) -> int:
-        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days.
+        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days,
+        at most ``LATEST_EXPIRY``.
 
         Fractions of a second round up, so a positive timeout never means "expired".
         """
@@ -256,10 +262,9 @@ class MemcachedCache(KVCache):
             return 0
         if seconds <= 0:
             return -1
-        seconds = math.ceil(seconds)
-        if seconds > THIRTY_DAYS:
-            return int(time.time()) + seconds
-        return seconds
+        if seconds <= THIRTY_DAYS:
+            return math.ceil(seconds)
+        return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
