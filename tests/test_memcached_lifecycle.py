@@ -395,7 +395,7 @@ def test_a_write_whose_send_timed_out_is_settled_with_its_unsent_rest(proxy):
     big = os.urandom(8 * 1024 * 1024)
     cache.set("key", big)
     node = cache._nodes[0]
-    assert node.late.connections and node.late.connections[0][1], "the whole value was sent"
+    assert node.late.connections and node.late.connections[0].unsent, "the whole value was sent"
     held = proxy.release(0)
     cache.set("other", "after")  # settles (the big value lands), cleans up, then writes
     for link in held:

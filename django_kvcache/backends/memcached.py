@@ -34,8 +34,17 @@ from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, Refused, ValueTooLarge
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
-from django_kvcache.memcached.node import Call, Get, Node
-from django_kvcache.memcached.plans import Fanout, Plan, Sleep, arun, run
+from django_kvcache.memcached.node import Node
+from django_kvcache.memcached.plans import (
+    ASYNCIO,
+    BLOCKING,
+    Fanout,
+    Plan,
+    Sleep,
+    Transport,
+    arun,
+    run,
+)
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.options import flag
 from django_kvcache.signals import node_up
@@ -91,44 +100,44 @@ class MemcachedCache(KVCache):
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return run(self._get(key, default, version))
+        return run(self._get(key, default, version, BLOCKING))
 
     async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return await arun(self._get(key, default, version))
+        return await arun(self._get(key, default, version, ASYNCIO))
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        run(self._store(b"set", key, value, timeout, version))
+        run(self._store(b"set", key, value, timeout, version, BLOCKING))
 
     async def aset(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        await arun(self._store(b"set", key, value, timeout, version))
+        await arun(self._store(b"set", key, value, timeout, version, ASYNCIO))
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return run(self._store(b"add", key, value, timeout, version))
+        return run(self._store(b"add", key, value, timeout, version, BLOCKING))
 
     async def aadd(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._store(b"add", key, value, timeout, version))
+        return await arun(self._store(b"add", key, value, timeout, version, ASYNCIO))
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
-        return run(self._touch(key, timeout, version))
+        return run(self._touch(key, timeout, version, BLOCKING))
 
     async def atouch(
         self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._touch(key, timeout, version))
+        return await arun(self._touch(key, timeout, version, ASYNCIO))
 
     def delete(self, key: Any, version: int | None = None) -> bool:
-        return run(self._delete(key, version))
+        return run(self._delete(key, version, BLOCKING))
 
     async def adelete(self, key: Any, version: int | None = None) -> bool:
-        return await arun(self._delete(key, version))
+        return await arun(self._delete(key, version, ASYNCIO))
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
         return self.get(key, MISSING, version=version) is not MISSING
@@ -137,10 +146,10 @@ class MemcachedCache(KVCache):
         return await self.aget(key, MISSING, version=version) is not MISSING
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        return run(self._incr(key, delta, version))
+        return run(self._incr(key, delta, version, BLOCKING))
 
     async def aincr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        return await arun(self._incr(key, delta, version))
+        return await arun(self._incr(key, delta, version, ASYNCIO))
 
     async def adecr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         check_delta(delta)  # before negating: -True would pass as -1
@@ -295,11 +304,11 @@ class MemcachedCache(KVCache):
 
     # --- plans: single keys -----------------------------------------------------------
 
-    def _get(self, key: Any, default: Any, version: int | None) -> Plan:
+    def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
             node = self.cluster.node(key, self.failover)
-            found = node.count_get((yield Get(node, key.encode())))
+            found = yield from node.get(key.encode(), io)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -307,52 +316,57 @@ class MemcachedCache(KVCache):
         value = self.decode(found[0], found[1], key)
         return default if value is MISSING else value
 
-    def _write(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Plan:
+    def _write(
+        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0
+    ) -> Plan:
         """A single-key write on the key's node (or its failover node), which is credited
         with ``sent`` and ``saved`` bytes."""
         try:
-            return (yield Call(self._node(key), op, sent=sent, saved=saved))
+            return (yield from self._node(key).exchange(op, io, sent, saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
             raise
 
-    def _store(self, name: bytes, key: Any, value: Any, timeout: Any, version: int | None) -> Plan:
+    def _store(
+        self, name: bytes, key: Any, value: Any, timeout: Any, version: int | None, io: Transport
+    ) -> Plan:
         """``set`` or ``add``. A value the server refuses leaves no older value behind for
         ``set``; for ``add`` the entry that is there stays."""
         key = self.make_and_validate_key(key, version=version)
         data, flags, saved = self.codec.encode_measured(value)
         op = wire.store(name, key.encode(), data, flags, self.expire_time(timeout))
         try:
-            stored = yield from self._write(key, op, sent=len(key) + len(data), saved=saved)
+            stored = yield from self._write(key, op, io, len(key) + len(data), saved)
         except Refused as exc:  # too large, out of memory: refused, node fine
             if name == b"set":
-                yield from self._forget(key)
+                yield from self._forget(key, io)
             refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc.reason}")
             return self._failed(refused, False)
         except MemcachedError as exc:
             return self._failed(exc, False)
         return bool(stored) if name == b"add" else None
 
-    def _forget(self, key: str) -> Plan:
+    def _forget(self, key: str, io: Transport) -> Plan:
         """Delete a key whose new value was refused, so the old one is never read again."""
         try:
-            yield from self._write(key, wire.delete(key.encode()))
+            yield from self._write(key, wire.delete(key.encode()), io)
         except MemcachedError as exc:  # remembered as outdated by _write
             logger.warning("Could not delete %r after a failed set: %s", key, exc)
 
-    def _touch(self, key: Any, timeout: Any, version: int | None) -> Plan:
+    def _touch(self, key: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
+        op = wire.touch(key.encode(), self.expire_time(timeout))
         try:
-            return bool((yield from self._write(key, wire.touch(key.encode(), self.expire_time(timeout)))))
+            return bool((yield from self._write(key, op, io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def _delete(self, key: Any, version: int | None) -> Plan:
+    def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool((yield from self._write(key, wire.delete(key.encode()))))
+            return bool((yield from self._write(key, wire.delete(key.encode()), io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -367,7 +381,7 @@ class MemcachedCache(KVCache):
 
     # --- plans: counters --------------------------------------------------------------
 
-    def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
+    def _incr(self, key: Any, delta: int, version: int | None, io: Transport) -> Plan:
         """Add ``delta`` (negative to subtract); the entry keeps its expiry time.
 
         Signed 64-bit counters, the same as MySQLCache's (docs/guarantees.rst): results
@@ -385,9 +399,9 @@ class MemcachedCache(KVCache):
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta)
+                value = yield from self._incr_on_server(node, key, delta, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta)
+                value = yield from self._add_with_cas(node, key, delta, io)
         except Refused:
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
@@ -397,7 +411,7 @@ class MemcachedCache(KVCache):
             raise ValueError(f"Key '{key}' not found")
         return value
 
-    def _incr_on_server(self, node: Node, key: str, delta: int) -> Plan:
+    def _incr_on_server(self, node: Node, key: str, delta: int, io: Transport) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
         From a stored value v in [0, 2**64), the reply is v + delta, or v + delta - 2**64
@@ -411,26 +425,26 @@ class MemcachedCache(KVCache):
         (docs/guarantees.rst, Counters).
         """
         try:
-            value = yield from node.call_plan(wire.incr(key.encode(), delta), retry=False)
+            value = yield from node.exchange(wire.incr(key.encode(), delta), io)
         except Refused as exc:
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta))
+            return (yield from self._add_with_cas(node, key, delta, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            yield from node.call_plan(wire.incr(key.encode(), 2**64 - delta), retry=False)
+            yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
         raise self._overflow(key, delta)
 
-    def _add_with_cas(self, node: Node, key: str, delta: int) -> Plan:
+    def _add_with_cas(self, node: Node, key: str, delta: int, io: Transport) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile.
 
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
         if node.meta is None:
-            node.meta = yield from node.call_plan(wire.meta_probe())
+            node.meta = yield from node.exchange(wire.meta_probe(), io)
         if not node.meta:
             raise MemcachedError(
                 node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
@@ -439,7 +453,7 @@ class MemcachedCache(KVCache):
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = yield from node.call_plan(wire.meta_get(encoded_key))
+            found = yield from node.exchange(wire.meta_get(encoded_key), io)
             if found is None:
                 return None
             data, flags, ttl, cas = found
@@ -453,10 +467,10 @@ class MemcachedCache(KVCache):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
             if ttl > THIRTY_DAYS:  # memcached reads longer times as Unix timestamps, on its
                 # own clock, which lags ours by up to 2 s: ours would stretch every update.
-                ttl += (yield from node.call_plan(wire.stats()))["time"]
+                ttl += (yield from node.exchange(wire.stats(), io))["time"]
             new_data, new_flags = self.codec.encode(result)
-            swapped = yield from node.call_plan(
-                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), retry=False
+            swapped = yield from node.exchange(
+                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
             if swapped:
                 return result
