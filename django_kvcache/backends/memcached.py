@@ -241,6 +241,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
+    def encode(self, value: Any) -> tuple[bytes, int]:
+        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value)
+
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
 
