@@ -72,7 +72,8 @@ def node(memcached_node_factory):
 
 @pytest.fixture
 def cache(node):
-    cache = MemcachedCache([node.address], {"OPTIONS": {"IO_TIMEOUT": 1.0}})
+    cache = MemcachedCache([node.address], {"OPTIONS": {"IO_TIMEOUT": 1.0,
+                                                        "IGNORE_EXCEPTIONS": False}})
     yield cache
     cache.clear()
 

@@ -26,7 +26,8 @@ from django_kvcache.signals import node_down
 def build(addresses: list[str], **options: Any) -> MemcachedCache:
     # Health is process-wide per (node, FAILURE_THRESHOLD, RETRY_TIMEOUT): a RETRY_TIMEOUT a
     # hair different per cache keeps a reused port from inheriting an earlier test's state.
-    options = {"RETRY_TIMEOUT": 30 + (time.monotonic() % 1) / 1000, **options}
+    options = {"RETRY_TIMEOUT": 30 + (time.monotonic() % 1) / 1000,
+               "IGNORE_EXCEPTIONS": False, **options}
     return MemcachedCache(addresses, {"OPTIONS": options})
 
 

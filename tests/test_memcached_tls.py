@@ -93,7 +93,8 @@ def test_tls_with_an_ssl_context(tls_node):
 
 def test_untrusted_certificate_fails_as_a_node_error(tls_node):
     address, _ = tls_node
-    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50,
+                                                "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
         cache.get("key")
 
@@ -118,7 +119,8 @@ def test_tls_on_the_async_path(tls_node):
 
 def test_untrusted_certificate_fails_as_a_node_error_async(tls_node):
     address, _ = tls_node
-    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50,
+                                                "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
         asyncio.run(cache.aget("key"))
 

@@ -48,4 +48,7 @@ class Refused(MemcachedError):
 
 
 class ValueTooLarge(MemcachedError):
-    """The server refused to store a value (over its item size even after compression)."""
+    """The server refused to store a value (over its item size even after compression).
+
+    No call raises it any more: a refused value is logged and fails no page (docs,
+    "Values a backend refuses"). Kept so that code catching it still imports."""
