@@ -226,6 +226,11 @@ class AddLeaseStore:
 
     Works on any cache whose ``add`` is atomic (both kvcache backends). Plain ``get`` and
     ``set`` are untouched; only entries written by ``get_or_set`` have a stale copy.
+
+    ``release`` reads the lease and deletes it if it holds this caller's token: with the
+    Django API alone a lease that expires between the two, and is taken by another
+    caller, would be deleted. A store whose cache can compare and delete overrides it
+    (memcached's ``ClassicLeaseStore``).
     """
 
     def __init__(self, cache: Any, policy: Policy, key: Any, timeout: Any, version: Any) -> None:
