@@ -34,9 +34,6 @@ class Gets:
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
 
-    async def get_one(self, key: bytes) -> tuple[bytes, int] | None:
-        return (await self.get([key])).get(key)
-
     def get(self, keys: list[bytes]) -> asyncio.Future:
         """A future of ``{key: (data, flags)}`` for the ``keys`` found."""
         loop = asyncio.get_running_loop()

@@ -25,7 +25,6 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from django_kvcache.memcached import wire
@@ -125,14 +124,14 @@ class Connection:
         """Send ``request`` and read until ``reply`` parses, both by ``deadline``.
 
         The usual exchange, written out for speed: the request leaves in one ``send``
-        and its reply arrives in one ``recv``, bounded by the socket's own timeout when
-        (nearly) the whole of it is left before the deadline."""
-        sock = self.sock or self.connect()
-        bound = self.settings.io_timeout
-        if self.send(request, deadline) or (
-            deadline is not None and bound is not None
-            and deadline - monotonic() < bound * SLACK
-        ):  # a connect or a full buffer took much of the time: the long way
+        and its reply arrives in one ``recv``, bounded by the socket's own timeout (the
+        deadline is IO_TIMEOUT from just now). When time went by first — a connect, a
+        full buffer — the reads are bounded by the deadline itself (``receive``)."""
+        sock = self.sock
+        fresh = sock is None
+        if fresh:
+            sock = self.connect()
+        if self.send(request, deadline) or fresh:
             self.receive(reply, deadline)
             return
         chunk = sock.recv(RECV_SIZE)

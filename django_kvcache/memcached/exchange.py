@@ -16,6 +16,9 @@ is decided here, once:
 * **Which deadline applies.** IO_TIMEOUT, counted from the moment the requests start
   going out until every reply is complete: one deadline for a whole round of a fan-out,
   not one per read. Each settle has its own.
+* **What goes out together.** On the event loop, with AUTOBATCH, a get for a node the
+  loop is already busy with joins that node's pending gets (``autobatch``) instead of
+  going out alone; its share of their reply is its result.
 * **What an outcome does to the connection and the node** (:func:`_ended`,
   :meth:`Batch.interrupted`):
 
@@ -45,7 +48,15 @@ from time import monotonic
 from typing import Any, Callable, Protocol, Sequence
 
 from django_kvcache import steps
-from django_kvcache.memcached import MemcachedError, NodeError, Refused, aio, connection, wire
+from django_kvcache.memcached import (
+    MemcachedError,
+    NodeError,
+    Refused,
+    aio,
+    autobatch,
+    connection,
+    wire,
+)
 from django_kvcache.memcached.connection import TIMEOUTS, deadline_after
 
 #: Errors that mean the node (or the path to it) failed, not the request. (On Python
@@ -80,6 +91,8 @@ class Batch:
     ``ops`` is counted once, whatever is retried; ``sent`` and ``saved`` bytes are
     credited once the node answered, and with ``count_received`` the reply's bytes too.
     ``on_result`` bumps the node's counters with the result (hits and misses).
+    ``gets``: a get's keys, which may go out with other gets (AUTOBATCH); ``one``: it is a
+    single-key get, whose result is ``(data, flags)`` or None, not a dict.
 
     While the batch holds a connection (an *attempt*: from checkout until the connection
     is checked in, closed or kept to be settled) it also records what happened on it:
@@ -88,34 +101,25 @@ class Batch:
     bytes when that request left (nothing came since: a stale connection).
     """
 
-    __slots__ = ("node", "op", "keys", "ops", "sent", "saved", "count_received",
-                 "on_result", "gets", "result", "error",
-                 "pool", "connection", "reused", "in_flight", "reply", "mark")
+    # Optional fields as class attributes: a single-key call (the hot path) builds its
+    # batch from two or four arguments (a keyword-rich constructor costs twice as much).
+    keys: Sequence[str] = ()
+    ops = 1
+    sent = 0
+    saved = 0
+    count_received = False
+    on_result: Callable[[Any], None] | None = None
+    gets: list[bytes] | None = None
+    one = False
+    result: Any = None
+    error: MemcachedError | None = None
+    connection: Any = None
 
-    def __init__(
-        self,
-        node: Node,
-        op: wire.Op,
-        keys: Sequence[str] = (),
-        ops: int = 1,
-        sent: int = 0,
-        saved: int = 0,
-        count_received: bool = False,
-        on_result: Callable[[Any], None] | None = None,
-        gets: list[bytes] | None = None,
-    ) -> None:
+    def __init__(self, node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> None:
         self.node = node
         self.op = op
-        self.keys = keys
-        self.ops = ops
         self.sent = sent
         self.saved = saved
-        self.count_received = count_received
-        self.on_result = on_result
-        self.gets = gets  # a get's keys: on the loop, AUTOBATCH may merge it with others
-        self.result: Any = None
-        self.error: MemcachedError | None = None
-        self.connection: Any = None
 
     def __repr__(self) -> str:
         return f"<Batch {self.node.name} {self.op.request[:40]!r}>"
@@ -125,6 +129,14 @@ class Batch:
         if self.error is not None:
             raise self.error
         return self.result
+
+    def shared(self, found: dict[bytes, tuple[bytes, int]]) -> None:
+        """Its share of a joint get (AUTOBATCH) arrived: the result, and the counters."""
+        result = self.result = found.get(self.gets[0]) if self.one else found  # type: ignore
+        if self.count_received:  # no connection of its own to count: the values' bytes
+            self.node.bytes_received += sum(len(data) for data, _ in found.values())
+        if self.on_result is not None:
+            self.on_result(result)
 
     # --- an attempt: the batch on one connection ---------------------------------------
 
@@ -248,23 +260,66 @@ def _deadline(batch: Batch) -> float | None:
 
 def exchange(batches: Sequence[Batch], transport: Transport) -> steps.Plan:
     """Every batch's request on a connection of its node's pool, then every reply; fills
-    each batch's ``result`` or ``error``.
+    each batch's ``result`` or ``error`` (a plan: ``yield from exchange(...)``). Gets that
+    joined others' (AUTOBATCH, on the loop) take their share once the batches that went
+    on their own are done."""
+    return _plan(batches, transport, False)
 
-    In rounds: the batches whose pool has a connection free now take one (a call never
-    waits for one node's connection while holding another's: two callers could each
-    hold what the other waits for), or, when none has, the first waits for its pool;
-    then every node of the round is made ready (:func:`_repair`), every request sent,
-    every reply read, by one deadline (a lone request is sent and read in one step).
-    Batches whose pooled connection had gone stale go once more, on new connections.
-    """
+
+def call(batch: Batch, transport: Transport) -> steps.Plan:
+    """One batch, as a plan whose value is its result (or which raises its error):
+    ``value = yield from call(batch, io)``."""
+    return _plan((batch,), transport, True)
+
+
+def _plan(batches: Sequence[Batch], transport: Transport, one: bool) -> steps.Plan:
+    """``exchange``'s plan (a plain function: the plan is the generator it returns, one
+    generator per call on the hot path). ``one``: the plan's value is the lone batch's."""
     for batch in batches:
         batch.node.ops += batch.ops  # once per call, whatever is retried
+    if transport.joins:
+        joined = transport.join(batches)
+        if joined:
+            return _joined(batches, joined, transport, one)
+    return _rounds(batches, transport, one)
+
+
+def _joined(
+    batches: Sequence[Batch], joined: dict[Batch, Any], transport: Transport, one: bool
+) -> steps.Plan:
+    """The batches that go on their own, then the shares of those that joined others'."""
+    try:
+        yield from _rounds([batch for batch in batches if batch not in joined], transport, False)
+        for batch, share in joined.items():
+            try:
+                batch.shared((yield (_awaited, (share,))))
+            except MemcachedError as exc:
+                batch.error = exc
+    except BaseException:  # cancelled: the shares nobody will read are dropped
+        for share in joined.values():
+            share.cancel()
+        raise
+    return batches[0].outcome() if one else None
+
+
+def _rounds(batches: Sequence[Batch], transport: Transport, one: bool) -> steps.Plan:
+    """The batches in rounds: those whose pool has a connection free now take one (a
+    call never waits for one node's connection while holding another's: two callers
+    could each hold what the other waits for), or, when none has, the first waits for
+    its pool; then every node of the round is made ready (:func:`_repair`), every request
+    sent and every reply read, by one deadline (a lone request in one step). Batches
+    whose pooled connection had gone stale go once more, on new connections. ``one``:
+    the plan's value is the lone batch's result."""
+    lone = batches[0] if one else None
     retry = True
     while batches:
         stale: list[Batch] = []
         pending = batches
         while pending:
-            claimed, pending = _claim(pending, transport)
+            if len(pending) == 1 and pending[0].claim(transport):
+                claimed, pending = pending, ()
+            else:
+                claimed, pending = _claim(pending, transport)
             if not claimed:
                 first = pending[0]
                 pool = transport.pool(first.node)
@@ -281,12 +336,14 @@ def exchange(batches: Sequence[Batch], transport: Transport) -> steps.Plan:
                     if batch.node.late.pending or batch.node.outdated.pending:
                         claimed = yield from _ready(claimed, transport, retry, stale)
                         break
-                if len(claimed) == 1:  # a lone request: sent and read in one step
+                if len(claimed) == 1:
                     batch = claimed[0]
                     op = batch.op
                     try:
                         reply = batch.start(op)
-                        yield (batch.connection.transfer, (op.request, reply, _deadline(batch)))
+                        seconds = batch.pool.settings.io_timeout
+                        deadline = None if seconds is None else monotonic() + seconds
+                        yield (batch.connection.transfer, (op.request, reply, deadline))
                         _finished(batch)
                     except Exception as exc:
                         if not _ended(batch, exc, retry, stale):
@@ -299,6 +356,12 @@ def exchange(batches: Sequence[Batch], transport: Transport) -> steps.Plan:
                         batch.interrupted()
                 raise
         batches, retry = stale, False
+    return lone.outcome() if lone is not None else None
+
+
+def _awaited(share: Any) -> Any:
+    """A call whose result the asyncio driver awaits: the share's future itself."""
+    return share
 
 
 def _claim(pending: Sequence[Batch], transport: Transport) -> tuple[list[Batch], list[Batch]]:
@@ -433,13 +496,26 @@ class Transport(Protocol):
     def exclusive(self, lock: threading.Lock) -> Any:
         """Take ``lock`` (a thread's lock): blocking, or polling on the loop."""
 
+    #: Whether gets may join others (``join``).
+    joins: bool
+
+    def join(self, batches: Sequence[Batch]) -> dict[Batch, Any]:
+        """The get batches that joined gets already going to their node, each with the
+        future of its share of their reply (AUTOBATCH)."""
+
 
 class Blocking:
     """The blocking driver: the node's process-wide pool, blocking calls."""
 
+    joins = False
+
     @staticmethod
     def pool(node: Any) -> Any:
         return node.pool
+
+    @staticmethod
+    def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
+        return {}
 
     settle = staticmethod(connection.settle)
 
@@ -451,8 +527,19 @@ class Blocking:
 class Asyncio:
     """The asyncio driver: the running loop's pool for the node; nothing blocks."""
 
+    joins = True
     pool = staticmethod(aio.pool_of)
     settle = staticmethod(aio.settle)
+
+    @staticmethod
+    def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
+        joined = {}
+        for batch in batches:
+            if batch.gets is not None:
+                gets = autobatch.batch_for(batch.node)
+                if gets is not None:
+                    joined[batch] = gets.get(batch.gets)
+        return joined
 
     @staticmethod
     async def exclusive(lock: threading.Lock) -> None:

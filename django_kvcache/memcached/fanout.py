@@ -11,11 +11,10 @@ node's share of a get may also join the gets other coroutines are sending it
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Sequence
 
 from django_kvcache import steps
-from django_kvcache.memcached import MemcachedError, autobatch, wire
+from django_kvcache.memcached import wire
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Batch, exchange
 
 __all__ = ["Batch", "arun", "delete_batch", "flush_batch", "get_batch", "run", "set_batch"]
@@ -27,32 +26,8 @@ def run(batches: Sequence[Batch]) -> None:
 
 
 async def arun(batches: Sequence[Batch]) -> None:
-    """``run`` on the event loop. With AUTOBATCH, a get batch for a node this loop is
-    already busy with joins that node's pending gets instead of a request of its own."""
-    direct: list[Batch] = []
-    joined: list[tuple[Batch, asyncio.Future]] = []
-    for batch in batches:
-        gets = autobatch.batch_for(batch.node) if batch.gets is not None else None
-        if gets is None:
-            direct.append(batch)
-        else:
-            batch.node.ops += batch.ops
-            joined.append((batch, gets.get(batch.gets)))
-    try:
-        await steps.arun(exchange(direct, ASYNCIO))
-        for batch, share in joined:
-            try:
-                batch.result = await share
-            except MemcachedError as exc:
-                batch.error = exc
-                continue
-            batch.node.bytes_received += sum(len(data) for data, _ in batch.result.values())
-            if batch.on_result is not None:
-                batch.on_result(batch.result)
-    except BaseException:  # cancelled: drop our other shares too (nobody would read them)
-        for _, share in joined:
-            share.cancel()
-        raise
+    """``run`` on the event loop (where get batches may join other coroutines' gets)."""
+    await steps.arun(exchange(batches, ASYNCIO))
 
 
 # --- the batches ----------------------------------------------------------------------
@@ -66,9 +41,10 @@ def get_batch(node: Any, keys: list[str]) -> Batch:
         node.misses += len(keys) - len(found)
 
     encoded = [key.encode() for key in keys]
-    op = wire.get_many(encoded)
-    return Batch(node, op, keys, ops=len(keys), sent=len(op.request), count_received=True,
-                 on_result=count, gets=encoded)
+    batch = _many(node, keys, wire.get_many(encoded))
+    batch.on_result = count
+    batch.gets = encoded
+    return batch
 
 
 def set_batch(
@@ -77,17 +53,25 @@ def set_batch(
     """``result``: one reply line per key (``STORED`` or the server's refusal). ``saved``:
     the bytes compression saved, credited to the node once it answered."""
     items = [(key.encode(), data, flags) for key, (data, flags) in zip(keys, encoded)]
-    op = wire.store_many(items, expire)
-    return Batch(node, op, keys, ops=len(keys), sent=len(op.request), saved=saved,
-                 count_received=True)
+    batch = _many(node, keys, wire.store_many(items, expire))
+    batch.saved = saved
+    return batch
 
 
 def delete_batch(node: Any, keys: list[str]) -> Batch:
     """``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
-    op = wire.delete_many(key.encode() for key in keys)
-    return Batch(node, op, keys, ops=len(keys), sent=len(op.request), count_received=True)
+    return _many(node, keys, wire.delete_many(key.encode() for key in keys))
 
 
 def flush_batch(node: Any) -> Batch:
-    op = wire.flush_all()
-    return Batch(node, op, ops=0, sent=len(op.request), count_received=True)
+    return _many(node, [], wire.flush_all())
+
+
+def _many(node: Any, keys: list[str], op: wire.Op) -> Batch:
+    """A node's share of a multi-key call: counted as an operation per key, credited
+    with the whole request and reply."""
+    batch = Batch(node, op, len(op.request))
+    batch.keys = keys
+    batch.ops = len(keys)
+    batch.count_received = True
+    return batch

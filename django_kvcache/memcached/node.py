@@ -15,7 +15,7 @@ from typing import Any
 
 from django_kvcache import steps
 from django_kvcache.health import NodeHealth
-from django_kvcache.memcached import NodeDown, NodeError, aio, autobatch, wire
+from django_kvcache.memcached import NodeDown, NodeError, aio, wire
 from django_kvcache.memcached.connection import TIMEOUTS
 from django_kvcache.memcached.exchange import (
     ASYNCIO,
@@ -23,7 +23,7 @@ from django_kvcache.memcached.exchange import (
     TIMEOUT_ERRORS,
     Batch,
     Transport,
-    exchange,
+    call,
 )
 from django_kvcache.memcached.pool import NodePool
 from django_kvcache.memcached.routing import NodeAddress
@@ -60,15 +60,15 @@ class Node:
         node answered. A refused request raises ``Refused``, a failure ``NodeError``,
         a busy pool ``PoolExhausted`` (``exchange`` decides which, for both drivers).
         """
-        batch = Batch(self, op, (), ops, sent, saved)
-        steps.run(exchange((batch,), BLOCKING))
-        return batch.outcome()
+        batch = Batch(self, op, sent, saved)
+        batch.ops = ops
+        return steps.run(call(batch, BLOCKING))
 
     async def acall(self, op: wire.Op, sent: int = 0, saved: int = 0, ops: int = 1) -> Any:
         """``call`` on the running event loop's pool for this node: the same exchange."""
-        batch = Batch(self, op, (), ops, sent, saved)
-        await steps.arun(exchange((batch,), ASYNCIO))
-        return batch.outcome()
+        batch = Batch(self, op, sent, saved)
+        batch.ops = ops
+        return await steps.arun(call(batch, ASYNCIO))
 
     def call_plan(self, op: wire.Op, sent: int = 0, saved: int = 0) -> steps.Plan:
         """``call`` as a plan step: ``yield from node.call_plan(op)`` (or ``yield
@@ -79,24 +79,18 @@ class Node:
         self, op: wire.Op, transport: Transport, sent: int = 0, saved: int = 0
     ) -> steps.Plan:
         """``call`` inside a plan that knows its driver's ``transport`` (``BLOCKING`` for
-        ``steps.run``, ``ASYNCIO`` for ``steps.arun``): the exchange runs in the plan's
-        own driver, with no step and no driver of its own."""
-        batch = Batch(self, op, (), 1, sent, saved)
-        yield from exchange((batch,), transport)
-        return batch.outcome()
+        ``steps.run``, ``ASYNCIO`` for ``steps.arun``): ``value = yield from
+        node.exchange(op, io)`` runs the exchange in the plan's own driver, with no step
+        and no driver of its own."""
+        return call(Batch(self, op, sent, saved), transport)
 
     def get(self, key: bytes, transport: Transport) -> steps.Plan:
         """A single-key ``get`` in a plan: ``(data, flags)`` or None, counted as a hit or
-        a miss. On the event loop, with AUTOBATCH, it may join the loop iteration's other
-        gets for the node (``autobatch``)."""
-        if transport is ASYNCIO:
-            gets = autobatch.batch_for(self)
-            if gets is not None:
-                self.ops += 1
-                return self.count_get((yield (gets.get_one, (key,))))
+        a miss. On the event loop, with AUTOBATCH, it may go out with the loop
+        iteration's other gets for the node (the exchange decides)."""
         batch = Batch(self, wire.get_one(key))
-        yield from exchange((batch,), transport)
-        return self.count_get(batch.outcome())
+        batch.gets, batch.one, batch.on_result = [key], True, self.count_get
+        return call(batch, transport)
 
     def count_get(self, found: tuple[bytes, int] | None) -> tuple[bytes, int] | None:
         """A single-key read's outcome, counted as a hit or a miss."""
