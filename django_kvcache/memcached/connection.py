@@ -123,17 +123,31 @@ class Connection:
     def transfer(self, request: bytes, reply: Any, deadline: float | None) -> None:
         """Send ``request`` and read until ``reply`` parses, both by ``deadline``.
 
-        The usual exchange, written out for speed: the request leaves in one ``send``
-        and its reply arrives in one ``recv``, bounded by the socket's own timeout (the
-        deadline is IO_TIMEOUT from just now). When time went by first — a connect, a
-        full buffer — the reads are bounded by the deadline itself (``receive``)."""
+        The usual exchange, written out for speed (``send`` and ``receive`` inlined):
+        the request leaves in one ``send`` and its reply arrives in one ``recv``, bounded
+        by the socket's own timeout (the deadline is IO_TIMEOUT from just now). When time
+        went by first — a connect, a full buffer — the reads are bounded by the deadline
+        itself (``receive``)."""
         sock = self.sock
-        fresh = sock is None
-        if fresh:
-            sock = self.connect()
-        if self.send(request, deadline) or fresh:
+        if sock is None:
+            self.connect()
+            self.send(request, deadline)
             self.receive(reply, deadline)
             return
+        self.unsent = request
+        try:
+            sent = sock.send(request, self.send_flags)
+        except BlockingIOError:  # the kernel's buffer is full
+            sent = 0
+        except TIMEOUTS as exc:  # TLS: its socket timeout
+            raise SendTimeout(f"IO_TIMEOUT passed with {len(request)} bytes unsent") from exc
+        if sent != len(request):
+            self.unsent = memoryview(request)[sent:]
+            send_rest(sock, self, deadline)
+            self.unsent = b""
+            self.receive(reply, deadline)
+            return
+        self.unsent = b""
         chunk = sock.recv(RECV_SIZE)
         if not chunk:
             raise ConnectionClosed("the server closed the connection")
