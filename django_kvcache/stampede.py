@@ -13,7 +13,6 @@ sync API (:func:`run`) or the async one (:func:`arun`, which awaits an async def
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import logging

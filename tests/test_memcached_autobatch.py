@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached import NodeError, aio, autobatch
+from django_kvcache.memcached import NodeError, autobatch
 from tests.test_faults_memcached import IO_TIMEOUT, build, keys_by_node, pause, resume
 
 

@@ -341,9 +341,7 @@ def _rounds(batches: Sequence[Batch], transport: Transport, one: bool) -> steps.
                     op = batch.op
                     try:
                         reply = batch.start(op)
-                        seconds = batch.pool.settings.io_timeout
-                        deadline = None if seconds is None else monotonic() + seconds
-                        yield (batch.connection.transfer, (op.request, reply, deadline))
+                        yield (batch.connection.transfer, (op.request, reply, _deadline(batch)))
                         _finished(batch)
                     except Exception as exc:
                         if not _ended(batch, exc, retry, stale):
