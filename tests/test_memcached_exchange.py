@@ -22,7 +22,7 @@ from pymemcache.client.base import Client
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeError, Refused, wire
 from tests.contract import AsyncAPI
-from tests.test_memcached_lifecycle import DelayingProxy
+from tests.test_memcached_lifecycle import DelayingProxy, accepted
 
 #: Short enough for a test to wait for, long enough for a busy 2-core machine to answer.
 IO_TIMEOUT = 0.5
@@ -202,11 +202,7 @@ class ScriptedServer:
         threading.Thread(target=self.accept, daemon=True).start()
 
     def accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in accepted(self.listener):
             self.sockets.append(client)
             threading.Thread(target=self.serve, args=(client,), daemon=True).start()
 

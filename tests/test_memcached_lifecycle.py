@@ -285,6 +285,16 @@ class Link:
             sock.close()
 
 
+def accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Each client ``listener`` accepts, until it is closed."""
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        yield client
+
+
 class DelayingProxy:
     """A TCP proxy to memcached whose links can be held: what clients send while held is
     delivered when released, ``delay`` seconds late — the unlucky order a paused server
@@ -301,11 +311,7 @@ class DelayingProxy:
         threading.Thread(target=self.accept, daemon=True).start()
 
     def accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in accepted(self.listener):
             link = Link(client, socket.create_connection(self.upstream), not self.holding)
             self.links.append(link)  # before it carries anything: ``hold`` must see it
             link.start()
