@@ -43,7 +43,18 @@ class FailureLog:
     (after a summary of what the old one left unreported). Summaries are written when a
     failure arrives, never by a timer, so a quiet source costs nothing. Each failure that
     only adds to a count is logged at DEBUG, so none goes unlogged where that level is on.
+
+    The lines' wording is in the class attributes below; a subclass may word its own kind
+    of event (a value refused is no failure "ignored").
     """
+
+    #: Arguments: kind, source, error, interval.
+    FIRST = ("Ignored %s failure on %s: %s (further failures there are summarized at most "
+             "every %g s)")
+    #: Arguments: count, kind, source, seconds, last error.
+    SUMMARY = "%d more %s failure(s) ignored on %s in %.1f s (last: %s)"
+    #: Arguments: kind, source, error (at DEBUG).
+    COUNTED = "%s failure on %s, counted for its summary: %s"
 
     def __init__(
         self,
@@ -83,8 +94,7 @@ class FailureLog:
         for line in lines:
             self.logger.warning(*line)
         if not lines:  # neither a first line nor a summary: only counted
-            self.logger.debug("%s failure on %s, counted for its summary: %s",
-                              self.kind, source, error_text)
+            self.logger.debug(self.COUNTED, self.kind, source, error_text)
 
     def recovered(self, source: str) -> None:
         """``source`` answers again: close its episode, if one is open, with its total."""
@@ -98,10 +108,7 @@ class FailureLog:
             )
 
     def _first(self, source: str, error_text: str) -> tuple:
-        return (
-            "Ignored %s failure on %s: %s (further failures there are summarized at most "
-            "every %g s)", self.kind, source, error_text, self.interval,
-        )
+        return (self.FIRST, self.kind, source, error_text, self.interval)
 
     def _summarize(self, lines: list[tuple], source: str, episode: Episode, until: float) -> None:
         """Add the summary of ``episode``'s unreported failures to ``lines``, if any."""
@@ -109,8 +116,7 @@ class FailureLog:
         episode.unreported, episode.last_line = 0, until
         if unreported:
             lines.append((
-                "%d more %s failure(s) ignored on %s in %.1f s (last: %s)",
-                unreported, self.kind, source, until - since, episode.last_error,
+                self.SUMMARY, unreported, self.kind, source, until - since, episode.last_error,
             ))
 
 

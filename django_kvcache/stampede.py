@@ -13,10 +13,10 @@ sync API (:func:`run`) or the async one (:func:`arun`, which awaits an async def
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +34,13 @@ MISSING: Any = object()
 #: First and longest pause between two reads of a caller waiting for the winner.
 FIRST_POLL = 0.005
 LONGEST_POLL = 0.1
+#: The early window is at most this share of the entry's lifetime: whatever
+#: EARLY_RECOMPUTE says, an entry is served as it is for three quarters of its life.
+EARLY_SHARE = 0.25
+#: Steepness of the draw inside the window (XFetch's exponential): with ``r`` seconds
+#: left of a window of ``w``, a reader recomputes with probability ``exp(-3 r / w)`` —
+#: 5 % as the window opens, 37 % two thirds of the way in, 100 % at expiry.
+EARLY_STEEPNESS = 3.0
 
 
 class Read(NamedTuple):
@@ -100,7 +107,8 @@ class Policy:
     lease_timeout: float
     stale_timeout: float | None  # None: no stale values; waiters wait for the fresh one
     #: Seconds before expiry in which one caller may recompute a still fresh entry while
-    #: the others keep getting it; None: recompute only after expiry.
+    #: the others keep getting it (bounded by the entry's lifetime: ``early_window``);
+    #: None: recompute only after expiry.
     early_recompute: float | None = None
 
     @classmethod
@@ -119,6 +127,25 @@ class Policy:
                     )
             return None
         return cls(lease, stale, early)
+
+    def early_window(self, lifetime: float | None) -> float | None:
+        """Seconds before expiry in which one caller may recompute a fresh entry stored
+        for ``lifetime`` seconds (the timeout ``get_or_set`` stores it with): EARLY_RECOMPUTE,
+        but at most a quarter of that lifetime — an EARLY_RECOMPUTE longer than the
+        timeout must not turn caching off. None: no early recomputation (none asked
+        for, or an entry that never expires)."""
+        if self.early_recompute is None or lifetime is None or lifetime <= 0:
+            return None
+        return min(self.early_recompute, lifetime * EARLY_SHARE)
+
+
+def recompute_early(left: float, window: float | None, draw: float) -> bool:
+    """XFetch-style: whether a reader of a fresh entry with ``left`` seconds to live
+    recomputes it now, given a uniform ``draw`` in [0, 1) and the early ``window``
+    (:meth:`Policy.early_window`). Never before the window opens, always at expiry."""
+    if window is None or left >= window:
+        return False
+    return draw < math.exp(-EARLY_STEEPNESS * max(left, 0.0) / window)
 
 
 # --- the decisions ------------------------------------------------------------------------
@@ -198,6 +225,11 @@ class AddLeaseStore:
 
     Works on any cache whose ``add`` is atomic (both kvcache backends). Plain ``get`` and
     ``set`` are untouched; only entries written by ``get_or_set`` have a stale copy.
+
+    ``release`` reads the lease and deletes it if it holds this caller's token: with the
+    Django API alone a lease that expires between the two, and is taken by another
+    caller, would be deleted. A store whose cache can compare and delete overrides it
+    (memcached's ``ClassicLeaseStore``).
     """
 
     def __init__(self, cache: Any, policy: Policy, key: Any, timeout: Any, version: Any) -> None:

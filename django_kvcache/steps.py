@@ -1,10 +1,13 @@
 """The two drivers of a plan: blocking (``run``) and asyncio (``arun``).
 
-A plan is a generator that yields steps — objects with ``run()`` (blocking) and
-``arun()`` (an awaitable) — and gets each step's result sent back, or its exception
-thrown in. Written once, a plan runs the same on sockets and on an event loop: the
-memcached operations (``memcached.plans``, ``Node.repair_plan``) and the stampede policy
-(``stampede.plan``) are plans.
+A plan is a generator that yields steps and gets each step's result sent back, or its
+exception thrown in. A step is an object with ``run()`` (blocking) and ``arun()`` (an
+awaitable), or a *call*: a tuple ``(function, arguments)`` of a function that has both
+forms under one name — a blocking connection's ``send`` returns, an asyncio one's
+returns an awaitable — which the blocking driver makes and the asyncio driver awaits.
+Written once, a plan runs the same on sockets and on an event loop: the memcached
+operations (``memcached.plans``) and their exchanges (``memcached.exchange``) and the
+stampede policy (``stampede.plan``) are plans.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def run(plan: Plan) -> Any:
             return done.value
         value = error = None
         try:
-            value = step.run()
+            value = step[0](*step[1]) if type(step) is tuple else step.run()
         except BaseException as exc:  # the plan decides (a KeyboardInterrupt goes through)
             error = exc
 
@@ -42,24 +45,9 @@ async def arun(plan: Plan) -> Any:
             return done.value
         value = error = None
         try:
-            value = await step.arun()
+            value = await (step[0](*step[1]) if type(step) is tuple else step.arun())
         except BaseException as exc:
             error = exc
-
-
-class Invoke:
-    """``method(*args)`` of an object that has it in both forms: a blocking connection or
-    pool returns the result, an asyncio one an awaitable (``exchange``, ``checkout``)."""
-
-    __slots__ = ("method", "args")
-
-    def __init__(self, method: Any, *args: Any) -> None:
-        self.method, self.args = method, args
-
-    def run(self) -> Any:
-        return self.method(*self.args)
-
-    arun = run
 
 
 class Sleep:

@@ -72,7 +72,8 @@ def node(memcached_node_factory):
 
 @pytest.fixture
 def cache(node):
-    cache = MemcachedCache([node.address], {"OPTIONS": {"IO_TIMEOUT": 1.0}})
+    cache = MemcachedCache([node.address], {"OPTIONS": {"IO_TIMEOUT": 1.0,
+                                                        "IGNORE_EXCEPTIONS": False}})
     yield cache
     cache.clear()
 
@@ -145,23 +146,23 @@ def test_values_written_async_are_read_by_django_pymemcache_and_back(node):
 
 def test_meta_commands_on_a_live_node(node):
     cache = MemcachedCache([node.address], {})
-    cache.set_many({"a": "A", "c": "C"})
+    cache.set_many({"a": 1, "c": 3})  # integers are stored as decimal text
     client = Connection(cache._nodes[0].pool.address, cache._nodes[0].pool.settings)
     try:
         assert client.exchange(wire.meta_probe()) is True  # memcached >= 1.6.6
-        found = client.exchange(wire.meta_get_quiet([b":1:a", b":1:b", b":1:c"]))
-        assert sorted(found) == [b":1:a", b":1:c"]
+        found = client.exchange(wire.meta_sequence([b"mg :1:a v\r\n", b"mg :1:b v\r\n"], False))
+        assert [(reply.code, reply.value) for reply in found] == [(b"VA", b"1"), (b"EN", None)]
     finally:
         client.close()
 
-    async def same_on_the_loop() -> dict:
+    async def same_on_the_loop() -> list:
         connection = aio.AsyncConnection(client.address, client.settings)
         try:
-            return await connection.exchange(wire.meta_get_quiet([b":1:a", b":1:b"]))
+            return await connection.exchange(wire.meta_sequence([b"mg :1:c v\r\n"], False))
         finally:
             connection.close()
 
-    assert list(asyncio.run(same_on_the_loop())) == [b":1:a"]
+    assert [reply.value for reply in asyncio.run(same_on_the_loop())] == [b"3"]
 
 
 # --- event loops and pools ---------------------------------------------------------------
@@ -331,3 +332,31 @@ def test_a_timed_out_async_write_is_settled_before_its_clean_up(memcached_node_f
     # Each request reached the server exactly once: the old value, the late one, the
     # fence's ``version`` and the clean-up's ``delete`` — nothing sent twice, no garbage.
     assert stats["cmd_set"] == 2 and stats["delete_hits"] == 1
+
+
+def test_a_checkout_that_times_out_as_it_is_handed_a_connection_gives_it_back(node):
+    """From Python 3.12 ``asyncio.wait_for`` may raise TimeoutError after its future got
+    a result. Here the loop is blocked past both the hand-over and POOL_TIMEOUT; when it
+    wakes, the connection handed to the waiter must not be lost with a PoolExhausted —
+    with MAX_POOL_SIZE 1 every later checkout would fail."""
+    cache = MemcachedCache([node.address], {"OPTIONS": {
+        "MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05, "IGNORE_EXCEPTIONS": False}})
+
+    async def scenario() -> list[Any]:
+        pool = aio.pool_of(cache._nodes[0])
+        held = await pool.checkout()
+        waiting = asyncio.ensure_future(pool.checkout())
+        await asyncio.sleep(0)  # the waiter queues
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, time.sleep, 0.1)  # the loop stalls past POOL_TIMEOUT...
+        loop.call_later(0.03, pool.checkin, held)  # ...and the hand-over, both due together
+        outcome = await asyncio.gather(waiting, return_exceptions=True)
+        got = outcome[0]
+        if not isinstance(got, BaseException):
+            pool.checkin(got)
+        later = [await cache.aset(f"k{i}", i) for i in range(3)]  # the pool still works
+        return [got, later, pool.size, len(pool.idle)]
+
+    got, later, size, idle = asyncio.run(scenario())
+    assert later == [None, None, None]
+    assert size == idle == 1  # nothing leaked: the one connection is back

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached import NodeError, aio
+from django_kvcache.memcached import NodeError, autobatch
 from tests.test_faults_memcached import IO_TIMEOUT, build, keys_by_node, pause, resume
 
 
@@ -37,14 +37,14 @@ def test_one_iterations_gets_are_one_request_per_node(two_nodes):
     cache.set_many({first[0]: "a0", first[1]: "a1", second[0]: "b0"})
 
     async def scenario() -> tuple[list[Any], list[int]]:
-        flushes = [aio.gets_of(node).flushes for node in cache._nodes]
+        flushes = [autobatch.gets_of(node).flushes for node in cache._nodes]
         answers = await asyncio.gather(
             cache.aget(first[0]), cache.aget(first[2], "missing"), cache.aget(first[0]),
             cache.aget(second[0]), cache.aget(second[1]),
             cache.aget_many([first[1], first[2], second[0], second[2]]),
             cache.ahas_key(second[2]),
         )
-        return answers, [aio.gets_of(n).flushes - f for n, f in zip(cache._nodes, flushes)]
+        return answers, [autobatch.gets_of(n).flushes - f for n, f in zip(cache._nodes, flushes)]
 
     answers, requests = asyncio.run(scenario())
     assert answers == ["a0", "missing", "a0", "b0", None,

@@ -44,8 +44,10 @@ def two_nodes(memcached_node_factory):
 def build(nodes, **options):
     # Health is process-wide per (node, FAILURE_THRESHOLD, RETRY_TIMEOUT); a RETRY_TIMEOUT
     # a hair different each time keeps a reused port from inheriting an old test's state.
+    # Strict mode unless a test says otherwise: these tests are about what raises.
     unique_retry = RETRY + (time.monotonic() % 1) / 1000
-    options = {"RETRY_TIMEOUT": unique_retry, "FAILURE_THRESHOLD": 2, **options}
+    options = {"RETRY_TIMEOUT": unique_retry, "FAILURE_THRESHOLD": 2,
+               "IGNORE_EXCEPTIONS": False, **options}
     return MemcachedCache([node.address for node in nodes], {"OPTIONS": options})
 
 
@@ -128,8 +130,29 @@ def test_ignore_exceptions_gives_defaults_and_counts(two_nodes, caplog):
     assert cache.get(safe) is None  # the reachable part of delete_many happened
     assert "Ignored memcached failure" in caplog.text  # repeats are summarized, not logged
     assert cache.metrics()[dying.address]["ignored"] == 11
-    with pytest.raises(NodeDown):
-        cache.incr(doomed)  # no default answer exists for incr
+    for call in (cache.incr, cache.decr):  # as for a missing key (Django's fail-open answer)
+        with pytest.raises(ValueError, match="not found"):
+            call(doomed)
+    assert cache.metrics()[dying.address]["ignored"] == 13
+
+
+def test_fail_open_is_the_default(two_nodes):
+    """Without IGNORE_EXCEPTIONS in OPTIONS a dead node's keys miss, as with Django's own
+    memcached backends once their client has dropped the node: a page keeps working.
+    Rate limiters built on add + incr get add() False and incr() ValueError."""
+    alive, dying = two_nodes
+    cache = MemcachedCache([node.address for node in two_nodes],
+                           {"OPTIONS": {"RETRY_TIMEOUT": RETRY + 0.0007}})
+    doomed, safe = key_on(cache, dying), key_on(cache, alive)
+    cache.set_many({doomed: 1, safe: "kept"})
+    dying.kill()
+    for _ in range(3):  # failures, then the node is down: the same answers
+        assert cache.get(doomed, "default") == "default"
+        assert cache.add(doomed, 1) is False
+        with pytest.raises(ValueError):
+            cache.incr(doomed)
+        assert cache.get_many([doomed, safe]) == {safe: "kept"}
+    assert cache.metrics()[dying.address]["down"] is True
 
 
 def test_without_failover_a_down_nodes_keys_miss_and_nothing_is_copied(two_nodes):
@@ -190,7 +213,8 @@ def test_node_that_never_answers_times_out_then_is_skipped(silent_server, memcac
     alive = memcached_node_factory()
     cache = MemcachedCache(
         [alive.address, silent_server],
-        {"OPTIONS": {"IO_TIMEOUT": 0.2, "RETRY_TIMEOUT": 30, "FAILURE_THRESHOLD": 2}},
+        {"OPTIONS": {"IO_TIMEOUT": 0.2, "RETRY_TIMEOUT": 30, "FAILURE_THRESHOLD": 2,
+                     "IGNORE_EXCEPTIONS": False}},
     )
     silent_key = key_on(cache, type("N", (), {"address": silent_server})())
     for _ in range(2):

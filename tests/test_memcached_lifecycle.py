@@ -15,18 +15,20 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached import NodeError, PoolExhausted, wire
+from django_kvcache.memcached import NodeError, PoolExhausted, aio, wire
 from django_kvcache.memcached.wire import ErrorReply
 from django_kvcache.memcached.pool import ConnectionSettings, NodePool
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.memcached.stale import OutdatedCopies
 from django_kvcache.signals import node_down
+from tests.test_faults_memcached import api  # noqa: F401 (a fixture: each API in turn)
 
 
 def build(addresses: list[str], **options: Any) -> MemcachedCache:
     # Health is process-wide per (node, FAILURE_THRESHOLD, RETRY_TIMEOUT): a RETRY_TIMEOUT a
     # hair different per cache keeps a reused port from inheriting an earlier test's state.
-    options = {"RETRY_TIMEOUT": 30 + (time.monotonic() % 1) / 1000, **options}
+    options = {"RETRY_TIMEOUT": 30 + (time.monotonic() % 1) / 1000,
+               "IGNORE_EXCEPTIONS": False, **options}
     return MemcachedCache(addresses, {"OPTIONS": options})
 
 
@@ -37,10 +39,20 @@ def key_on(cache: MemcachedCache, address: str, prefix: str = "key") -> str:
     raise AssertionError("no key found for the node")
 
 
-def assert_no_connection_checked_out(cache: MemcachedCache) -> None:
+def assert_no_connection_checked_out(cache: MemcachedCache, styled: Any = None) -> None:
+    """Every pool idle: the blocking ones, and the loop's when ``styled`` is an AsyncAPI."""
     for node in cache._nodes:
         assert node.pool.size == len(node.pool.idle), node.name
         assert not node.pool.queue, node.name
+    loop = getattr(styled, "loop", None)
+    if loop is None:
+        return
+
+    async def the_loop_s_pools() -> list[Any]:
+        return [aio.pool_of(node) for node in cache._nodes]
+
+    for pool in loop.run_until_complete(the_loop_s_pools()):
+        assert pool.size == len(pool.idle) and not pool.waiters
 
 
 # --- the pool hands a returned connection to a thread that just queued ------------------------
@@ -273,6 +285,16 @@ class Link:
             sock.close()
 
 
+def accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Each client ``listener`` accepts, until it is closed."""
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        yield client
+
+
 class DelayingProxy:
     """A TCP proxy to memcached whose links can be held: what clients send while held is
     delivered when released, ``delay`` seconds late — the unlucky order a paused server
@@ -289,11 +311,7 @@ class DelayingProxy:
         threading.Thread(target=self.accept, daemon=True).start()
 
     def accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in accepted(self.listener):
             link = Link(client, socket.create_connection(self.upstream), not self.holding)
             self.links.append(link)  # before it carries anything: ``hold`` must see it
             link.start()
@@ -336,9 +354,10 @@ LATE_BY = 0.2  # under IO_TIMEOUT: settling waits for the late write, it does no
 
 @pytest.mark.parametrize("single_key", [True, False], ids=["set", "set_many"])
 @pytest.mark.parametrize("after_resume", ["read", "write"])
-def test_a_timed_out_write_lands_before_the_clean_up(proxy, single_key, after_resume):
-    cache = build([proxy.address], IO_TIMEOUT=IO_TIMEOUT, IGNORE_EXCEPTIONS=True,
+def test_a_timed_out_write_lands_before_the_clean_up(proxy, single_key, after_resume, api):
+    built = build([proxy.address], IO_TIMEOUT=IO_TIMEOUT, IGNORE_EXCEPTIONS=True,
                   FAILURE_THRESHOLD=100)
+    cache = api(built)
     cache.set("key", "before")  # a pooled connection through the proxy
     proxy.hold()
     started = time.monotonic()
@@ -362,11 +381,12 @@ def test_a_timed_out_write_lands_before_the_clean_up(proxy, single_key, after_re
     assert cache.get("key", "miss") == expected
     metrics = cache.metrics()[proxy.address]
     assert metrics["late_writes"] == 0 and metrics["outdated_keys"] == 0
-    assert_no_connection_checked_out(cache)
+    assert_no_connection_checked_out(built, cache)
 
 
-def test_a_node_still_paused_fails_the_request_and_keeps_the_clean_up(proxy):
-    cache = build([proxy.address], IO_TIMEOUT=0.2, FAILURE_THRESHOLD=100)
+def test_a_node_still_paused_fails_the_request_and_keeps_the_clean_up(proxy, api):
+    built = build([proxy.address], IO_TIMEOUT=0.2, FAILURE_THRESHOLD=100)
+    cache = api(built)
     cache.set("key", "before")
     proxy.hold()
     with pytest.raises(NodeError, match="timed out"):
@@ -381,21 +401,22 @@ def test_a_node_still_paused_fails_the_request_and_keeps_the_clean_up(proxy):
     assert cache.get("key", "miss") == "miss"  # settled, then cleaned up
     metrics = cache.metrics()[proxy.address]
     assert metrics["late_writes"] == 0 and metrics["outdated_keys"] == 0
-    assert_no_connection_checked_out(cache)
+    assert_no_connection_checked_out(built, cache)
 
 
-def test_a_write_whose_send_timed_out_is_settled_with_its_unsent_rest(proxy):
+def test_a_write_whose_send_timed_out_is_settled_with_its_unsent_rest(proxy, api):
     """A value larger than the socket buffers: the send itself times out, part of the
     request still unsent. Settling sends exactly that rest, so the server reads whole
     commands and answers the fence."""
-    cache = build([proxy.address], IO_TIMEOUT=0.3, FAILURE_THRESHOLD=100,
+    built = build([proxy.address], IO_TIMEOUT=0.3, FAILURE_THRESHOLD=100,
                   IGNORE_EXCEPTIONS=True, COMPRESSOR=None)
+    cache = api(built)
     cache.set("key", "before")
     proxy.hold()
     big = os.urandom(8 * 1024 * 1024)
     cache.set("key", big)
-    node = cache._nodes[0]
-    assert node.late.connections and node.late.connections[0][1], "the whole value was sent"
+    node = built._nodes[0]
+    assert node.late.connections and node.late.connections[0].unsent, "the whole value was sent"
     held = proxy.release(0)
     cache.set("other", "after")  # settles (the big value lands), cleans up, then writes
     for link in held:

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -17,10 +18,10 @@ from django.core.cache.backends.base import InvalidCacheKey, memcache_key_warnin
 from pymemcache.client.base import Client
 from pymemcache.serde import compressed_serde
 
-from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.backends.memcached import MemcachedCache, refusals
 from django_kvcache.base import unreadable_entries
 from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
-from django_kvcache.memcached import ValueTooLarge, wire
+from django_kvcache.memcached import wire
 from django_kvcache.zstd import FLAG_ZSTD
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -144,6 +145,37 @@ def test_timeout_over_thirty_days_is_stored_as_a_unix_time(cache):
     assert THIRTY_DAYS < ttl <= THIRTY_DAYS + 3600 + 2  # memcached's clock ticks coarsely
 
 
+#: memcached reads an expiry time over 30 days as a signed 32-bit Unix time.
+LATEST_EXPIRY = 2**31 - 1
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_timeout_beyond_what_memcached_can_date_is_clamped(cache, api):
+    """Past 2038 memcached's 32-bit expiry wraps (stored "fine", already expired), and
+    from 2**63 s it refuses the command line without reading the value, whose bytes would
+    then run as commands. Such timeouts are clamped to the latest time it takes."""
+    def call(name, *args, **kwargs):
+        if api == "sync":
+            return getattr(cache, name)(*args, **kwargs)
+        return asyncio.run(getattr(cache, f"a{name}")(*args, **kwargs))
+
+    call("set", "long", "kept", 20 * 365 * 86400)
+    assert call("get", "long") == "kept"
+    assert cache.ttl("long") > 10 * 365 * 86400
+    injected = "a\r\nset :1:victim 1 0 5\r\nI42\n.\r\n"  # a pickled 42, as a command
+    call("set", "k", injected, timeout=sys.maxsize)
+    assert call("add", "k2", "a\r\nflush_all\r\n", timeout=10**20) is True
+    assert call("get", "victim") is None
+    assert call("get_many", ["k", "k2", "long"]) == {
+        "k": injected, "k2": "a\r\nflush_all\r\n", "long": "kept"}
+    call("touch", "long", 10**20)
+    assert call("get", "long") == "kept"
+    assert call("set_many", {"m": 1}, timeout=sys.maxsize) == []
+    assert call("get", "m") == 1
+    assert cache.expire_time(20 * 365 * 86400) == LATEST_EXPIRY
+    assert cache.expire_time(10**20) == cache.expire_time(float("inf")) == LATEST_EXPIRY
+
+
 def meta_ttl(cache, key):
     node = cache._node(key)
     return node.call(wire.meta_get(key.encode()))[2]
@@ -217,44 +249,55 @@ def test_incr_of_a_corrupt_integer_is_a_logged_miss(cache, caplog):
 # --- refused values -----------------------------------------------------------------------
 
 
-def test_refused_set_deletes_the_old_value_and_raises(cache):
-    cache.set("key", "old")
+@pytest.mark.parametrize("ignore_exceptions", [False, True])
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_refused_value_never_fails_the_call(make_cache, caplog, api, ignore_exceptions):
+    """A value memcached refuses (over its item size even compressed) fails no page, with
+    or without IGNORE_EXCEPTIONS: ``set`` and ``set_many`` delete the older value, log
+    the caller's key (rate-limited) and return; ``add`` returns False and leaves the live
+    entry alone. The node answered: nothing counts against it."""
+    cache = make_cache(OPTIONS={"IGNORE_EXCEPTIONS": ignore_exceptions})
+
+    def call(name, *args, **kwargs):
+        if api == "sync":
+            return getattr(cache, name)(*args, **kwargs)
+        return asyncio.run(getattr(cache, f"a{name}")(*args, **kwargs))
+
+    refusals.episodes.clear()
+    cache.set_many({"key": "old", "kept": "live", "many": "old", "small": "old"})
     noise = os.urandom(2 * ITEM_SIZE_MAX)  # incompressible
-    with pytest.raises(ValueTooLarge, match="too large"):
-        cache.set("key", noise)
-    assert cache.get("key") is None
+    with caplog.at_level(logging.DEBUG, logger="django_kvcache.backends.memcached"):
+        assert call("set", "key", noise) is None
+        assert call("add", "kept", noise) is False
+        assert call("set_many", {"small": "new", "many": noise, "other": 1}) == ["many"]
+    assert call("get_many", ["key", "kept", "many", "small", "other"]) == {
+        "kept": "live", "small": "new", "other": 1}
+    first = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert 1 <= len(first) <= len(cache._nodes), first  # a line per node, then summaries
+    for line in first:
+        assert line.startswith("memcached node") and "refused the value of '" in line
+        assert "too large" in line and "Ignored" not in line and ":1:" not in line
+    logged = " ".join(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+    for key in ("'key'", "'kept'", "'many'"):  # each by the caller's key, at DEBUG or above
+        assert key in logged
+    metrics = cache.metrics()
+    assert sum(node["errors"] + node["ignored"] for node in metrics.values()) == 0
 
 
-def test_refused_set_with_ignore_exceptions_returns_quietly(make_cache, caplog):
-    cache = make_cache(OPTIONS={"IGNORE_EXCEPTIONS": True})
-    cache.set("key", "old")
+def test_a_refused_value_that_was_never_stored_logs_its_key_on_a_single_node(make_cache, caplog):
+    """set_many's refusals are logged with the caller's key, as set's are."""
+    cache = make_cache(OPTIONS={"IGNORE_EXCEPTIONS": False})
+    refusals.episodes.clear()
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
-        assert cache.set("key", os.urandom(2 * ITEM_SIZE_MAX)) is None
-    assert cache.get("key") is None
-    assert "too large" in caplog.text
-    assert sum(node["ignored"] for node in cache.metrics().values()) >= 1
+        assert cache.set_many({"big": os.urandom(2 * ITEM_SIZE_MAX)}) == ["big"]
+    assert "refused the value of 'big'" in caplog.text
+    assert "Ignored" not in caplog.text and "':1:big'" not in caplog.text
 
 
 def test_compression_lets_large_values_fit(cache):
     value = "repetitive " * 300_000  # 3.3 MB of text, far below 1 MB compressed
     cache.set("big", value)
     assert cache.get("big") == value
-
-
-def test_refused_add_leaves_the_live_entry_alone(cache):
-    cache.set("key", "old")
-    with pytest.raises(ValueTooLarge, match="too large"):
-        cache.add("key", os.urandom(2 * ITEM_SIZE_MAX))
-    assert cache.get("key") == "old"
-
-
-def test_set_many_reports_refused_keys_and_deletes_their_old_values(cache, caplog):
-    cache.set_many({"small": "old", "big": "old"})
-    big = os.urandom(2 * ITEM_SIZE_MAX)
-    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
-        assert cache.set_many({"small": "new", "big": big, "other": 1}) == ["big"]
-    assert cache.get_many(["small", "big", "other"]) == {"small": "new", "other": 1}
-    assert ":1:big' not stored: SERVER_ERROR object too large" in caplog.text
 
 
 class DeleteBreaker:

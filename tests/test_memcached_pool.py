@@ -122,7 +122,8 @@ def test_sockets_have_nodelay_and_timeouts(memcached_node_factory):
 
 def test_pool_size_bound_and_waiting(memcached_node_factory):
     address = memcached_node_factory().address
-    cache = MemcachedCache([address], {"OPTIONS": {"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.2}})
+    cache = MemcachedCache([address], {"OPTIONS": {
+        "MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.2, "IGNORE_EXCEPTIONS": False}})
     pool = cache._nodes[0].pool
     held = pool.checkout()
     with pytest.raises(PoolExhausted, match="MAX_POOL_SIZE"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs o
 
 
 @pytest.fixture(scope="module")
-def tls_node(tmp_path_factory):
-    """``(address, CA file)`` of a TLS-only memcached, if this memcached build has TLS."""
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A throwaway self-signed certificate for 127.0.0.1: ``(cert file, key file)``."""
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
@@ -29,18 +30,22 @@ def tls_node(tmp_path_factory):
          "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True,
     )
+    return str(cert), str(key)
+
+
+def start_tls_memcached(cert: str, key: str) -> tuple[subprocess.Popen, str]:
+    """A TLS-only memcached (skips the test if this memcached build has no TLS)."""
     port = free_port()
     argv = services.memcached_argv(port) + [
         "-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key}",
     ]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 10
     while True:
         if process.poll() is not None:
             pytest.skip(f"memcached without TLS support: {process.stderr.read()[:200]!r}")
         try:
-            probe = ssl.create_default_context(cafile=str(cert))
+            probe = ssl.create_default_context(cafile=cert)
             with socket.create_connection(("127.0.0.1", port), timeout=1) as raw:
                 with probe.wrap_socket(raw, server_hostname="127.0.0.1"):
                     break
@@ -49,7 +54,14 @@ def tls_node(tmp_path_factory):
                 process.kill()
                 raise
             time.sleep(0.05)
-    yield address, str(cert)
+    return process, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def tls_node(certificate):
+    """``(address, CA file)`` of a TLS-only memcached, if this memcached build has TLS."""
+    process, address = start_tls_memcached(*certificate)
+    yield address, certificate[0]
     process.kill()
     process.wait()
 
@@ -81,7 +93,8 @@ def test_tls_with_an_ssl_context(tls_node):
 
 def test_untrusted_certificate_fails_as_a_node_error(tls_node):
     address, _ = tls_node
-    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50,
+                                                "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
         cache.get("key")
 
@@ -106,6 +119,52 @@ def test_tls_on_the_async_path(tls_node):
 
 def test_untrusted_certificate_fails_as_a_node_error_async(tls_node):
     address, _ = tls_node
-    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50}})
+    cache = MemcachedCache([address], {"OPTIONS": {"TLS": {}, "FAILURE_THRESHOLD": 50,
+                                                "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(NodeError, match="CERTIFICATE_VERIFY_FAILED"):
         asyncio.run(cache.aget("key"))
+
+
+def test_a_tls_late_write_is_settled_without_blocking_the_event_loop(certificate):
+    """A write that timed out on a blocking TLS connection is settled before the node
+    serves again — also by a coroutine. That settling waits on the event loop (the
+    socket non-blocking), never in a blocking call that stalls every other coroutine."""
+    process, address = start_tls_memcached(*certificate)
+    try:
+        cache = MemcachedCache([address], {"OPTIONS": {
+            "TLS": {"cafile": certificate[0]}, "IO_TIMEOUT": 0.5, "FAILURE_THRESHOLD": 100,
+            "IGNORE_EXCEPTIONS": False}})
+        cache.set("key", "before")
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(NodeError, match="timed out"):
+                cache.set("key", "late")  # kept as a late write, to settle
+            assert cache._nodes[0].late.pending
+
+            async def settle_while_ticking() -> float:
+                loop = asyncio.get_running_loop()
+                gaps: list[float] = []
+
+                async def tick() -> None:
+                    last = loop.time()
+                    while True:
+                        await asyncio.sleep(0.01)
+                        gaps.append(loop.time() - last)
+                        last = loop.time()
+
+                ticker = asyncio.ensure_future(tick())
+                await asyncio.sleep(0.05)
+                with pytest.raises(NodeError, match="timed out"):
+                    await cache.aget("key")  # the node still sleeps: settling times out
+                await asyncio.sleep(0.05)  # the ticker notes the last gap
+                ticker.cancel()
+                return max(gaps)
+
+            assert asyncio.run(settle_while_ticking()) < 0.25
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert asyncio.run(cache.aget("key")) is None  # settled, then cleaned up
+        assert not cache._nodes[0].late.pending
+    finally:
+        process.kill()
+        process.wait()

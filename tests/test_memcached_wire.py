@@ -84,7 +84,7 @@ def test_status_lines(line):
 
 def test_pipelined_status_lines():
     reply = b"STORED\r\nSERVER_ERROR object too large for cache\r\nSTORED\r\n"
-    parses_to(reply, lambda: wire.Lines(3), [
+    parses_to(reply, lambda: wire.Lines(3, wire.STORE_REPLIES), [
         b"STORED", b"SERVER_ERROR object too large for cache", b"STORED"
     ])
 
@@ -160,14 +160,53 @@ def test_meta_replies():
         assert cas.result(_parsed(cas, code + b"\r\n")) is stored
 
 
-def test_quiet_meta_batch_ends_at_mn_and_keys_replies_by_opaque():
-    op = wire.meta_get_quiet([b"a", b"b", b"c"])
-    assert op.request == (
-        b"mg a v f q O0\r\nmg b v f q O1\r\nmg c v f q O2\r\nmn\r\n"
-    )
-    reply = b"VA 1 f0 O0\r\nx\r\nVA 4 f16 O2\r\nEN\r\n\r\nMN\r\n"  # a value like a reply
-    for result in feed_split(reply, op.make_reply):
-        assert op.finish(result) == {b"a": (b"x", 0), b"c": (b"EN\r\n", 16)}
+def test_a_refusal_of_a_command_that_carried_data_leaves_the_connection_out_of_step():
+    """memcached may answer a data command's line before reading its data block (a bad
+    command line), so after such a refusal the connection's position is unknown; a
+    refusal of a command without data leaves it in step."""
+    def in_step_after_refusal(op: wire.Op) -> bool:
+        reply = op.make_reply()
+        buffer = wire.Buffer()
+        buffer.feed(b"CLIENT_ERROR bad command line format\r\n")
+        with pytest.raises(wire.ErrorReply) as refused:
+            reply.parse(buffer)
+        assert refused.value.in_step is reply.in_step
+        return reply.in_step
+
+    for op in (wire.store(b"set", b"k", b"v", 0, 0), wire.cas(b"k", b"v", 0, 0, 7),
+               wire.meta_cas(b"k", b"v", 0, 0, 7)):
+        assert not in_step_after_refusal(op)
+    for op in (wire.incr(b"k", 1), wire.touch(b"k", 1), wire.delete(b"k")):
+        assert in_step_after_refusal(op)
+    many = wire.store_many([(b"a", b"1", 0), (b"b", b"2", 0)], 0)
+    reply = _parsed(many, b"STORED\r\nSERVER_ERROR object too large for cache\r\n")
+    assert reply.result == [b"STORED", b"SERVER_ERROR object too large for cache"]
+    assert reply.in_step is False
+    sequence = wire.meta_sequence([b"mg a v\r\n", b"ms b 1\r\nx\r\n"], True)
+    reply = _parsed(sequence, b"EN\r\nSERVER_ERROR out of memory\r\n")
+    assert [r.code for r in reply.result] == [b"EN", b"SERVER_ERROR"] and not reply.in_step
+    assert _parsed(sequence, b"SERVER_ERROR busy\r\nHD\r\n").in_step  # mg refused
+
+
+@pytest.mark.parametrize("op, reply", [
+    (wire.get_one(b"k"), b"VALUE k x 1\r\nv\r\nEND\r\n"),
+    (wire.get_many([b"k"]), b"VALUE k 0 -1\r\nEND\r\n"),
+    (wire.gets_one(b"k"), b"VALUE k 0 1 cas\r\nv\r\nEND\r\n"),
+    (wire.meta_get(b"k"), b"VA 1 t5 c1\r\nv\r\n"),
+    (wire.meta_get(b"k"), b"VA 1 fx t5 c1\r\nv\r\n"),
+    (wire.meta_ttl(b"k"), b"HD\r\n"),
+    (wire.stats(), b"STAT pid\r\nEND\r\n"),
+    (wire.key_dump(lambda key: None), b"key=\xff\xfe exp=-1\nEND\r\n"),
+    (wire.store(b"set", b"k", b"v", 0, 0), b"VALUE\r\n"),
+    (wire.delete(b"k"), b"STORED\r\n"),
+    (wire.touch(b"k", 1), b"DELETED\r\n"),
+    (wire.delete_many([b"a"]), b"HELLO\r\n"),
+    (wire.incr(b"k", 1), b"-1\r\n"),
+])
+def test_a_reply_we_cannot_read_is_a_protocol_error(op, reply):
+    """Never a ValueError or KeyError: those would pass by the node's failure handling."""
+    with pytest.raises(wire.ProtocolError):
+        op.result(_parsed(op, reply))
 
 
 def test_meta_probe():

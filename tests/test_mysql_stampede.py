@@ -29,14 +29,8 @@ from django_kvcache import stampede, steps
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.maintenance import cull_all
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, DIGEST_MARKER, MAX_KEY_LENGTH
-from django_kvcache.mysql.lease import (
-    LEASE_KEY_HEAD,
-    RELEASED,
-    MySQLLeaseStore,
-    early_draw,
-    lease_key,
-)
-from django_kvcache.mysql.sql import FOREVER
+from django_kvcache.mysql.lease import LEASE_KEY_HEAD, RELEASED, MySQLLeaseStore, lease_key
+from django_kvcache.stampede import recompute_early
 from tests.mysql_support import MYISAM_TABLE, register_alias, unregister_alias
 from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
 from tests.servers import free_port, replica_caught_up
@@ -427,14 +421,23 @@ def test_released_lease_rows_are_culled_once_expired(cache):
 
 
 def test_the_early_rule_rises_to_certainty_at_expiry():
-    now, window = 1_000_000, 3000
-    assert not early_draw(now + 3000, now, window, 0.0)  # before the window: never
-    assert not early_draw(FOREVER, now, window, 0.0)
-    assert early_draw(now + 2999, now, window, 0.04)  # just inside: ~5 %
-    assert not early_draw(now + 2999, now, window, 0.06)
-    assert early_draw(now + 1000, now, window, math.exp(-1) - 0.01)
-    assert not early_draw(now + 1000, now, window, math.exp(-1) + 0.01)
-    assert early_draw(now, now, window, 0.999)  # at expiry: always
+    window = 3.0
+    assert not recompute_early(3.0, window, 0.0)  # before the window: never
+    assert not recompute_early(0.5, None, 0.0)  # no window: never
+    assert recompute_early(2.999, window, 0.04)  # just inside: ~5 %
+    assert not recompute_early(2.999, window, 0.06)
+    assert recompute_early(1.0, window, math.exp(-1) - 0.01)
+    assert not recompute_early(1.0, window, math.exp(-1) + 0.01)
+    assert recompute_early(0.0, window, 0.999)  # at expiry: always
+
+
+def test_the_early_window_is_bounded_by_the_entry_s_lifetime():
+    policy = stampede.Policy(lease_timeout=2, stale_timeout=None, early_recompute=30)
+    assert policy.early_window(300) == 30
+    assert policy.early_window(60) == 15  # a quarter of the lifetime
+    assert policy.early_window(5) == 1.25
+    assert policy.early_window(None) is None  # never expires: nothing to renew early
+    assert stampede.Policy(2, None).early_window(60) is None
 
 
 def test_an_early_winner_recomputes_while_the_others_get_the_fresh_value():
@@ -449,6 +452,19 @@ def test_an_early_winner_recomputes_while_the_others_get_the_fresh_value():
     assert 55 < cache.ttl("hot") <= 60
     later = MySQLLeaseStore(cache, cache.stampede, "hot", 60, None, draw=lambda: 0.0)
     assert steps.run(later.read()) == stampede.Read("next", True, False)  # out of the window
+
+
+def test_an_entry_younger_than_its_window_is_not_recomputed_even_on_the_eagerest_draw():
+    """EARLY_RECOMPUTE longer than the entry's timeout: the window is bounded by the
+    entry's lifetime, so a fresh 5 s entry is served, whatever the draw."""
+    cache = build(LEASE_TIMEOUT=2, EARLY_RECOMPUTE=30)
+    cache.clear()
+    cache.set("short", "current", 5)
+    eager = MySQLLeaseStore(cache, cache.stampede, "short", 5, None, draw=lambda: 0.0)
+    assert steps.run(eager.read()) == stampede.Read("current", True, False)
+    expire(cache, "short", -0.5)  # half a second left: inside a quarter of its lifetime
+    eager = MySQLLeaseStore(cache, cache.stampede, "short", 5, None, draw=lambda: 0.0)
+    assert steps.run(eager.read()) == stampede.Read("current", True, True)
 
 
 def test_a_hot_key_under_steady_load_never_misses_at_expiry():

@@ -188,6 +188,16 @@ class StampedeContract(CacheFixture):
         assert asyncio.run(cache.aget_or_set("guarded", compute)) == "awaited"
         assert plain.get("plain") == cache.get("guarded") == "awaited"
 
+    def test_early_recompute_longer_than_the_timeout_still_caches(self, cache):
+        """EARLY_RECOMPUTE 30 with entries stored for 5 s (the docs' option, a shorter
+        timeout): the early window is bounded by the entry's own lifetime, so the entry
+        is served as it is, not recomputed on every call."""
+        early = self.guarded(**self.lease, EARLY_RECOMPUTE=30)
+        compute = Computation(seconds=0)
+        for _ in range(20):
+            assert early.get_or_set("short", compute, timeout=5) == "fresh"
+        assert compute.calls == 1
+
     def test_without_lease_timeout_get_or_set_is_django_s(self):
         plain = self.build()
         assert plain.stampede is None

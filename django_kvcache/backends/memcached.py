@@ -4,7 +4,7 @@
         "default": {
             "BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
             "LOCATION": ["10.0.0.1:11211", "10.0.0.2:11211", "unix:/run/memcached.sock"],
-            "OPTIONS": {"FAILOVER": False, "IGNORE_EXCEPTIONS": False},
+            "OPTIONS": {"FAILOVER": False, "IGNORE_EXCEPTIONS": True},
         }
     }
 
@@ -31,24 +31,56 @@ from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
 from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.memcached import MemcachedError, NodeDown, Refused, ValueTooLarge
+from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
-from django_kvcache.memcached.node import Call, Get, Node
-from django_kvcache.memcached.plans import Fanout, Plan, Sleep, arun, run
+from django_kvcache.memcached.node import Node
+from django_kvcache.memcached.plans import (
+    ASYNCIO,
+    BLOCKING,
+    Fanout,
+    Plan,
+    Sleep,
+    Transport,
+    arun,
+    run,
+)
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.options import flag
 from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
+#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
+#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
+#: it refuses the command line without reading the value (whose bytes are then read as
+#: commands). Longer timeouts are clamped to it.
+LATEST_EXPIRY = 2**31 - 1
 CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
+#: Failures where the node did not answer (IGNORE_EXCEPTIONS turns them into misses).
+UNREACHABLE = (NodeError, PoolExhausted)
+
+#: IGNORE_EXCEPTIONS when OPTIONS do not say: fail open, as Django's memcached backends
+#: do once their client drops a dead node — a down node's keys miss, pages keep working.
+IGNORE_EXCEPTIONS_DEFAULT = True
 
 logger = logging.getLogger(__name__)
 #: Failures ignored under IGNORE_EXCEPTIONS, per node: logged once, then summarized.
 ignored_failures = FailureLog(logger, "memcached")
-#: Values set_many's nodes refused (returned as failed keys, so never raised).
-refusals = FailureLog(logger, "memcached set_many")
+
+
+class RefusedValues(FailureLog):
+    """Values a node refused to store (over its item size, out of memory), per node:
+    never raised, whatever IGNORE_EXCEPTIONS says, so worded as what they are."""
+
+    FIRST = ("%s %s refused the value of %s; not stored (further refusals there are "
+             "summarized at most every %g s)")
+    SUMMARY = "%d more value(s) refused by %s %s in %.1f s (last: %s)"
+    COUNTED = "%s %s refused the value of %s (counted for its summary)"
+
+
+#: Values the nodes refused, named by the caller's key: logged once, then summarized.
+refusals = RefusedValues(logger, "memcached")
 
 
 def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
@@ -79,51 +111,51 @@ class MemcachedCache(KVCache):
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
         super().__init__(params)
         self.failover = flag(self.options, "FAILOVER")
-        self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS")
+        self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
         self._nodes = self.cluster.nodes
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return run(self._get(key, default, version))
+        return run(self._get(key, default, version, BLOCKING))
 
     async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return await arun(self._get(key, default, version))
+        return await arun(self._get(key, default, version, ASYNCIO))
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        run(self._store(b"set", key, value, timeout, version))
+        run(self._store(b"set", key, value, timeout, version, BLOCKING))
 
     async def aset(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        await arun(self._store(b"set", key, value, timeout, version))
+        await arun(self._store(b"set", key, value, timeout, version, ASYNCIO))
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return run(self._store(b"add", key, value, timeout, version))
+        return run(self._store(b"add", key, value, timeout, version, BLOCKING))
 
     async def aadd(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._store(b"add", key, value, timeout, version))
+        return await arun(self._store(b"add", key, value, timeout, version, ASYNCIO))
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
-        return run(self._touch(key, timeout, version))
+        return run(self._touch(key, timeout, version, BLOCKING))
 
     async def atouch(
         self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._touch(key, timeout, version))
+        return await arun(self._touch(key, timeout, version, ASYNCIO))
 
     def delete(self, key: Any, version: int | None = None) -> bool:
-        return run(self._delete(key, version))
+        return run(self._delete(key, version, BLOCKING))
 
     async def adelete(self, key: Any, version: int | None = None) -> bool:
-        return await arun(self._delete(key, version))
+        return await arun(self._delete(key, version, ASYNCIO))
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
         return self.get(key, MISSING, version=version) is not MISSING
@@ -132,10 +164,10 @@ class MemcachedCache(KVCache):
         return await self.aget(key, MISSING, version=version) is not MISSING
 
     def incr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        return run(self._incr(key, delta, version))
+        return run(self._incr(key, delta, version, BLOCKING))
 
     async def aincr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
-        return await arun(self._incr(key, delta, version))
+        return await arun(self._incr(key, delta, version, ASYNCIO))
 
     async def adecr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         check_delta(delta)  # before negating: -True would pass as -1
@@ -227,6 +259,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
+    def encode(self, value: Any) -> tuple[bytes, int]:
+        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value)
+
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
 
@@ -247,7 +283,8 @@ class MemcachedCache(KVCache):
             )
 
     def expire_time(self, timeout: Any = DEFAULT_TIMEOUT) -> int:
-        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days.
+        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days,
+        at most ``LATEST_EXPIRY``.
 
         Fractions of a second round up, so a positive timeout never means "expired".
         """
@@ -256,10 +293,9 @@ class MemcachedCache(KVCache):
             return 0
         if seconds <= 0:
             return -1
-        seconds = math.ceil(seconds)
-        if seconds > THIRTY_DAYS:
-            return int(time.time()) + seconds
-        return seconds
+        if seconds <= THIRTY_DAYS:
+            return math.ceil(seconds)
+        return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
@@ -273,7 +309,8 @@ class MemcachedCache(KVCache):
         return self.cluster.place(keys, self.failover)
 
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any:
-        """Raise ``error``, or with IGNORE_EXCEPTIONS log and count it, giving ``fallback``."""
+        """Raise ``error``, or with IGNORE_EXCEPTIONS (the default) log and count it,
+        giving ``fallback``."""
         if not self.ignore_exceptions:
             raise error
         # Logged once per episode and then summarized: a down node fails every call.
@@ -290,11 +327,11 @@ class MemcachedCache(KVCache):
 
     # --- plans: single keys -----------------------------------------------------------
 
-    def _get(self, key: Any, default: Any, version: int | None) -> Plan:
-        key = self.make_and_validate_key(key, version=version)
+    def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
+        stored_key = self.make_and_validate_key(key, version=version)
         try:
-            node = self.cluster.node(key, self.failover)
-            found = node.count_get((yield Get(node, key.encode())))
+            node = self.cluster.node(stored_key, self.failover)
+            found = yield from node.get(stored_key.encode(), io)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -302,52 +339,60 @@ class MemcachedCache(KVCache):
         value = self.decode(found[0], found[1], key)
         return default if value is MISSING else value
 
-    def _write(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Plan:
+    def _write(
+        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0
+    ) -> Plan:
         """A single-key write on the key's node (or its failover node), which is credited
         with ``sent`` and ``saved`` bytes."""
         try:
-            return (yield Call(self._node(key), op, sent=sent, saved=saved))
+            return (yield from self._node(key).exchange(op, io, sent, saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
             raise
 
-    def _store(self, name: bytes, key: Any, value: Any, timeout: Any, version: int | None) -> Plan:
-        """``set`` or ``add``. A value the server refuses leaves no older value behind for
-        ``set``; for ``add`` the entry that is there stays."""
-        key = self.make_and_validate_key(key, version=version)
+    def _store(
+        self, name: bytes, key: Any, value: Any, timeout: Any, version: int | None, io: Transport
+    ) -> Plan:
+        """``set`` or ``add``. A value the server refuses (too large even compressed, out
+        of memory) fails no call, whatever IGNORE_EXCEPTIONS says: it is logged (once,
+        then summarized), ``set`` deletes the older value so it is never read again and
+        returns, ``add`` returns False and leaves the entry that is there."""
+        stored_key = self.make_and_validate_key(key, version=version)
         data, flags, saved = self.codec.encode_measured(value)
-        op = wire.store(name, key.encode(), data, flags, self.expire_time(timeout))
+        op = wire.store(name, stored_key.encode(), data, flags, self.expire_time(timeout))
         try:
-            stored = yield from self._write(key, op, sent=len(key) + len(data), saved=saved)
-        except Refused as exc:  # too large, out of memory: refused, node fine
+            stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
+        except Refused as exc:
+            refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
             if name == b"set":
-                yield from self._forget(key)
-            refused = ValueTooLarge(self._home(key).name, f"{key!r} not stored: {exc.reason}")
-            return self._failed(refused, False)
+                yield from self._forget(stored_key, key, io)
+            return False if name == b"add" else None
         except MemcachedError as exc:
-            return self._failed(exc, False)
+            return self._failed(exc, False if name == b"add" else None)
         return bool(stored) if name == b"add" else None
 
-    def _forget(self, key: str) -> Plan:
+    def _forget(self, stored_key: str, key: Any, io: Transport) -> Plan:
         """Delete a key whose new value was refused, so the old one is never read again."""
         try:
-            yield from self._write(key, wire.delete(key.encode()))
+            yield from self._write(stored_key, wire.delete(stored_key.encode()), io)
         except MemcachedError as exc:  # remembered as outdated by _write
-            logger.warning("Could not delete %r after a failed set: %s", key, exc)
+            logger.warning("Could not delete %r after its value was refused (it is deleted "
+                           "when its node answers again): %s", key, exc)
 
-    def _touch(self, key: Any, timeout: Any, version: int | None) -> Plan:
+    def _touch(self, key: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
+        op = wire.touch(key.encode(), self.expire_time(timeout))
         try:
-            return bool((yield from self._write(key, wire.touch(key.encode(), self.expire_time(timeout)))))
+            return bool((yield from self._write(key, op, io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def _delete(self, key: Any, version: int | None) -> Plan:
+    def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return bool((yield from self._write(key, wire.delete(key.encode()))))
+            return bool((yield from self._write(key, wire.delete(key.encode()), io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -362,7 +407,7 @@ class MemcachedCache(KVCache):
 
     # --- plans: counters --------------------------------------------------------------
 
-    def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
+    def _incr(self, key: Any, delta: int, version: int | None, io: Transport) -> Plan:
         """Add ``delta`` (negative to subtract); the entry keeps its expiry time.
 
         Signed 64-bit counters, the same as MySQLCache's (docs/guarantees.rst): results
@@ -375,24 +420,31 @@ class MemcachedCache(KVCache):
         written with compare-and-swap, which keeps the item's remaining lifetime.
         """
         check_delta(delta)
-        key = self.make_and_validate_key(key, version=version)
-        # No IGNORE_EXCEPTIONS here: incr has no "unknown" answer, so failures always raise.
+        caller_key, key = key, self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta)
+                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta)
+                value = yield from self._add_with_cas(node, key, delta, caller_key, io)
         except Refused:
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
-            raise
+            if not isinstance(exc, UNREACHABLE):
+                raise  # the node answered (no meta commands, a key that kept changing)
+            # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted) the
+            # answer for a missing key, as Django's memcached backends give when their
+            # client ignores errors — what rate limiters built on add + incr expect.
+            self._failed(exc)
+            value = None
         if value is None:
             raise ValueError(f"Key '{key}' not found")
         return value
 
-    def _incr_on_server(self, node: Node, key: str, delta: int) -> Plan:
+    def _incr_on_server(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
         From a stored value v in [0, 2**64), the reply is v + delta, or v + delta - 2**64
@@ -406,57 +458,76 @@ class MemcachedCache(KVCache):
         (docs/guarantees.rst, Counters).
         """
         try:
-            value = yield from node.call_plan(wire.incr(key.encode(), delta), retry=False)
+            value = yield from node.exchange(wire.incr(key.encode(), delta), io)
         except Refused as exc:
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta))
+            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            yield from node.call_plan(wire.incr(key.encode(), 2**64 - delta), retry=False)
+            yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
         raise self._overflow(key, delta)
 
-    def _add_with_cas(self, node: Node, key: str, delta: int) -> Plan:
-        """``incr`` computed here and stored only if the item did not change meanwhile.
+    def _add_with_cas(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
+        """``incr`` computed here and stored only if the item did not change meanwhile
+        (compare-and-swap on the meta commands, which keep the item's lifetime); retried
+        while others change it, for up to CAS_PATIENCE seconds.
 
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
-        if node.meta is None:
-            node.meta = yield from node.call_plan(wire.meta_probe())
-        if not node.meta:
-            raise MemcachedError(
-                node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
-                "(meta commands, which keep the entry's expiry time)"
-            )
+        yield from self._require_meta(node, io)
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = yield from node.call_plan(wire.meta_get(encoded_key))
+            found = yield from node.exchange(wire.meta_get(encoded_key), io)
             if found is None:
                 return None
             data, flags, ttl, cas = found
-            if flags not in (FLAG_INTEGER, FLAG_LONG):
-                raise TypeError(f"The value of key '{key}' is not an integer")
-            value = self.decode(data, flags, key)
+            value = self._counter_value(data, flags, key, caller_key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
-            if ttl > THIRTY_DAYS:  # memcached reads longer times as Unix timestamps, on its
-                # own clock, which lags ours by up to 2 s: ours would stretch every update.
-                ttl += (yield from node.call_plan(wire.stats()))["time"]
+            ttl = yield from self._absolute_if_long(node, ttl, io)
             new_data, new_flags = self.codec.encode(result)
-            swapped = yield from node.call_plan(
-                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), retry=False
+            swapped = yield from node.exchange(
+                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
             if swapped:
                 return result
             yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
+
+    def _require_meta(self, node: Node, io: Transport) -> Plan:
+        """Make sure ``node`` speaks the meta commands (asked once per node)."""
+        if node.meta is None:
+            node.meta = yield from node.exchange(wire.meta_probe(), io)
+        if not node.meta:
+            raise MemcachedError(
+                node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
+                "(meta commands, which keep the entry's expiry time)"
+            )
+
+    def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
+        """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
+        if flags not in (FLAG_INTEGER, FLAG_LONG):
+            raise TypeError(f"The value of key '{key}' is not an integer")
+        return self.decode(data, flags, caller_key)
+
+    @staticmethod
+    def _absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
+        """A remaining lifetime as memcached takes it back: over 30 days, a Unix time on
+        the server's own clock (ours runs up to 2 s ahead: it would stretch the lifetime
+        at every update)."""
+        if ttl <= THIRTY_DAYS:
+            return ttl
+        return ttl + (yield from node.exchange(wire.stats(), io))["time"]
 
     @staticmethod
     def _overflow(key: str, delta: int) -> OverflowError:
@@ -479,47 +550,64 @@ class MemcachedCache(KVCache):
             if batch.error is not None:
                 continue
             for key_bytes, (data, flags) in batch.result.items():
-                key = key_bytes.decode()
+                key = key_map[key_bytes.decode()]
                 value = decode(data, flags, key)
                 if value is not MISSING:
-                    found[key_map[key]] = value
+                    found[key] = value
         self._report(placement, batches)
         return found
 
     def _set_many(self, data: Mapping[Any, Any], timeout: Any, version: int | None) -> Plan:
+        """One pipelined run of ``set`` per node, all nodes at once. The keys returned are
+        those not stored: their node failed or was down, or it refused the value (too
+        large, out of memory; logged, and its older value deleted, as ``set`` does)."""
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
-        expire = self.expire_time(timeout)
         placement = self._place(key_map)
-        batches = []
-        for node, node_keys in placement.groups.items():
-            encoded = []
-            node_saved = 0
-            for key in node_keys:
-                payload, flags, saved = self.codec.encode_measured(data[key_map[key]])
-                node_saved += saved
-                encoded.append((payload, flags))
-            batches.append(fanout.set_batch(node, node_keys, encoded, expire, node_saved))
+        batches = [
+            self._set_batch(node, node_keys, key_map, data, timeout)
+            for node, node_keys in placement.groups.items()
+        ]
         yield Fanout(batches)
+        refused = self._refused_keys(batches, key_map)
+        if refused:
+            yield from self._delete_keys(refused)  # a refused value leaves no older one
+        self.cluster.missed_batch_writes(placement, batches)
+        self._report(placement, batches)
         failed = list(placement.stranded)
-        refused: list[str] = []
         for batch in batches:
             if batch.error is not None:
                 failed.extend(batch.keys)
+        return [key_map[key] for key in failed + refused]
+
+    def _set_batch(
+        self, node: Node, keys: list[str], key_map: dict[str, Any], data: Mapping[Any, Any],
+        timeout: Any,
+    ) -> fanout.Batch:
+        """``keys``' values encoded, as one node's share of ``set_many``."""
+        encoded = []
+        saved = 0
+        for key in keys:
+            payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
+            encoded.append((payload, flags))
+            saved += saving
+        return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
+
+    @staticmethod
+    def _refused_keys(batches: list[fanout.Batch], key_map: dict[str, Any]) -> list[str]:
+        """The keys whose value a node that answered refused, each logged with the
+        caller's key."""
+        refused = []
+        for batch in batches:
+            if batch.error is not None:
                 continue
             for key, line in zip(batch.keys, batch.result):
-                if line != b"STORED":  # too large, out of memory: the node is fine
+                if line != b"STORED":
                     refused.append(key)
-                    refusals.failed(
-                        f"node {batch.node.name}",
-                        f"{key!r} not stored: {line.decode(errors='replace')}",
-                    )
-        if refused:
-            yield from self._delete_keys(refused)  # a failed set must not leave the old value
-        self.cluster.missed_batch_writes(placement, batches)
-        self._report(placement, batches)
-        return [key_map[key] for key in failed + refused]
+                    reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
+                    refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
+        return refused
 
     def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,

@@ -1,15 +1,18 @@
 """Building blocks of :class:`django_kvcache.backends.memcached.MemcachedCache`.
 
 ``wire`` is the protocol, sans IO: request encoders and incremental reply parsers.
-``connection`` carries it on blocking sockets, ``aio`` on asyncio streams (one pool per
-event loop). ``routing`` parses LOCATION and places keys on nodes (with the shared
-:mod:`django_kvcache.routing`), ``pool`` keeps the blocking connections, the shared
-:mod:`django_kvcache.health` tracks which nodes answer, ``stale`` what a node missed or
-may still apply late, ``node`` ties them together per server (it owns every
-connection's lifecycle and translates socket and parser errors), ``fanout`` runs batches
-on every node at once, ``cluster`` reads OPTIONS and places keys (with the failure
-policy), and ``plans`` writes each cache operation once for both the sync and the async
-API.
+``exchange`` is every request's life, sans IO too: one state machine that decides what
+is sent, which deadline applies and what a reply, an error, a timeout or a cancellation
+does to the connection and the node — for both drivers, which only move bytes:
+``connection`` on blocking sockets (``pool`` keeps them), ``aio`` on asyncio connections
+(one pool per event loop; ``autobatch`` merges one loop's gets). ``routing`` parses
+LOCATION and places keys on nodes (with the shared :mod:`django_kvcache.routing`), the
+shared :mod:`django_kvcache.health` tracks which nodes answer, ``stale`` what a node
+missed or may still apply late, ``node`` is one server's state and counters, ``fanout``
+builds the per-node batches of multi-key calls, ``cluster`` reads OPTIONS and places
+keys (with the failure policy), ``plans`` writes each cache operation once for both the
+sync and the async API, and ``lease`` is ``get_or_set``'s herd protection on the meta
+commands.
 """
 from __future__ import annotations
 
@@ -45,4 +48,7 @@ class Refused(MemcachedError):
 
 
 class ValueTooLarge(MemcachedError):
-    """The server refused to store a value (over its item size even after compression)."""
+    """The server refused to store a value (over its item size even after compression).
+
+    No call raises it any more: a refused value is logged and fails no page (docs,
+    "Values a backend refuses"). Kept so that code catching it still imports."""

@@ -1,4 +1,5 @@
-"""The asyncio transport: :mod:`wire` ops on event-loop connections, no thread.
+"""The asyncio driver's byte mover: :mod:`wire` requests and replies on event-loop
+connections, no thread.
 
 Per event loop and per node, a small pool of connections (:class:`AsyncPool`, at most
 MAX_POOL_SIZE, waiting at most POOL_TIMEOUT). A pool belongs to the loop that made it
@@ -7,30 +8,35 @@ several loops (``async_to_sync`` in threads, several servers) has one pool per l
 When the loop shuts down (``asyncio.run``, asgiref and uvicorn call
 ``loop.shutdown_asyncgens()``), its pools close their connections.
 
-What is shared with the blocking path is everything above the socket: the node's health,
-counters, outdated copies and late writes, the ``Lease`` that decides what becomes of a
-connection and translates errors (``Node.call`` and ``Node.acall`` differ only in
-awaiting), ``fanout``'s batches, and the operations' plans. With AUTOBATCH, each loop
-also keeps per node the gets waiting to share a request (``autobatch``).
+Nothing here decides anything: what to send, which deadline applies and what a failure
+or a cancellation does to a connection and its node are the exchange's
+(:mod:`django_kvcache.memcached.exchange`), the same for this driver and the blocking
+one. An :class:`AsyncConnection` sends and reads by a deadline given to it; ``settle``
+finishes a write cut short on its raw socket (plain or TLS) without blocking the loop.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
+import ssl
 import threading
+import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from django_kvcache.memcached import PoolExhausted, wire
-from django_kvcache.memcached.autobatch import Gets
-from django_kvcache.memcached.connection import ConnectionClosed, WriteTimeout, set_io_timeout
-from django_kvcache.memcached.pool import ConnectionSettings
+from django_kvcache.memcached.connection import (
+    RECV_SIZE,
+    ConnectionClosed,
+    ConnectionSettings,
+    LateWrite,
+    SendTimeout,
+    deadline_after,
+    set_io_timeout,
+)
 from django_kvcache.memcached.routing import NodeAddress
-
-if TYPE_CHECKING:
-    from django_kvcache.memcached.node import Node
 
 
 class _Stream(asyncio.Protocol):
@@ -80,7 +86,15 @@ class _Stream(asyncio.Protocol):
 
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
-        future.set_exception(TimeoutError("IO_TIMEOUT passed"))
+        future.set_exception(TimeoutError("the time allowed passed"))
+
+
+def _timer(future: asyncio.Future, deadline: float | None) -> asyncio.TimerHandle | None:
+    """Fail ``future`` with TimeoutError at ``deadline`` (a ``time.monotonic`` time)."""
+    if deadline is None:
+        return None
+    delay = deadline - time.monotonic()
+    return asyncio.get_running_loop().call_later(max(delay, 0.0), _expire, future)
 
 
 class AsyncConnection:
@@ -92,8 +106,8 @@ class AsyncConnection:
         self.address = address
         self.settings = settings
         self.stream: _Stream | None = None
-        self.sock: Any = None  # set once connected (``Lease`` reads it: reused or new)
-        self.request = b""
+        self.sock: Any = None  # set once connected (the exchange reads it: reused or new)
+        self.request = b""  # the last request written: its unsent tail is in the transport
 
     @property
     def received(self) -> int:
@@ -115,24 +129,24 @@ class AsyncConnection:
         self.stream, self.sock = stream, stream.transport.get_extra_info("socket")
         return stream
 
-    async def exchange(self, op: wire.Op) -> Any:
-        reply = op.make_reply()
-        await self.send(op.request, op.writes)
-        await self.read(reply, op.writes)
-        return op.result(reply)
+    async def transfer(self, request: bytes, reply: Any, deadline: float | None) -> None:
+        """Send ``request`` and wait until ``reply`` parses, both by ``deadline``."""
+        await self.send(request, deadline)
+        await self.receive(reply, deadline)
 
-    async def send(self, request: bytes, writes: bool) -> None:
+    async def send(self, request: bytes, deadline: float | None) -> None:
+        """Hand ``request`` to the transport, waiting (by ``deadline``) only while the
+        kernel's buffer is full. What never left stays in the transport (``detach``)."""
         stream = self.stream or await self.connect()
         if stream.lost is not None:
             raise ConnectionClosed(str(stream.lost))
         self.request = request
         stream.transport.write(request)  # type: ignore[union-attr]
         if stream.drained is not None:  # the kernel's buffer is full: wait for room
-            await self._wait(stream.drained, writes)
+            await self._wait(stream.drained, deadline)
 
-    async def read(self, reply: Any, writes: bool = False, since: float | None = None) -> None:
-        """Wait until ``reply`` is complete, at most IO_TIMEOUT (counted from ``since``,
-        a loop time, when given: the replies of a fan-out share one wait)."""
+    async def receive(self, reply: Any, deadline: float | None) -> None:
+        """Wait until ``reply`` is complete (parsed as data arrives), by ``deadline``."""
         stream = self.stream
         assert stream is not None
         if reply.parse(stream.buffer):  # already here
@@ -141,41 +155,42 @@ class AsyncConnection:
             raise ConnectionClosed(str(stream.lost))
         stream.reply, stream.waiter = reply, asyncio.get_running_loop().create_future()
         try:
-            await self._wait(stream.waiter, writes, since)
+            await self._wait(stream.waiter, deadline)
         finally:
             stream.reply = stream.waiter = None
 
-    async def _wait(self, future: asyncio.Future, writes: bool, since: float | None = None) -> None:
-        timeout = self.settings.io_timeout
-        timer = None
-        if timeout is not None:
-            loop = asyncio.get_running_loop()
-            timer = loop.call_at((loop.time() if since is None else since) + timeout,
-                                 _expire, future)
+    @staticmethod
+    async def _wait(future: asyncio.Future, deadline: float | None) -> None:
+        timer = _timer(future, deadline)
         try:
             await future
-        except TimeoutError:
-            if writes:
-                raise self._late_write() from None
-            raise
         finally:
             if timer is not None:
                 timer.cancel()
 
-    def _late_write(self) -> BaseException:
-        """A write timed out: hand its socket over (a blocking duplicate) with what never
-        left, so the node settles it like a blocking one. TLS state cannot be handed
-        over: that connection is closed, a plain timeout."""
+    async def exchange(self, op: wire.Op) -> Any:
+        """``op`` alone, within IO_TIMEOUT: what it makes of the reply (no failure
+        handling: for tests; calls go through the exchange loop)."""
+        reply = op.make_reply()
+        await self.transfer(op.request, reply, deadline_after(self.settings.io_timeout))
+        return op.result(reply)
+
+    def detach(self) -> LateWrite | None:
+        """Hand the connection over to be settled (a write cut short): a blocking
+        duplicate of its socket, with what the transport never sent and what it
+        received. TLS state cannot be handed over: None (the caller closes it)."""
         stream = self.stream
-        transport = stream.transport  # type: ignore[union-attr]
-        unsent_size = transport.get_write_buffer_size()
-        if self.settings.tls is not None or self.sock is None:
-            return TimeoutError("IO_TIMEOUT passed on a write")
+        if stream is None or stream.transport is None or self.sock is None:
+            return None
+        if self.settings.tls is not None:
+            return None
+        unsent_size = stream.transport.get_write_buffer_size()
+        unsent = memoryview(self.request)[len(self.request) - unsent_size:]
         sock = socket.socket(fileno=os.dup(self.sock.fileno()))
         set_io_timeout(sock, self.settings.io_timeout, kernel=True)
-        unsent = self.request[len(self.request) - unsent_size :] if unsent_size else b""
+        buffer = stream.buffer
         self.close()  # drops the transport's buffer (it is ``unsent``); ``sock`` keeps the line
-        return WriteTimeout(sock, unsent)
+        return LateWrite(sock, unsent, buffer)
 
     def close(self) -> None:
         stream, self.stream = self.stream, None
@@ -183,9 +198,68 @@ class AsyncConnection:
             stream.transport.abort()  # never waits: a failed server may not read anything
 
 
+async def settle(late: LateWrite, deadline: float | None) -> None:
+    """``connection.settle`` on the running loop: the socket (plain or TLS) is made
+    non-blocking meanwhile and every wait is a loop wait, by ``deadline``. ``late`` is
+    updated as bytes leave and arrive, so a cancelled settle resumes where it stopped."""
+    late.fence()
+    sock = late.sock
+    loop = asyncio.get_running_loop()
+    previous = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        try:
+            while late.unsent:
+                try:
+                    late.unsent = late.unsent[sock.send(late.unsent):]
+                except (BlockingIOError, ssl.SSLWantWriteError):
+                    await _ready(loop, sock, loop.add_writer, loop.remove_writer, deadline)
+                except ssl.SSLWantReadError:
+                    await _ready(loop, sock, loop.add_reader, loop.remove_reader, deadline)
+        except TimeoutError as exc:
+            raise SendTimeout(f"IO_TIMEOUT passed with {len(late.unsent)} bytes unsent") from exc
+        fence = wire.Fence()
+        while not fence.parse(late.buffer):
+            try:
+                chunk = sock.recv(RECV_SIZE)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                await _ready(loop, sock, loop.add_reader, loop.remove_reader, deadline)
+                continue
+            except ssl.SSLWantWriteError:
+                await _ready(loop, sock, loop.add_writer, loop.remove_writer, deadline)
+                continue
+            if not chunk:
+                raise ConnectionClosed("the server closed the connection")
+            late.buffer.feed(chunk)
+    finally:
+        if sock.fileno() >= 0:
+            sock.settimeout(previous)
+
+
+async def _ready(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    add: Callable[..., Any],
+    remove: Callable[[Any], Any],
+    deadline: float | None,
+) -> None:
+    """Wait until ``sock`` is readable or writable (``add``: the loop's add_reader or
+    add_writer), by ``deadline``."""
+    ready = loop.create_future()
+    add(sock, lambda: ready.done() or ready.set_result(None))
+    timer = _timer(ready, deadline)
+    try:
+        await ready
+    finally:
+        remove(sock)
+        if timer is not None:
+            timer.cancel()
+
+
 class AsyncPool:
-    """One loop's connections to one node: the blocking pool's interface (``checkin``,
-    ``discard``, ``free_slot``, ``close_idle``) for the shared ``Lease``."""
+    """One loop's connections to one node, with the blocking pool's interface
+    (``try_checkout``, ``checkout``, ``checkin``, ``discard``, ``free_slot``,
+    ``close_idle``): the exchange uses either the same way."""
 
     def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
         self.address = address
@@ -206,26 +280,36 @@ class AsyncPool:
         return None
 
     async def checkout(self) -> AsyncConnection:
+        """A connection, waiting at most POOL_TIMEOUT for one.
+
+        The waiter's future decides between a hand-over and the timeout: whichever comes
+        first sets it (no ``asyncio.wait_for``, which from Python 3.12 may raise
+        TimeoutError after the future got its connection). A caller cancelled after a
+        connection was handed over gives it on.
+        """
         connection = self.try_checkout()
         if connection is not None:
             return connection
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self.waiters.append(waiter)
         self.waits += 1
+        timer = loop.call_later(self.settings.pool_timeout, _expire, waiter)
         try:
-            handed = await asyncio.wait_for(waiter, self.settings.pool_timeout)
-        except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
+            handed = await waiter
+        except TimeoutError:  # set by the timer: nothing was handed over
             raise PoolExhausted(
                 self.address.name,
                 f"all {self.settings.max_size} connections busy for "
                 f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
             ) from None
         except BaseException:  # cancelled just as a connection was handed over: give it on
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 handed = waiter.result()
                 self.free_slot() if handed is None else self.checkin(handed)
             raise
         finally:
+            timer.cancel()
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
         return handed if handed is not None else self._new()
@@ -261,13 +345,13 @@ class AsyncPool:
         return AsyncConnection(self.address, self.settings)
 
 
-class _LoopPools:
-    """The pools (and autobatched gets) of one event loop, closed by the loop's
-    ``shutdown_asyncgens``."""
+class LoopState:
+    """What one event loop keeps per node — its pools, and the gets waiting to go out
+    together (``autobatch``) — closed by the loop's ``shutdown_asyncgens``."""
 
     def __init__(self) -> None:
-        self.pools: dict[Node, AsyncPool] = {}
-        self.gets: dict[Node, Gets] = {}
+        self.pools: dict[Any, AsyncPool] = {}
+        self.gets: dict[Any, Any] = {}
         self.guard: AsyncIterator[None] | None = None
 
     def close(self) -> None:
@@ -275,72 +359,52 @@ class _LoopPools:
             pool.close_idle()
 
 
-_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPools] = (
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState] = (
     weakref.WeakKeyDictionary()
 )
 _loops_lock = threading.Lock()
 
 
-async def _closed_with_the_loop(loop: asyncio.AbstractEventLoop, pools: _LoopPools):
+async def _closed_with_the_loop(loop: asyncio.AbstractEventLoop, state: LoopState):
     """An async generator the loop finalizes at shutdown: then the pools close."""
     try:
         yield
     finally:
-        pools.close()
+        state.close()
         with _loops_lock:
             _loops.pop(loop, None)
 
 
-def pool_of(node: Node) -> AsyncPool:
-    """The running loop's pool for ``node``, made on first use (call it on the loop)."""
+def loop_state() -> LoopState:
+    """The running loop's state, made (and registered to close with it) on first use:
+    the guard's first step runs here (a coroutine step, driven by hand) so the loop's
+    asyncgen hook adopts it."""
     loop = asyncio.get_running_loop()
-    pools = _loops.get(loop)
-    if pools is None:
-        pools = _pools_of(loop)
-    pool = pools.pools.get(node)
+    state = _loops.get(loop)
+    if state is not None:
+        return state
+    with _loops_lock:
+        state = _loops.setdefault(loop, LoopState())
+    if state.guard is None:
+        state.guard = _closed_with_the_loop(loop, state)
+        try:
+            state.guard.__anext__().send(None)
+        except StopIteration:  # reached its ``yield``: registered, now waits for shutdown
+            pass
+    return state
+
+
+def pool_of(node: Any) -> AsyncPool:
+    """The running loop's pool for ``node`` (anything with a blocking ``pool``, whose
+    address and settings it shares), made on first use. Call it on the loop."""
+    pools = loop_state().pools
+    pool = pools.get(node)
     if pool is None:
-        pool = pools.pools[node] = AsyncPool(node.pool.address, node.pool.settings)
+        pool = pools[node] = AsyncPool(node.pool.address, node.pool.settings)
     return pool
 
 
-def batch_for(node: Node) -> Gets | None:
-    """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
-    loop already has gets waiting or a connection busy on the node, so there is company
-    to share a request with. None: go alone (a lone call pays no batching detour)."""
-    if not node.pool.settings.autobatch:
-        return None
-    gets = gets_of(node)
-    pool = _loops[asyncio.get_running_loop()].pools.get(node)
-    if gets.waiting or (pool is not None and pool.size > len(pool.idle)):
-        return gets
-    return None
-
-
-def gets_of(node: Node) -> Gets:
-    """The running loop's batch of gets for ``node``, made on first use."""
-    loop = asyncio.get_running_loop()
-    pools = _loops.get(loop) or _pools_of(loop)
-    gets = pools.gets.get(node)
-    if gets is None:
-        gets = pools.gets[node] = Gets(node)
-    return gets
-
-
-def _pools_of(loop: asyncio.AbstractEventLoop) -> _LoopPools:
-    """The loop's pools, registered to close with it: the guard's first step runs here
-    (a coroutine step, driven by hand) so the loop's asyncgen hook adopts it."""
-    with _loops_lock:
-        pools = _loops.setdefault(loop, _LoopPools())
-    if pools.guard is None:
-        pools.guard = _closed_with_the_loop(loop, pools)
-        try:
-            pools.guard.__anext__().send(None)
-        except StopIteration:  # reached its ``yield``: registered, now waits for shutdown
-            pass
-    return pools
-
-
-def pool_figures(node: Node) -> dict[str, int]:
+def pool_figures(node: Any) -> dict[str, int]:
     """The asyncio pools' figures for ``node``, summed over the process's event loops:
     connections open (idle or in use), idle, and coroutines waiting for one. Read from
     any thread: each figure is one read of a loop's own counters (monitoring, not exact)."""
@@ -357,7 +421,7 @@ def pool_figures(node: Node) -> dict[str, int]:
     }
 
 
-def close_pools(nodes: Sequence[Node]) -> None:
+def close_pools(nodes: Sequence[Any]) -> None:
     """Close the running loop's idle connections to ``nodes``."""
     pools = _loops.get(asyncio.get_running_loop())
     if pools is not None:

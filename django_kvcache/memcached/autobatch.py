@@ -6,9 +6,10 @@ with that node (gets waiting, or a connection in use: ``aio.batch_for``) hands i
 to the node's :class:`Gets` of the running loop and waits on a future; a lone call goes
 straight out, as without AUTOBATCH. The first keys of an iteration schedule one flush (``loop.call_soon``): it runs after every coroutine that
 was ready in that iteration has asked, and sends all their keys (each once) in one
-request, on one pooled connection, through ``Node.acall`` — the same lease, retry and
-failure policy as any call. Each waiter then gets its own keys' share of the reply, or
-the node's error (and applies its own IGNORE_EXCEPTIONS to it, as without batching).
+request, on one pooled connection, through the node's exchange — the same connection
+handling, retry and failure policy as any call. Each waiter then gets its own keys'
+share of the reply, or the node's error (and applies its own IGNORE_EXCEPTIONS to it, as
+without batching).
 
 The fetch runs in a task of its own, so a caller that is cancelled only drops its
 future: the request, and the other callers' answers, carry on.
@@ -16,27 +17,22 @@ future: the request, and the other callers' answers, carry on.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, Awaitable, Callable
 
-from django_kvcache.memcached import wire
-
-if TYPE_CHECKING:
-    from django_kvcache.memcached.node import Node
+from django_kvcache.memcached import aio, wire
 
 Found = dict[bytes, tuple[bytes, int]]
 
 
 class Gets:
-    """One loop's pending gets for one node (touched from that loop's thread only)."""
+    """One loop's pending gets for one node (touched from that loop's thread only).
+    ``fetch`` sends one get request to the node and awaits what it makes of the reply."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, fetch: Callable[[wire.Op], Awaitable[Any]]) -> None:
+        self.fetch = fetch
         self.waiting: list[tuple[list[bytes], asyncio.Future]] = []
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
-
-    async def get_one(self, key: bytes) -> tuple[bytes, int] | None:
-        return (await self.get([key])).get(key)
 
     def get(self, keys: list[bytes]) -> asyncio.Future:
         """A future of ``{key: (data, flags)}`` for the ``keys`` found."""
@@ -58,7 +54,7 @@ class Gets:
         keys = list(dict.fromkeys(key for asked, _ in waiting for key in asked))
         op = wire.get_one(keys[0]) if len(keys) == 1 else wire.get_many(keys)
         try:
-            reply = await self.node.acall(op, ops=0)  # the callers count their own ops
+            reply = await self.fetch(op)
         except BaseException as exc:  # the node's error (or a cancelled loop): theirs too
             for _, future in waiting:
                 if future.done():
@@ -74,3 +70,25 @@ class Gets:
         for asked, future in waiting:
             if not future.done():  # a cancelled caller's share is dropped
                 future.set_result({key: found[key] for key in asked if key in found})
+
+
+def batch_for(node: Any) -> Gets | None:
+    """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
+    loop already has gets waiting or a connection busy on the node, so there is company
+    to share a request with. None: go alone (a lone call pays no batching detour)."""
+    if not node.pool.settings.autobatch:
+        return None
+    gets = gets_of(node)
+    pool = aio.loop_state().pools.get(node)
+    if gets.waiting or (pool is not None and pool.size > len(pool.idle)):
+        return gets
+    return None
+
+
+def gets_of(node: Any) -> Gets:
+    """The running loop's batch of gets for ``node``, made on first use."""
+    state = aio.loop_state()
+    gets = state.gets.get(node)
+    if gets is None:
+        gets = state.gets[node] = Gets(node.gets_to_fetch)
+    return gets

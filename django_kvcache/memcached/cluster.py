@@ -27,7 +27,7 @@ from django_kvcache.options import check_known, flag, integer, seconds
 from django_kvcache.routing import Router, parse_weights
 
 if TYPE_CHECKING:
-    from django_kvcache.memcached.fanout import Batch
+    from django_kvcache.memcached.exchange import Batch
 
 
 #: AUTOBATCH's default, chosen by measurement (docs/async.rst, Autobatching).

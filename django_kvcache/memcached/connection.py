@@ -1,29 +1,35 @@
-"""Blocking connections to one memcached node: sockets that carry :mod:`wire` ops.
+"""The blocking driver's byte mover: sockets that carry :mod:`wire` requests and replies.
 
 TCP (with ``TCP_NODELAY``), unix sockets and TLS, a connect timeout and an IO timeout.
-Without TLS the IO timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a
-blocking socket): a Python socket timeout makes every ``send``/``recv`` a ``poll`` plus
-the call, the kernel bounds the wait with one system call. A kernel timeout raises
-``BlockingIOError`` (EAGAIN), counted as a timeout like Python's ``socket.timeout``.
+Nothing here decides anything: what to send, which deadline applies and what a failure
+means are the exchange's (:mod:`django_kvcache.memcached.exchange`). A :class:`Connection`
+sends bytes and reads a reply until its parser is satisfied, both by a deadline given to
+it, and says where it stopped: the part of a request still unsent (``unsent``), the
+bytes received so far (``received``).
 
-Every write is sent with our own loop, not ``sendall``: when it times out we know which
-part of the request never left, and raise :class:`WriteTimeout` so the node can settle
-the connection (finish the request, then a fence) instead of closing it with a write
-that may still land.
+Without TLS the IO timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking
+socket): a Python socket timeout makes every ``send``/``recv`` a ``poll`` plus the call,
+the kernel bounds the wait with one system call. A kernel timeout raises
+``BlockingIOError`` (EAGAIN), counted as a timeout like Python's ``socket.timeout``. A
+wait that starts with more than half the IO timeout left of its deadline — the usual
+one — is bounded by the kernel alone; a later one (a reply trickling in) first polls for
+what is left, so no node can stretch a call past its deadline by more than half an IO
+timeout.
 """
 from __future__ import annotations
 
-import asyncio
+import select
 import socket
 import ssl
 import struct
 import sys
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django_kvcache.memcached import wire
 
 if TYPE_CHECKING:
-    from django_kvcache.memcached.pool import ConnectionSettings
     from django_kvcache.memcached.routing import NodeAddress
 
 #: Bytes asked of each ``recv``. Python allocates the full size before the call: 256 KiB
@@ -33,29 +39,70 @@ RECV_SIZE = 64 * 1024
 #: What a socket raises when IO_TIMEOUT passes: Python's timeout, or the kernel's EAGAIN.
 TIMEOUTS = (socket.timeout, BlockingIOError)
 
+#: How far past a deadline a blocking call may end, as a share of the socket's own
+#: timeout (IO_TIMEOUT): a wait that starts with more than that share of it left is
+#: bounded by the socket's timeout alone. Threads that wait for the GIL between sending
+#: and reading would otherwise pay a ``poll`` per read (measured: a third fewer calls
+#: with 6 threads at a 5 ms slack).
+SLACK = 0.5
+
+#: ``send`` without sleeping (where the platform has it; else sends may block).
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+
 # struct timeval as two C longs is what Linux and the BSDs take.
 KERNEL_TIMEOUTS = sys.platform.startswith(("linux", "darwin", "freebsd"))
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    connect_timeout: float | None = 1.0
+    io_timeout: float | None = 1.0
+    max_size: int = 64
+    pool_timeout: float = 1.0
+    tls: ssl.SSLContext | None = None  # hashed by identity, like the setting object itself
+    autobatch: bool = True  # asyncio gets of one loop iteration as one request (autobatch)
 
 
 class ConnectionClosed(ConnectionError):
     """The server closed the connection (restarted, or dropped us)."""
 
 
-class WriteTimeout(TimeoutError):
-    """A write request timed out: the server may still apply it (a paused server reads
-    its socket buffers when it resumes). ``unsent`` is the part of the request that never
-    left ``sock``; ``Node.settle`` finishes the conversation before any clean-up."""
+class SendTimeout(TimeoutError):
+    """The deadline passed with part of a request unsent (the connection's ``unsent``)."""
 
-    def __init__(self, sock: socket.socket, unsent: bytes) -> None:
-        super().__init__(f"write timed out with {len(unsent)} bytes unsent")
+
+class LateWrite:
+    """The socket of a write that was cut short (timed out or cancelled), to be settled
+    before its node serves again: the part of its request that never left (``unsent``),
+    whether the fence was added to it, and the bytes of replies received so far.
+
+    The byte movers (``settle`` here and in ``aio``) update it as they go, so a settle
+    that is itself interrupted never sends a byte twice.
+    """
+
+    __slots__ = ("sock", "unsent", "fenced", "buffer")
+
+    def __init__(self, sock: socket.socket, unsent: bytes | memoryview = b"",
+                 buffer: wire.Buffer | None = None) -> None:
         self.sock = sock
-        self.unsent = unsent
+        self.unsent = memoryview(unsent)
+        self.fenced = False
+        self.buffer = buffer if buffer is not None else wire.Buffer()
+
+    def fence(self) -> None:
+        """Add the fence to what is to be sent (once): its reply comes after all others."""
+        if not self.fenced:
+            self.unsent = memoryview(bytes(self.unsent) + wire.FENCE)
+            self.fenced = True
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class Connection:
     """One socket to one node, opened on first use. One request at a time."""
 
-    __slots__ = ("address", "settings", "sock", "buffer", "received")
+    __slots__ = ("address", "settings", "sock", "buffer", "received", "unsent", "send_flags")
 
     def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
         self.address = address
@@ -63,51 +110,102 @@ class Connection:
         self.sock: socket.socket | None = None
         self.buffer = wire.Buffer()
         self.received = 0  # bytes, over the connection's life
+        self.unsent: memoryview | bytes = b""  # of the request being sent
+        self.send_flags = 0
 
     def connect(self) -> socket.socket:
         """The socket, connecting first if needed."""
         if self.sock is None:
             self.sock = open_socket(self.address, self.settings)
+            self.send_flags = send_flags(self.sock)
         return self.sock
 
-    def exchange(self, op: wire.Op) -> Any:
-        """Send ``op``'s request, read its reply: what ``op`` makes of it."""
-        reply = op.make_reply()
+    def transfer(self, request: bytes, reply: Any, deadline: float | None) -> None:
+        """Send ``request`` and read until ``reply`` parses, both by ``deadline``.
+
+        The usual exchange, written out for speed (``send`` and ``receive`` inlined):
+        the request leaves in one ``send`` and its reply arrives in one ``recv``, bounded
+        by the socket's own timeout (the deadline is IO_TIMEOUT from just now). When time
+        went by first — a connect, a full buffer — the reads are bounded by the deadline
+        itself (``receive``)."""
+        sock = self.sock
+        if sock is None:
+            self.connect()
+            self.send(request, deadline)
+            self.receive(reply, deadline)
+            return
+        self.unsent = request
+        try:
+            sent = sock.send(request, self.send_flags)
+        except BlockingIOError:  # the kernel's buffer is full
+            sent = 0
+        except TIMEOUTS as exc:  # TLS: its socket timeout
+            raise SendTimeout(f"IO_TIMEOUT passed with {len(request)} bytes unsent") from exc
+        if sent != len(request):
+            self.unsent = memoryview(request)[sent:]
+            send_rest(sock, self, deadline)
+            self.unsent = b""
+            self.receive(reply, deadline)
+            return
+        self.unsent = b""
+        chunk = sock.recv(RECV_SIZE)
+        if not chunk:
+            raise ConnectionClosed("the server closed the connection")
+        self.received += len(chunk)
+        buffer = self.buffer
+        buffer.feed(chunk)
+        if not reply.parse(buffer):
+            self.receive(reply, deadline)
+
+    def send(self, request: bytes, deadline: float | None) -> bool:
+        """Send all of ``request`` by ``deadline``; ``SendTimeout`` if not (``unsent``
+        says what never left). Whether it had to wait for room."""
         sock = self.sock or self.connect()
-        if op.writes:
-            send_counted(sock, op.request)
-        else:
-            sock.sendall(op.request)  # a read: nothing to settle if it times out
-        self.read(reply, op.writes)
+        self.unsent = request
+        try:
+            sent = sock.send(request, self.send_flags)  # usually all of it, at once
+        except BlockingIOError:  # the kernel's buffer is full
+            sent = 0
+        except TIMEOUTS as exc:  # TLS: its socket timeout
+            raise SendTimeout(f"IO_TIMEOUT passed with {len(request)} bytes unsent") from exc
+        if sent == len(request):
+            self.unsent = b""
+            return False
+        self.unsent = memoryview(request)[sent:]
+        send_rest(sock, self, deadline)
+        self.unsent = b""
+        return True
+
+    def receive(self, reply: Any, deadline: float | None) -> None:
+        """Receive until ``reply`` is complete, by ``deadline``."""
+        sock, buffer = self.sock, self.buffer
+        assert sock is not None
+        if buffer.pos < len(buffer.data) and reply.parse(buffer):  # already here
+            return
+        while True:
+            wait(sock, deadline, self.settings.io_timeout, select.POLLIN)
+            chunk = sock.recv(RECV_SIZE)
+            if not chunk:
+                raise ConnectionClosed("the server closed the connection")
+            self.received += len(chunk)
+            buffer.feed(chunk)
+            if reply.parse(buffer):
+                return
+
+    def exchange(self, op: wire.Op) -> Any:
+        """``op`` alone, within IO_TIMEOUT: what it makes of the reply (no failure
+        handling: for maintenance and tests; calls go through the exchange loop)."""
+        reply = op.make_reply()
+        self.transfer(op.request, reply, deadline_after(self.settings.io_timeout))
         return op.result(reply)
 
-    def send(self, request: bytes, writes: bool) -> None:
-        """A request whose reply is read later (a fan-out sends every node's first)."""
-        sock = self.sock or self.connect()
-        if writes:
-            send_counted(sock, request)
-        else:
-            sock.sendall(request)
-
-    def read(self, reply: Any, writes: bool = False) -> None:
-        """Receive until ``reply`` is complete; a write's timeout is a ``WriteTimeout``."""
-        assert self.sock is not None
-        sock, buffer = self.sock, self.buffer
-        try:
-            if buffer.pos < len(buffer.data) and reply.parse(buffer):  # already here
-                return
-            while True:
-                chunk = sock.recv(RECV_SIZE)
-                if not chunk:
-                    raise ConnectionClosed("the server closed the connection")
-                self.received += len(chunk)
-                buffer.feed(chunk)
-                if reply.parse(buffer):
-                    return
-        except TIMEOUTS as exc:
-            if writes:
-                raise WriteTimeout(self.sock, b"") from exc
-            raise
+    def detach(self) -> LateWrite | None:
+        """Hand the socket over to be settled (a write cut short), with what is unsent
+        and what was received; the connection no longer owns it."""
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return None
+        return LateWrite(sock, self.unsent, self.buffer)
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -115,75 +213,93 @@ class Connection:
             sock.close()
 
 
-def receive(sock: socket.socket, buffer: wire.Buffer, reply: Any) -> None:
-    """Feed ``buffer`` from ``sock`` until ``reply`` parses (``settle``'s fence)."""
-    while not reply.parse(buffer):
+def send_rest(sock: socket.socket, holder: Any, deadline: float | None) -> None:
+    """Send ``holder.unsent`` (a connection's, a late write's) by ``deadline``, recording
+    what is left after each piece; ``SendTimeout`` if the deadline passes.
+
+    A plain socket is never put to sleep by ``send`` (``MSG_DONTWAIT``): waits happen in
+    ``poll``, where a signal handler's exception interrupts nothing half done, so
+    ``unsent`` is exact even then (a ``send`` interrupted in its sleep after part of the
+    data left would return a count the exception throws away). A TLS socket sends a
+    whole piece or nothing (OpenSSL keeps a partial record and finishes it when the same
+    bytes are sent again)."""
+    flags = send_flags(sock)
+    bound = sock.gettimeout()
+    try:
+        while holder.unsent:
+            if flags:
+                poll(sock, deadline, select.POLLOUT)
+            else:
+                wait(sock, deadline, bound, select.POLLOUT)
+            try:
+                holder.unsent = holder.unsent[sock.send(holder.unsent, flags):]
+            except BlockingIOError:  # readiness is no promise of room: poll again
+                pass
+    except TIMEOUTS as exc:
+        raise SendTimeout(f"IO_TIMEOUT passed with {len(holder.unsent)} bytes unsent") from exc
+
+
+def send_flags(sock: socket.socket) -> int:
+    """``MSG_DONTWAIT`` for a plain socket; a TLS socket takes no flags."""
+    return 0 if isinstance(sock, ssl.SSLSocket) else DONTWAIT
+
+
+def deadline_after(seconds: float | None) -> float | None:
+    """The monotonic time ``seconds`` from now (None: no deadline)."""
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def wait(sock: socket.socket, deadline: float | None, bound: float | None, events: int) -> None:
+    """Before a blocking call on ``sock`` (whose own timeout is ``bound``): when less than
+    that is left of ``deadline``, wait for readiness with what is left instead; past it,
+    raise ``socket.timeout``."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if bound is not None and left >= bound * SLACK:
+        return  # the socket's own timeout ends soon enough after the deadline
+    if events == select.POLLIN and isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return  # decrypted bytes are waiting: no need to ask the kernel
+    poll(sock, deadline, events)
+
+
+def poll(sock: socket.socket, deadline: float | None, events: int) -> None:
+    """Wait until ``sock`` is ready for ``events``, at the latest until ``deadline``
+    (``socket.timeout`` then). Past the deadline it still looks once: a reply that came
+    in time while this thread waited for the GIL is no timeout of the node's."""
+    poller = select.poll()
+    poller.register(sock, events)
+    if deadline is None:
+        poller.poll()
+    elif not poller.poll(max(deadline - time.monotonic(), 0.0) * 1000):
+        raise socket.timeout("IO_TIMEOUT passed")
+
+
+def settle(late: LateWrite, deadline: float | None) -> None:
+    """Send the rest of a write cut short and a fence, and read up to the fence's reply:
+    after that the server has applied (or refused) everything sent on the socket.
+    ``SendTimeout`` while sending, a plain timeout while reading."""
+    late.fence()
+    sock = late.sock
+    send_rest(sock, late, deadline)
+    bound = sock.gettimeout() or current_kernel_timeout(sock)
+    fence = wire.Fence()
+    while not fence.parse(late.buffer):
+        wait(sock, deadline, bound, select.POLLIN)
         chunk = sock.recv(RECV_SIZE)
         if not chunk:
             raise ConnectionClosed("the server closed the connection")
-        buffer.feed(chunk)
+        late.buffer.feed(chunk)
 
 
-def settle(sock: socket.socket, unsent: bytes) -> None:
-    """Send the rest of a timed-out write and a fence, and read up to the fence's reply:
-    after that the server has applied (or refused) everything sent on ``sock``. A timeout
-    while sending raises ``WriteTimeout`` with what is still unsent."""
-    send_counted(sock, unsent + wire.FENCE)
-    receive(sock, wire.Buffer(), wire.Fence())
-
-
-def send_counted(sock: socket.socket, data: bytes) -> None:
-    """``sendall`` that knows, when it times out, what never left (``WriteTimeout``)."""
-    sent = 0
-    try:
-        sent = sock.send(data)  # a request usually leaves in one piece
-        if sent < len(data):
-            view = memoryview(data)
-            while sent < len(view):
-                sent += sock.send(view[sent:])
-    except TIMEOUTS as exc:
-        raise WriteTimeout(sock, data[sent:]) from exc
-
-
-async def asettle(sock: socket.socket, unsent: bytes, timeout: float | None) -> None:
-    """``settle`` on the running event loop: the socket is non-blocking meanwhile, each
-    wait bounded by ``timeout``. A TLS socket is settled blocking (bounded by its own
-    timeout): an SSL socket's non-blocking writes need the same buffer retried."""
-    if isinstance(sock, ssl.SSLSocket):
-        settle(sock, unsent)
-        return
-    loop = asyncio.get_running_loop()
-    previous = sock.gettimeout()
-    sock.setblocking(False)
-    try:
-        view = memoryview(unsent + wire.FENCE)
-        sent = 0
-        try:
-            while sent < len(view):
-                try:
-                    sent += sock.send(view[sent:])
-                except BlockingIOError:
-                    await asyncio.wait_for(_writable(loop, sock), timeout)
-        except TimeoutError as exc:
-            raise WriteTimeout(sock, bytes(view[sent:])) from exc
-        buffer, fence = wire.Buffer(), wire.Fence()
-        while not fence.parse(buffer):
-            chunk = await asyncio.wait_for(loop.sock_recv(sock, RECV_SIZE), timeout)
-            if not chunk:
-                raise ConnectionClosed("the server closed the connection")
-            buffer.feed(chunk)
-    finally:
-        if sock.fileno() >= 0:
-            sock.settimeout(previous)
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready = loop.create_future()
-    loop.add_writer(sock, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        loop.remove_writer(sock)
+def current_kernel_timeout(sock: socket.socket) -> float | None:
+    """The receive timeout the kernel keeps for ``sock`` (``SO_RCVTIMEO``), if any."""
+    if not KERNEL_TIMEOUTS:
+        return None
+    seconds, micros = struct.unpack(
+        "ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll"))
+    )
+    return (seconds + micros / 1e6) or None
 
 
 def open_socket(address: NodeAddress, settings: ConnectionSettings) -> socket.socket:

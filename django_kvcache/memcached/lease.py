@@ -10,7 +10,10 @@ all on ``K``'s node (so one request can ask about all three):
   ``mg N`` placeholder on ``K`` would read as an empty value to every classic ``get``,
   ours and other clients'.) Early recomputation uses ``mg K R<secs>``, which only sets a
   token on the live item (the first reader past the threshold gets ``W``, the others
-  ``Z``): it changes nothing a plain read sees.
+  ``Z``): it changes nothing a plain read sees. The window is the shared rule's
+  (``stampede.Policy.early_window``: EARLY_RECOMPUTE, at most a quarter of the entry's
+  lifetime), and the reader who gets ``W`` also takes the lease ``L`` before it
+  recomputes, so a reader who finds ``K`` expired meanwhile waits for that value.
 * the lease ``L``: the empty item ``mg L N<secs>`` vivifies on a miss. The caller whose
   ``mg`` created it gets ``W`` and computes; every other one gets ``Z``. It expires on
   its own (a holder that died is replaced), or its holder deletes it with
@@ -24,7 +27,9 @@ whether this caller won, whether a value arrived meanwhile, and the stale value.
 winner's store is the plain ``set`` of ``K`` and one request ``ms S`` + ``md L C``.
 
 On a node without the meta commands (probed once per node) the store falls back to
-:class:`~django_kvcache.stampede.AddLeaseStore`.
+:class:`ClassicLeaseStore`, the add-based store whose release compares the lease's CAS.
+
+The stores see their cache through :class:`LeaseHost` only.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import hashlib
 import logging
 import math
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from django_kvcache import steps, stampede
 from django_kvcache.memcached import MemcachedError, Refused, wire
@@ -85,6 +90,28 @@ def ttl(node: Node, key: str) -> steps.Plan:
     return None if remaining < 0 else remaining
 
 
+class LeaseHost(Protocol):
+    """What the lease stores need of their cache (``MemcachedCache``, a ``KVCache``), and
+    no more: its Django API (``get``/``set``/``add``/``delete`` and their async twins,
+    run as ``CacheCall`` steps) and how its keys, values and timeouts look on the wire.
+    Where a key lives now and what a failure becomes are handed to the store apart
+    (``node_for``, ``failed``)."""
+
+    def make_and_validate_key(self, key: Any, version: int | None = None) -> str: ...
+
+    def decode(self, data: bytes, flags: int, key: Any) -> Any:
+        """A stored value, or MISSING when it is corrupt (logged with ``key``)."""
+
+    def encode(self, value: Any) -> tuple[bytes, int]:
+        """A value as stored: ``(data, flags)``."""
+
+    def timeout_seconds(self, timeout: Any = ...) -> float | None:
+        """Seconds an entry stored with Django's ``timeout`` lives (None: forever)."""
+
+    def expire_time(self, timeout: Any = ...) -> int:
+        """memcached's exptime for an entry living ``timeout`` seconds."""
+
+
 class MetaLeaseStore:
     """The lease, the stale copy and early recomputation for one key (module docstring).
 
@@ -95,7 +122,7 @@ class MetaLeaseStore:
 
     def __init__(
         self,
-        cache: Any,
+        host: LeaseHost,
         policy: stampede.Policy,
         key: Any,
         timeout: Any,
@@ -103,24 +130,24 @@ class MetaLeaseStore:
         node_for: Callable[[str], Node],
         failed: Callable[[MemcachedError], Any],
     ) -> None:
-        self.cache = cache
+        self.host = host
         self.policy = policy
         self.caller_key, self.timeout, self.version = key, timeout, version
         self.node_for = node_for
         self.failed = failed
-        self.key = cache.make_and_validate_key(key, version=version)
+        self.key = host.make_and_validate_key(key, version=version)
         self.encoded = self.key.encode()
+        self.lifetime = host.timeout_seconds(timeout)
         # memcached counts whole seconds and an item set for n seconds lives between
         # n - 1 and n of them: one more keeps a lease alive for at least LEASE_TIMEOUT.
         self.lease_seconds = math.ceil(policy.lease_timeout) + 1
         #: How long a waiter waits before computing without the lease (stampede.plan):
         #: the longest a lease lives, twice, as with LEASE_TIMEOUT elsewhere.
         self.patience = 2.0 * self.lease_seconds
-        early = policy.early_recompute
-        self.recache = math.ceil(early) if early else None
+        self.recache = recache_flag(policy.early_window(self.lifetime))
         self.node: Node | None = None
         self.cas: int | None = None  # of the lease this caller holds
-        self.fallback: stampede.AddLeaseStore | None = None  # on a node without meta
+        self.fallback: ClassicLeaseStore | None = None  # on a node without meta
 
     # The side items' keys: only a miss needs them, not the usual hit.
     @cached_property
@@ -144,17 +171,24 @@ class MetaLeaseStore:
         try:
             node = self.node = self.node_for(self.key)
             if not (yield from speaks_meta(node)):
-                self.fallback = stampede.AddLeaseStore(
-                    self.cache, self.policy, self.caller_key, self.timeout, self.version
+                self.fallback = ClassicLeaseStore(
+                    self.host, self.policy, self.caller_key, self.timeout, self.version,
+                    self.node_for,
                 )
                 return (yield from self.fallback.read())
             found = node.count_get(
                 (yield from node.call_plan(wire.meta_get_fresh(self.encoded, self.recache)))
             )
             if found is not None:
-                value = self.cache.decode(found[0], found[1], self.key)
+                value = self.host.decode(found[0], found[1], self.caller_key)
                 if value is not MISSING:
-                    return Read(value, True, found[2])  # won: early recomputation
+                    if not found[2]:
+                        return Read(value, True, False)
+                    # The first reader in the early window: it recomputes only if it also
+                    # takes the lease, so that a reader who finds the entry expired before
+                    # the new value is in waits for it instead of computing too.
+                    won = yield from self.take_lease(node)
+                    return Read(value, True, won)
             replies = yield from node.call_plan(wire.meta_sequence(self.lease_request(), True))
         except MemcachedError as exc:
             if self.node is not None and other_dialect(exc):
@@ -166,7 +200,7 @@ class MetaLeaseStore:
     def store(self, value: Any) -> steps.Plan:
         if self.fallback is not None:
             return (yield from self.fallback.store(value))
-        yield CacheCall(self.cache, "set", self.caller_key, value, self.timeout,
+        yield CacheCall(self.host, "set", self.caller_key, value, self.timeout,
                         version=self.version)
         commands = []
         stale = self.stale_command(value)
@@ -189,31 +223,47 @@ class MetaLeaseStore:
             yield from self.node.call_plan(wire.meta_sequence([self.release_command()], True))
         except MemcachedError as exc:  # not raised: it would hide the computation's error
             logger.warning("Could not release the lease of %r (it expires by itself): %s",
-                           self.key, exc)
+                           self.caller_key, exc)
 
     # --- the commands and what their replies mean ------------------------------------
+
+    def lease_command(self) -> bytes:
+        """Take the lease if nobody holds it (``W``), with its CAS to release it by."""
+        return wire.meta_command(b"mg", self.lease_key, b"N%d" % self.lease_seconds, b"c")
 
     def lease_request(self) -> list[bytes]:
         """Take the lease, read the entry again (a winner may have stored it since our
         first read) and the stale copy: one request, in this order."""
-        commands = [
-            wire.meta_command(b"mg", self.lease_key, b"N%d" % self.lease_seconds, b"c"),
-            wire.meta_command(b"mg", self.encoded, b"v", b"f"),
-        ]
+        commands = [self.lease_command(), wire.meta_command(b"mg", self.encoded, b"v", b"f")]
         if self.policy.stale_timeout is not None:
             commands.append(wire.meta_command(b"mg", self.stale_key, b"v", b"f"))
         return commands
+
+    def take_lease(self, node: Node) -> steps.Plan:
+        """Whether this caller took the lease (an early recomputation's); a refusal or a
+        failure means no: the entry is fresh, nobody needs to wait."""
+        try:
+            (lease,) = yield from node.call_plan(wire.meta_sequence([self.lease_command()], True))
+        except MemcachedError as exc:
+            self.failed(exc)
+            return False
+        return self.hold(lease)
+
+    def hold(self, lease: wire.MetaReply) -> bool:
+        """Whether the reply to ``lease_command`` gave this caller the lease."""
+        if b"W" not in lease.flags:
+            return False
+        # CAS 0: a server started with -C (no CAS), where ``md C0`` would delete any
+        # holder's lease. Then ours is not released: it expires by itself.
+        self.cas = lease.number(b"c") or None
+        return True
 
     def outcome(self, node: Node, replies: list[wire.MetaReply]) -> steps.Plan:
         lease, entry = replies[0], replies[1]
         if lease.code in REFUSALS:  # out of memory even for an empty item
             reason = (lease.value or b"").decode(errors="replace")
             return self.unprotected(Refused(node.name, f"lease not taken: {reason}"))
-        won = b"W" in lease.flags
-        if won:
-            # CAS 0: a server started with -C (no CAS), where ``md C0`` would delete any
-            # holder's lease. Then ours is not released: it expires by itself.
-            self.cas = lease.number(b"c") or None
+        won = self.hold(lease)
         value = self.value_of(entry)
         if value is not MISSING:
             yield from self.release()  # stored (and released) by a winner since our read
@@ -227,18 +277,18 @@ class MetaLeaseStore:
     def value_of(self, reply: wire.MetaReply) -> Any:
         if reply.code != b"VA" or reply.value is None:
             return MISSING
-        return self.cache.decode(reply.value, reply.number(b"f"), self.key)
+        return self.host.decode(reply.value, reply.number(b"f"), self.caller_key)
 
     def stale_command(self, value: Any) -> bytes | None:
         """The ``ms`` of the stale copy: the entry's lifetime plus STALE_TIMEOUT."""
         stale_timeout = self.policy.stale_timeout
         if stale_timeout is None:
             return None
-        seconds = self.cache.timeout_seconds(self.timeout)
+        seconds = self.lifetime
         if seconds is not None and seconds <= 0:
             return None
-        expire = 0 if seconds is None else self.cache.expire_time(seconds + stale_timeout)
-        data, flags = self.cache.codec.encode(value)
+        expire = self.host.expire_time(None if seconds is None else seconds + stale_timeout)
+        data, flags = self.host.encode(value)
         return wire.meta_command(b"ms", self.stale_key, b"T%d" % expire, b"F%d" % flags,
                                  data=data)
 
@@ -256,3 +306,48 @@ class MetaLeaseStore:
         return Read(MISSING, False, True)
 
 
+def recache_flag(window: float | None) -> int | None:
+    """The ``R`` of ``mg … R<secs>`` for an early window of ``window`` seconds: memcached
+    hands ``W`` to the first reader that finds fewer than R whole seconds left, and a
+    live item has at least one, so R - 1 whole seconds is the window it gives — never
+    more than the rule allows. Under a second: none (memcached's clock has no finer
+    step)."""
+    if window is None or window < 1:
+        return None
+    return math.floor(window) + 1
+
+
+class ClassicLeaseStore(stampede.AddLeaseStore):
+    """The add-based store on a node without meta commands, whose holder releases its
+    lease only if it is unchanged since its read: classic ``gets`` for the lease's CAS,
+    then ``cas`` with an exptime of -1 (replaced by an expired item: deleted). A holder
+    whose lease expired meanwhile never deletes its successor's, which a plain ``get``
+    and ``delete`` could."""
+
+    def __init__(
+        self,
+        host: LeaseHost,
+        policy: stampede.Policy,
+        key: Any,
+        timeout: Any,
+        version: Any,
+        node_for: Callable[[str], Node],
+    ) -> None:
+        super().__init__(host, policy, key, timeout, version)
+        self.host = host
+        self.node_for = node_for
+
+    def release(self) -> steps.Plan:
+        key = self.host.make_and_validate_key(self.lease_key, version=self.version)
+        try:
+            node = self.node_for(key)
+            found = yield from node.call_plan(wire.gets_one(key.encode()))
+            if found is None:
+                return
+            data, flags, cas = found
+            if self.host.decode(data, flags, self.lease_key) != self.token:
+                return  # not ours: a successor's, after ours expired
+            yield from node.call_plan(wire.cas(key.encode(), b"", 0, -1, cas))
+        except MemcachedError as exc:  # not raised: it would hide the computation's error
+            logger.warning("Could not release the lease of %r (it expires by itself): %s",
+                           self.key, exc)

@@ -16,24 +16,14 @@ lock), so at least one of the two sees the other and hands the connection over.
 from __future__ import annotations
 
 import os
-import ssl
 import threading
 from collections import deque
-from dataclasses import dataclass
 
 from django_kvcache.memcached import PoolExhausted
-from django_kvcache.memcached.connection import Connection
+from django_kvcache.memcached.connection import Connection, ConnectionSettings
 from django_kvcache.memcached.routing import NodeAddress
 
-
-@dataclass(frozen=True)
-class ConnectionSettings:
-    connect_timeout: float | None = 1.0
-    io_timeout: float | None = 1.0
-    max_size: int = 64
-    pool_timeout: float = 1.0
-    tls: ssl.SSLContext | None = None  # hashed by identity, like the setting object itself
-    autobatch: bool = True  # asyncio gets of one loop iteration as one request (autobatch)
+__all__ = ["ConnectionSettings", "NodePool", "pool_for"]
 
 
 class _Waiter:

@@ -9,20 +9,21 @@ key is remembered for its node and deleted there before the node serves anything
 This covers the writes this process dropped; another process that dropped writes does
 the same when it next uses the node.
 
-A write that *timed out* may also still be applied: a paused node reads what waits in
-its socket buffers when it resumes, perhaps after the clean-up. So its connection is
-kept open (``LateWrites``) and settled first — the rest of its request and a fence are
-sent, and the fence's reply read — and only then are the outdated copies deleted.
+A write that *timed out* or was *cancelled* may also still be applied: a paused node
+reads what waits in its socket buffers when it resumes, perhaps after the clean-up or
+after a later write. So its connection is kept open (``LateWrites``) and settled first —
+the rest of its request and a fence are sent, and the fence's reply read — and only then
+are the outdated copies deleted and the node used again.
 """
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import weakref
 
 from django_kvcache import outdated
 from django_kvcache.memcached import wire
+from django_kvcache.memcached.connection import LateWrite
 
 
 class OutdatedCopies(outdated.OutdatedCopies):
@@ -38,11 +39,11 @@ class OutdatedCopies(outdated.OutdatedCopies):
 
 
 class LateWrites:
-    """Open connections whose write timed out, each with the part of its request that
-    was never sent; settled (by the node) before its outdated copies are cleaned."""
+    """Open connections whose write was cut short (timed out or cancelled), each with
+    the part of its request that was never sent; settled before the node serves again."""
 
     def __init__(self) -> None:
-        self.connections: list[tuple[socket.socket, bytes]] = []
+        self.connections: list[LateWrite] = []
         self.pending = False  # read without the lock on every request: keep it a plain bool
         #: Settles that timed out so far. A caller that queued behind one fails at once
         #: instead of trying again: each waiting its own IO_TIMEOUT would make the k-th
@@ -54,18 +55,18 @@ class LateWrites:
         self.repairing = threading.Lock()
         _all.add(self)
 
-    def add(self, sock: socket.socket, unsent: bytes) -> None:
+    def add(self, late: LateWrite) -> None:
         with self.lock:
-            self.connections.append((sock, unsent))
+            self.connections.append(late)
             self.pending = True
 
-    def take(self) -> list[tuple[socket.socket, bytes]]:
+    def take(self) -> list[LateWrite]:
         """Every unsettled connection, now owned by the caller (``put_back`` the rest)."""
         with self.lock:
             taken, self.connections, self.pending = self.connections, [], False
         return taken
 
-    def put_back(self, connections: list[tuple[socket.socket, bytes]]) -> None:
+    def put_back(self, connections: list[LateWrite]) -> None:
         with self.lock:
             self.connections[:0] = connections
             self.pending = True

@@ -7,13 +7,18 @@ connections (``connection``) and the asyncio ones (``aio``) only move bytes betw
 socket and a buffer, so both speak exactly this code.
 
 An :class:`Op` ties a request to the parser of its reply and to what the caller makes
-of it (``finish``). Two dialects:
+of it (``finish``). A parser also says whether the connection is still *in step* after
+its reply (``in_step``): after an error reply to a command that carried a data block the
+server may not have read that block, so the stream position is unknown and the
+connection must not be used again. Whatever a parser cannot read — an unknown line, a
+number that is not one, a missing flag — raises :class:`ProtocolError`, nothing else.
+Two dialects:
 
 * the classic text protocol (``get``/``gets``/``set``/``add``/``touch``/``delete``/
   ``incr``/``flush_all``/``version``/``stats``), which every memcached speaks, and
-* the meta commands (``mg``/``ms``/``md``/``ma``/``mn``, memcached >= 1.6) with opaque
-  tokens and quiet mode. :func:`meta_probe` detects them once per node (``mn`` answers
-  ``MN``; an older server says ``ERROR``).
+* the meta commands (``mg``/``ms``/``md``/``mn``, memcached >= 1.6.6), for
+  ``get_or_set``'s leases, ``ttl()`` and compare-and-swap. :func:`meta_probe` detects
+  them once per node (``mn`` answers ``MN``; an older server says ``ERROR``).
 """
 from __future__ import annotations
 
@@ -32,12 +37,15 @@ class ProtocolError(Exception):
 
 class ErrorReply(Exception):
     """``SERVER_ERROR``/``CLIENT_ERROR``: the server refused one request (too large,
-    out of memory, not a number) and the connection is still in step."""
+    out of memory, not a number). ``in_step``: whether the connection may carry another
+    request — not after a refused command that carried a data block, which the server
+    may have left unread (then its bytes would be read as commands)."""
 
-    def __init__(self, line: bytes) -> None:
+    def __init__(self, line: bytes, in_step: bool = True) -> None:
         kind, _, message = line.partition(b" ")
         super().__init__(message.decode(errors="replace") or kind.decode())
         self.client_error = kind == b"CLIENT_ERROR"
+        self.in_step = in_step
 
 
 class Buffer:
@@ -99,13 +107,25 @@ class Buffer:
             return bytes(view[start:end])
 
 
-def check_line(line: bytes, command: str) -> bytes:
-    """``line`` itself, unless it is one of the error replies."""
-    if line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR")):
-        raise ErrorReply(line)
+ERROR_REPLIES = (b"SERVER_ERROR", b"CLIENT_ERROR")
+
+
+def check_line(line: bytes, command: str, carries_data: bool = False) -> bytes:
+    """``line`` itself, unless it is one of the error replies (``carries_data``: the
+    command sent a data block, so after a refusal the connection is out of step)."""
+    if line.startswith(ERROR_REPLIES):
+        raise ErrorReply(line, in_step=not carries_data)
     if line == b"ERROR":
         raise ProtocolError(f"memcached did not understand {command}")
     return line
+
+
+def number(token: bytes, what: str) -> int:
+    """``token`` as an integer; a :class:`ProtocolError` naming ``what`` otherwise."""
+    try:
+        return int(token)
+    except ValueError:
+        raise ProtocolError(f"{what} is not a number: {token[:40]!r}") from None
 
 
 # --- reply parsers ----------------------------------------------------------------------
@@ -118,6 +138,7 @@ class Values:
     """
 
     __slots__ = ("ends", "cas", "result", "header")
+    in_step = True
 
     def __init__(self, ends: int = 1, cas: bool = False) -> None:
         self.ends = ends
@@ -143,8 +164,11 @@ class Values:
                 parts = line.split(b" ")
                 if len(parts) != (5 if self.cas else 4):
                     raise ProtocolError(f"unexpected VALUE line: {line[:80]!r}")
-                cas = int(parts[4]) if self.cas else 0
-                self.header = (parts[1], int(parts[2]), int(parts[3]), cas)
+                cas = number(parts[4], "a cas") if self.cas else 0
+                length = number(parts[3], "a value's length")
+                if length < 0:
+                    raise ProtocolError(f"negative value length: {line[:80]!r}")
+                self.header = (parts[1], number(parts[2], "flags"), length, cas)
             else:  # even SERVER_ERROR: a get the server cannot answer leaves us lost
                 raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
         return True
@@ -159,6 +183,7 @@ class OneValue:
     """
 
     __slots__ = ("result", "values")
+    in_step = True
 
     def __init__(self) -> None:
         self.result: tuple[bytes, int] | None = None
@@ -200,42 +225,61 @@ _VALUE_LINE = re.compile(rb"VALUE [^ \r\n]+ (\d+) (\d+)\r\n")
 
 
 class Lines:
-    """``count`` status lines (``STORED``, ``DELETED``, ``NOT_FOUND``, ``SERVER_ERROR``…),
-    one per pipelined command; an ``ERROR`` line is a protocol error."""
+    """``count`` status lines, one per pipelined command: each one of ``expected``
+    (``STORED``, ``DELETED``…) or an error reply (``SERVER_ERROR …``), kept as it is.
+    Any other line is a protocol error. After an error reply to a command that carried
+    a data block (``carries_data``) the connection is out of step (``in_step``)."""
 
-    __slots__ = ("count", "result")
+    __slots__ = ("count", "expected", "carries_data", "result", "in_step")
 
-    def __init__(self, count: int = 1) -> None:
+    def __init__(
+        self, count: int = 1, expected: tuple[bytes, ...] = (), carries_data: bool = False
+    ) -> None:
         self.count = count
+        self.expected = expected
+        self.carries_data = carries_data
         self.result: list[bytes] = []
+        self.in_step = True
 
     def parse(self, buffer: Buffer) -> bool:
         while len(self.result) < self.count:
             line = buffer.line()
             if line is None:
                 return False
-            if line == b"ERROR":
-                raise ProtocolError("memcached did not understand a command")
+            if line not in self.expected:
+                if not line.startswith(ERROR_REPLIES):
+                    raise ProtocolError(f"unexpected reply line: {line[:80]!r}")
+                if self.carries_data:
+                    self.in_step = False
             self.result.append(line)
         return True
 
 
 class Line:
     """One status line; the error replies raise (``ErrorReply``/``ProtocolError``)
-    unless ``check`` is off."""
+    unless ``check`` is off. ``carries_data``: the command sent a data block (``set``),
+    so a refusal leaves the connection out of step."""
 
-    __slots__ = ("command", "check", "result")
+    __slots__ = ("command", "check", "carries_data", "result", "in_step")
 
-    def __init__(self, command: str, check: bool = True) -> None:
+    def __init__(self, command: str, check: bool = True, carries_data: bool = False) -> None:
         self.command = command
         self.check = check
+        self.carries_data = carries_data
         self.result = b""
+        self.in_step = True
 
     def parse(self, buffer: Buffer) -> bool:
         line = buffer.line()
         if line is None:
             return False
-        self.result = check_line(line, self.command) if self.check else line
+        if self.check:
+            try:
+                line = check_line(line, self.command, self.carries_data)
+            except ErrorReply as exc:
+                self.in_step = exc.in_step
+                raise
+        self.result = line
         return True
 
 
@@ -244,6 +288,7 @@ class Fence:
     are status lines only, so the first line starting with ``VERSION `` is the fence's."""
 
     __slots__ = ("result",)
+    in_step = True
 
     def __init__(self) -> None:
         self.result = b""
@@ -260,6 +305,7 @@ class Stats:
     """``STAT <name> <value>`` lines up to ``END``: ``{name: value}``, numbers as such."""
 
     __slots__ = ("result",)
+    in_step = True
 
     def __init__(self) -> None:
         self.result: dict[str, Any] = {}
@@ -268,11 +314,12 @@ class Stats:
         while (line := buffer.line()) is not None:
             if line == b"END":
                 return True
-            if not line.startswith(b"STAT "):
+            parts = line.split(b" ", 2)
+            if parts[0] != b"STAT" or len(parts) != 3:
                 check_line(line, "stats")
                 raise ProtocolError(f"unexpected reply to stats: {line[:80]!r}")
-            _, name, value = line.split(b" ", 2)
-            self.result[name.decode()] = _number(value.decode(errors="replace"))
+            name, value = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
+            self.result[name] = _number(value)
         return False
 
 
@@ -291,6 +338,7 @@ class KeyDump:
     millions)."""
 
     __slots__ = ("on_key", "result")
+    in_step = True
 
     def __init__(self, on_key: Callable[[str], None]) -> None:
         self.on_key = on_key
@@ -303,7 +351,11 @@ class KeyDump:
             if not line.startswith(b"key="):
                 check_line(line, "lru_crawler metadump")
                 raise ProtocolError(f"unexpected reply to lru_crawler metadump: {line[:80]!r}")
-            self.on_key(unquote(line[4 : line.index(b" ")].decode()))
+            key = line[4:].split(b" ", 1)[0]
+            try:
+                self.on_key(unquote(key.decode(), errors="strict"))
+            except UnicodeDecodeError:
+                raise ProtocolError(f"a key that is not UTF-8: {key[:80]!r}") from None
         return False
 
 
@@ -317,58 +369,58 @@ class MetaReply:
     value: bytes | None = None
 
     def number(self, flag: bytes) -> int:
-        return int(self.flags[flag])
+        """The integer value of ``flag``; a :class:`ProtocolError` if it is missing or
+        not a number (a reply we cannot read, never a KeyError or ValueError)."""
+        token = self.flags.get(flag)
+        if token is None:
+            raise ProtocolError(f"meta reply {self.code!r} without the {flag!r} flag")
+        return number(token, f"the {flag.decode()} flag")
 
 
 META_CODES = frozenset({b"VA", b"HD", b"EN", b"NF", b"NS", b"EX", b"MN"})
 
 
 class Meta:
-    """One meta reply; with ``until_mn``, every reply up to ``MN`` (a quiet batch
-    ended by ``mn``), as ``{opaque token: MetaReply}`` (``O`` flag)."""
+    """One meta reply (:class:`MetaReply`). ``carries_data``: the command sent a data
+    block (``ms``), so a refusal leaves the connection out of step."""
 
-    __slots__ = ("until_mn", "result", "pending", "length")
+    __slots__ = ("carries_data", "result", "pending", "length", "in_step")
 
-    def __init__(self, until_mn: bool = False) -> None:
-        self.until_mn = until_mn
-        self.result: Any = {} if until_mn else None
+    def __init__(self, carries_data: bool = False) -> None:
+        self.carries_data = carries_data
+        self.result: MetaReply | None = None
         self.pending: MetaReply | None = None  # a VA whose value has not all arrived
         self.length = 0
+        self.in_step = True
 
     def parse(self, buffer: Buffer) -> bool:
-        while True:
-            if self.pending is not None:
-                value = buffer.block(self.length)
-                if value is None:
-                    return False
-                self.pending.value, reply, self.pending = value, self.pending, None
-                if self._done(reply):
-                    return True
+        if self.pending is None:
             line = buffer.line()
             if line is None:
                 return False
             code, *tokens = line.split(b" ")
             if code not in META_CODES:
-                check_line(line, "a meta command")
+                try:
+                    check_line(line, "a meta command", self.carries_data)
+                except ErrorReply as exc:
+                    self.in_step = exc.in_step
+                    raise
                 raise ProtocolError(f"unexpected meta reply: {line[:80]!r}")
+            reply = MetaReply(code, {})
             if code == b"VA":
                 if not tokens or not tokens[0].isdigit():
                     raise ProtocolError(f"VA without a length: {line[:80]!r}")
                 self.length = int(tokens.pop(0))
-            reply = MetaReply(code, {token[:1]: token[1:] for token in tokens if token})
-            if code == b"VA":
-                self.pending = reply
-            elif self._done(reply):
+            reply.flags = {token[:1]: token[1:] for token in tokens if token}
+            if code != b"VA":
+                self.result = reply
                 return True
-
-    def _done(self, reply: MetaReply) -> bool:
-        if not self.until_mn:
-            self.result = reply
-            return True
-        if reply.code == b"MN":
-            return True
-        self.result[reply.flags.get(b"O", b"")] = reply
-        return False
+            self.pending = reply
+        value = buffer.block(self.length)
+        if value is None:
+            return False
+        self.pending.value, self.result, self.pending = value, self.pending, None
+        return True
 
 
 # --- requests -------------------------------------------------------------------------
@@ -447,33 +499,61 @@ def get_many(keys: list[bytes]) -> Op:
     return Op(get_request(keys), lambda: Values(ends), False)
 
 
+def gets_one(key: bytes) -> Op:
+    """``(data, flags, cas)`` or None (``gets``: the classic protocol's compare token)."""
+    def finish(found: dict[bytes, tuple]) -> tuple[bytes, int, int] | None:
+        return next(iter(found.values()), None)
+
+    return Op(get_request([key], b"gets"), lambda: Values(cas=True), False, finish)
+
+
+STORE_REPLIES = (b"STORED", b"NOT_STORED", b"EXISTS", b"NOT_FOUND")
+
+
 def store(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> Op:
-    """``set``/``add``/``replace``: whether it was stored; ``ErrorReply`` if refused."""
-    return Op(store_command(name, key, data, flags, expire), lambda: Line(name.decode()), True,
-              _is(b"STORED"))
+    """``set``/``add``/``replace``: whether it was stored; ``ErrorReply`` if refused
+    (out of step: memcached may not have read the data block)."""
+    return Op(store_command(name, key, data, flags, expire),
+              lambda: Line(name.decode(), carries_data=True), True,
+              _answer(b"STORED", STORE_REPLIES, name.decode()))
+
+
+def cas(key: bytes, data: bytes, flags: int, expire: int, token: int) -> Op:
+    """``cas``: store only if the item's compare token is still ``token``; whether it
+    was. With ``expire`` -1 a conditional delete (the item is replaced, expired)."""
+    request = b"cas %b %d %d %d %d\r\n%b\r\n" % (key, flags, expire, len(data), token, data)
+    return Op(request, lambda: Line("cas", carries_data=True), True,
+              _answer(b"STORED", STORE_REPLIES, "cas"))
 
 
 def store_many(items: list[tuple[bytes, bytes, int]], expire: int) -> Op:
-    """``set`` of ``(key, data, flags)`` items: one status line per item."""
+    """``set`` of ``(key, data, flags)`` items: one status line per item (``STORED`` or
+    the server's refusal, kept as it is)."""
     request = b"".join(store_command(b"set", k, d, f, expire) for k, d, f in items)
-    return Op(request, lambda: Lines(len(items)), True)
+    return Op(request, lambda: Lines(len(items), STORE_REPLIES, carries_data=True), True)
 
 
 def touch(key: bytes, expire: int) -> Op:
-    return Op(b"touch %b %d\r\n" % (key, expire), lambda: Line("touch"), True, _is(b"TOUCHED"))
+    return Op(b"touch %b %d\r\n" % (key, expire), lambda: Line("touch"), True,
+              _answer(b"TOUCHED", (b"TOUCHED", b"NOT_FOUND"), "touch"))
+
+
+DELETE_REPLIES = (b"DELETED", b"NOT_FOUND")
 
 
 def delete(key: bytes) -> Op:
-    return Op(delete_command(key), lambda: Line("delete"), True, _is(b"DELETED"))
+    return Op(delete_command(key), lambda: Line("delete"), True,
+              _answer(b"DELETED", DELETE_REPLIES, "delete"))
 
 
 def delete_many(keys: Iterable[bytes]) -> Op:
     keys = list(keys)
-    return Op(b"".join(map(delete_command, keys)), lambda: Lines(len(keys)), True)
+    return Op(b"".join(map(delete_command, keys)),
+              lambda: Lines(len(keys), DELETE_REPLIES), True)
 
 
 def flush_all() -> Op:
-    return Op(b"flush_all\r\n", Lines, True)
+    return Op(b"flush_all\r\n", lambda: Lines(1, (b"OK",)), True)
 
 
 def incr(key: bytes, delta: int) -> Op:
@@ -488,6 +568,17 @@ def _counter(line: bytes) -> int | None:
     if not line.isdigit():
         raise ProtocolError(f"unexpected reply to incr: {line[:80]!r}")
     return int(line)
+
+
+def _answer(yes: bytes, known: tuple[bytes, ...], command: str) -> Callable[[bytes], bool]:
+    """A status line's meaning: ``yes`` or another of the ``known`` answers; any other
+    line is a reply we cannot read."""
+    def finish(line: bytes) -> bool:
+        if line not in known:
+            raise ProtocolError(f"unexpected reply to {command}: {line[:80]!r}")
+        return line == yes
+
+    return finish
 
 
 def fence() -> Op:
@@ -534,49 +625,30 @@ def meta_cas(key: bytes, data: bytes, flags: int, ttl: int, cas: int) -> Op:
             return False
         raise ProtocolError(f"unexpected reply to ms: {reply.code!r}")
 
-    return Op(request, Meta, True, finish)
-
-
-def meta_get_quiet(keys: list[bytes]) -> Op:
-    """``mg`` of many keys in quiet mode, ended by ``mn``: misses send nothing.
-    ``{key: (data, flags)}`` for the keys found (each found by its opaque token)."""
-    request = b"".join(
-        meta_command(b"mg", key, b"v", b"f", b"q", b"O%d" % index)
-        for index, key in enumerate(keys)
-    ) + b"mn\r\n"
-
-    def finish(replies: dict[bytes, MetaReply]) -> dict[bytes, tuple[bytes, int]]:
-        return {
-            keys[int(token)]: (reply.value, reply.number(b"f"))
-            for token, reply in replies.items() if reply.code == b"VA"
-        }
-
-    return Op(request, lambda: Meta(until_mn=True), False, finish)
-
-
-def _is(expected: bytes) -> Callable[[bytes], bool]:
-    return lambda line: line == expected
+    return Op(request, lambda: Meta(carries_data=True), True, finish)
 
 
 # --- meta commands for get_or_set's leases and ttl() (memcached.lease) -----------------
 
 
 class MetaSequence:
-    """The replies to ``count`` pipelined meta commands sent without ``q`` (one reply
-    each), in order, as :class:`MetaReply`. A refused command (``SERVER_ERROR`` out of
-    memory…) becomes its reply, code ``SERVER_ERROR``/``CLIENT_ERROR`` with the message
-    as value, instead of raising: the replies after it are still read, so the connection
-    stays in step."""
+    """The replies to pipelined meta commands sent without ``q`` (one reply each), in
+    order, as :class:`MetaReply`. A refused command (``SERVER_ERROR`` out of memory…)
+    becomes its reply, code ``SERVER_ERROR``/``CLIENT_ERROR`` with the message as value,
+    instead of raising: the replies after it are still read. ``carries_data`` says, per
+    command, whether it sent a data block (``ms``): a refusal of one of those leaves the
+    connection out of step (``in_step``), once every reply is read."""
 
-    __slots__ = ("count", "result", "current")
+    __slots__ = ("carries_data", "result", "current", "in_step")
 
-    def __init__(self, count: int) -> None:
-        self.count = count
+    def __init__(self, carries_data: list[bool]) -> None:
+        self.carries_data = carries_data
         self.result: list[MetaReply] = []
-        self.current = Meta()
+        self.current = Meta(carries_data[0]) if carries_data else Meta()
+        self.in_step = True
 
     def parse(self, buffer: Buffer) -> bool:
-        while len(self.result) < self.count:
+        while len(self.result) < len(self.carries_data):
             try:
                 if not self.current.parse(buffer):
                     return False
@@ -584,15 +656,18 @@ class MetaSequence:
             except ErrorReply as exc:
                 code = b"CLIENT_ERROR" if exc.client_error else b"SERVER_ERROR"
                 reply = MetaReply(code, {}, str(exc).encode())
+                self.in_step = self.in_step and exc.in_step
             self.result.append(reply)
-            self.current = Meta()
+            if len(self.result) < len(self.carries_data):
+                self.current = Meta(self.carries_data[len(self.result)])
         return True
 
 
 def meta_sequence(commands: list[bytes], writes: bool) -> Op:
     """Several meta commands (from :func:`meta_command`, without ``q``) in one request:
     their replies in order (:class:`MetaSequence`)."""
-    return Op(b"".join(commands), lambda: MetaSequence(len(commands)), writes)
+    carries_data = [command.startswith(b"ms ") for command in commands]
+    return Op(b"".join(commands), lambda: MetaSequence(carries_data), writes)
 
 
 def meta_get_fresh(key: bytes, recache: int | None = None) -> Op:

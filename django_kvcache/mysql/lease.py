@@ -35,7 +35,7 @@ from django_kvcache import steps
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
 from django_kvcache.mysql.query import Query, lastrowid, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER, Statements, now_ms
-from django_kvcache.stampede import MISSING, CacheCall, Policy, Read
+from django_kvcache.stampede import MISSING, CacheCall, Policy, Read, recompute_early
 
 LEASE_KEY_HEAD = "kvcache-lease:"
 #: ``flags`` of a lease row (never read as an entry: its key is no caller's).
@@ -43,10 +43,6 @@ LEASE_FLAGS = 0
 #: A released lease row's value starts with this, followed by the releaser's token (so
 #: no two states of a lease row are alike); a held one holds its holder's token.
 RELEASED = b"released:"
-#: Steepness of the early-recomputation rule: with ``r`` seconds left of an entry and
-#: EARLY_RECOMPUTE ``E``, a reader recomputes with probability ``exp(-3 r / E)`` — 5 %
-#: as the window opens, 37 % two thirds of the way in, 100 % at expiry.
-EARLY_STEEPNESS = 3.0
 
 Work = Callable[[Statements], Any]  # a Query, or a generator of them (a shard's work)
 Row = tuple[bytes, int, int]  # value, flags, expires
@@ -59,21 +55,14 @@ def lease_key(entry_key: str) -> str:
     return (LEASE_KEY_HEAD + digest).ljust(MAX_KEY_LENGTH, ".")
 
 
-def early_draw(expires: int, now: int, early_ms: int, draw: float) -> bool:
-    """XFetch-style: whether a reader of a fresh entry expiring at ``expires`` recomputes
-    it now, given a uniform ``draw`` in [0, 1). Never before the last ``early_ms``."""
-    left = expires - now
-    if expires >= FOREVER or left >= early_ms:
-        return False
-    return draw < math.exp(-EARLY_STEEPNESS * max(left, 0) / early_ms)
-
-
 class LeaseHost(Protocol):
     """What the store needs of MySQLCache (``django_kvcache.backends.mysql``)."""
 
     def make_and_validate_key(self, key: Any, version: int | None = None) -> str: ...
 
     def decode(self, data: bytes, flags: int, key: str) -> Any: ...
+
+    def timeout_seconds(self, timeout: Any = ...) -> float | None: ...
 
     def set(self, key: Any, value: Any, timeout: Any = ..., version: int | None = None) -> None: ...
 
@@ -115,8 +104,9 @@ class MySQLLeaseStore:
         self.lease_ms = math.ceil(policy.lease_timeout * 1000)
         stale = policy.stale_timeout
         self.stale_ms = None if stale is None else math.ceil(stale * 1000)
-        early = policy.early_recompute
-        self.early_ms = None if early is None else math.ceil(early * 1000)
+        # The shared rule (stampede.recompute_early) within a window bounded by the
+        # entry's lifetime: the timeout this get_or_set stores it with.
+        self.early_window = policy.early_window(cache.timeout_seconds(timeout))
 
     def _call(self, write: bool, work: Work, fallback: Any) -> Any:
         return self.cache._lease_call(self.entry_key, write, work, fallback)
@@ -179,9 +169,9 @@ class MySQLLeaseStore:
         return value, fresh and value is not MISSING
 
     def _recompute_early(self, entry: Row | None, now: int) -> bool:
-        if self.early_ms is None or entry is None:
+        if self.early_window is None or entry is None or entry[2] >= FOREVER:
             return False
-        return early_draw(entry[2], now, self.early_ms, self.draw())
+        return recompute_early((entry[2] - now) / 1000, self.early_window, self.draw())
 
     def store(self, value: Any) -> steps.Plan:
         yield CacheCall(self.cache, "set", self.key, value, self.timeout, version=self.version)
