@@ -29,7 +29,8 @@ from django.test.utils import override_settings
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_engine_on_galera, is_galera_node
-from django_kvcache.mysql.server import error_code, forget_server
+from django_kvcache.mysql.errors import error_code
+from django_kvcache.mysql.server import forget_server
 from tests.contract import CacheContract
 from tests.mysql_support import BACKEND, register_alias, unregister_alias
 from tests.servers import GaleraNode, services
