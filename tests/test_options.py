@@ -132,9 +132,11 @@ MYSQL_NUMBERS = [
     *SHARED_NUMBERS,
     ("MAX_ENTRIES", "100", 100, {}, lambda c: c._max_entries),
     ("CULL_FREQUENCY", "4", 4, {}, lambda c: c._cull_frequency),
-    ("FAILURE_THRESHOLD", "3", 3, {}, lambda c: c.failure_threshold),
-    ("RETRY_TIMEOUT", "0.5", 0.5, {}, lambda c: c.retry_timeout),
-    ("READ_YOUR_WRITES", "2", 2.0, {}, lambda c: c.read_your_writes),
+    ("FAILURE_THRESHOLD", "3", 3, {}, lambda c: c.cluster.failure_threshold),
+    ("RETRY_TIMEOUT", "0.5", 0.5, {}, lambda c: c.cluster.retry_timeout),
+    ("READ_YOUR_WRITES", "2", 2.0, {}, lambda c: c.cluster.read_your_writes),
+    ("MAX_POOL_SIZE", "8", 8, {}, lambda c: c.cluster.max_pool_size),
+    ("POOL_TIMEOUT", "3", 3.0, {}, lambda c: c.cluster.pool_timeout),
     ("CULL_PROBABILITY", "0.25", 0.25, {}, lambda c: c.cull_probability),
 ]
 #: Memcached's connection options shape the process-wide cluster: a cache whose option
