@@ -5,6 +5,7 @@ that needs to break a memcached node or restart MariaDB starts its own here.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import shutil
 import importlib.util
@@ -101,6 +102,22 @@ def connection_settings(port: int, database: str = services.MYSQL_DATABASE) -> d
     }
 
 
+_template_datadir: Path | None = None
+
+
+def fresh_datadir(datadir: Path) -> None:
+    """Fill the missing ``datadir`` with a copy of a data directory initialised once per
+    test process: ``mariadb-install-db`` takes about 2 s, the copy a tenth of that, and a
+    fault test starts a server of its own each time."""
+    global _template_datadir
+    if _template_datadir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="kvcache-mariadb-template-"))
+        atexit.register(shutil.rmtree, workdir, ignore_errors=True)
+        services.mariadb_argv(workdir / "data", free_port(), "template")  # initialises it
+        _template_datadir = workdir / "data"
+    shutil.copytree(_template_datadir, datadir)
+
+
 class MariaDBServer:
     """A MariaDB of a test's own, in a temporary data directory, on a fixed free port.
 
@@ -119,6 +136,8 @@ class MariaDBServer:
     def start(self, timeout: float = 60.0) -> None:
         if self.process is not None and self.process.poll() is None:
             return
+        if not (self.workdir / "data").exists():
+            fresh_datadir(self.workdir / "data")
         argv = services.mariadb_argv(self.workdir / "data", self.port, self.name)
         with open(self.workdir / "server.log", "ab") as log_file:
             self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)

@@ -29,6 +29,10 @@ from kvcache_bench import data as value_mixes, payloads  # noqa: E402  (the benc
 
 from django_kvcache.zstd import zstd_engine  # noqa: E402
 
+#: The benchmark's machinery does not change with Django's version: one tox env runs it
+#: (setup.cfg, marker 'once').
+pytestmark = pytest.mark.once
+
 TABLE_CACHES = ["db-mariadb", "db-sqlite", "kv-mysql-innodb", "kv-mysql-myisam", "django-mysql"]
 MEMCACHED_CACHES = ["kv-memcached-1", "pymemcache-4"]
 REQUESTED = TABLE_CACHES + MEMCACHED_CACHES

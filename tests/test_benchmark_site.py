@@ -23,6 +23,10 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
+#: The benchmark's machinery does not change with Django's version: one tox env runs it
+#: (setup.cfg, marker 'once').
+pytestmark = pytest.mark.once
+
 RUN_TIMEOUT = 240
 SITE_SETTINGS = """
 INSTALLED_APPS += ["django_kvcache", "kvcache_bench"]

@@ -16,7 +16,7 @@ from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
 from tests.mysql_support import drop_table, ensure_table
 
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.once]
 
 TOTAL_OPS = 1_000_000
 WARM_UP_OPS = 30_000
