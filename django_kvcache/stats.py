@@ -28,7 +28,7 @@ from django_kvcache.base import KVCache
 
 #: Figures whose value only grows (Prometheus counters); every other figure is a gauge.
 COUNTERS = frozenset({
-    "ops", "hits", "misses", "errors", "timeouts", "ignored", "skipped",
+    "ops", "hits", "misses", "errors", "timeouts", "ignored", "skipped", "reruns",
     "bytes_sent", "bytes_received", "bytes_saved", "bytes_encoded", "values_encoded",
     "pool_waits", "pool_connects", "async_pool_waits", "async_pool_connects",
 })
@@ -46,6 +46,8 @@ MEANINGS = {
     "timeouts": "of the errors, timeouts",
     "skipped": "calls not sent because the server was marked down",
     "ignored": "failures IGNORE_EXCEPTIONS turned into a miss or a no-op",
+    "reruns": "statements sent again after an error that left them safe to rerun "
+              "(a deadlock or Galera conflict, a connection lost before sending)",
     "down": "1 while the server is marked down",
     "consecutive_failures": "failures in a row",
     "outdated_keys": "keys whose copy on this server may be outdated, to delete when it answers",

@@ -9,14 +9,15 @@ here is in the ``galera`` group (``pytest -m galera``).
   across nodes, culling on one node while the others write, a node killed.
 
 Galera aborts a transaction that conflicts with one committed on another node at its
-commit, with error 1213 (a certification failure: nothing was applied). Today those
-reach the caller: the tests that show it are strict xfails (``PHASE_2``), the acceptance
-tests of the retry the restructured backend will bring. They still check, for real, what
-holds today: every node ends with the same entries, each counter equals the increments
-that succeeded.
+commit, with error 1213 (a certification failure: nothing was applied). The backend
+runs such a statement again (``mysql/errors.py``: CONFLICT), so none reaches the caller:
+the hammering tests count the reruns (conflicts did happen) and the errors (none), and
+check that every node ends with the same entries and each counter with the increments
+made.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -50,18 +51,6 @@ pytestmark = [
 ]
 #: Commits for real, on every node (the node-loss test reaches a node of its own instead).
 on_the_nodes = pytest.mark.django_db(transaction=True, databases=NODES if CLUSTER_UP else [])
-
-
-class ConflictsReachedTheCaller(AssertionError):
-    """Calls raised Galera's certification failure (1213) instead of retrying it."""
-
-
-PHASE_2 = pytest.mark.xfail(
-    strict=True,
-    raises=ConflictsReachedTheCaller,
-    reason="Galera certification conflicts (1213) reach the caller; the retry comes with "
-    "the restructured MySQL backend (issue 22, phase 2)",
-)
 
 
 def node_cache(alias: str, table: str = TABLE, **options: Any) -> MySQLCache:
@@ -137,14 +126,15 @@ class Calls:
         return len(self.returned) + len(self.raised)
 
     def check_no_conflict(self) -> None:
-        """Every error a certification failure (anything else is a plain failure); and
-        none at all, or ConflictsReachedTheCaller."""
-        other = [exc for exc in self.raised if error_code(exc) != CERTIFICATION_FAILURE]
-        assert not other, f"{len(other)} calls raised other errors, e.g. {other[:3]}"
-        if self.raised:
-            raise ConflictsReachedTheCaller(
-                f"{len(self.raised)} of {self.total} calls raised 1213: {self.raised[0]}"
-            )
+        """No call raised: neither a certification failure nor anything else."""
+        conflicts = [exc for exc in self.raised if error_code(exc) == CERTIFICATION_FAILURE]
+        assert not conflicts, f"{len(conflicts)} of {self.total} calls raised 1213: {conflicts[0]}"
+        assert not self.raised, f"{len(self.raised)} calls raised, e.g. {self.raised[:3]}"
+
+
+def reruns() -> int:
+    """Statements this process sent again after an error, on every node, so far."""
+    return sum(node_cache(alias).metrics()["shards"][alias]["reruns"] for alias in NODES)
 
 
 def on_every_node(
@@ -248,10 +238,19 @@ def test_what_one_node_writes_the_others_read(cache):
     assert everywhere(lambda c: sorted(c.get_many(["page", "a", "b"]))) == [["b", "page"]] * 3
 
 
-@PHASE_2
+HOT_KEYS = ["hot0", "hot1", "hot2", "hot3"]
+
+
+def check_nodes_agree_on_the_hot_keys() -> None:
+    seen = everywhere(lambda c: c.get_many(HOT_KEYS))
+    assert seen[0] == seen[1] == seen[2] and sorted(seen[0]) == HOT_KEYS
+    assert all(isinstance(value, tuple) and len(value) == 2 for value in seen[0].values())
+
+
 @on_the_nodes
 def test_writers_on_every_node_hammering_the_same_keys(cache):
-    keys = ["hot0", "hot1", "hot2", "hot3"]
+    keys = HOT_KEYS
+    reruns_before = reruns()
 
     def work(cache: MySQLCache, worker: int, calls: Calls) -> None:
         for round in range(60):
@@ -259,14 +258,39 @@ def test_writers_on_every_node_hammering_the_same_keys(cache):
             calls.attempt(worker, cache.set_many, {key: (worker, round) for key in keys})
 
     calls = on_every_node(work)
-    seen = everywhere(lambda c: c.get_many(keys))
-    # Whatever raised, the nodes agree, and hold values that were written.
-    assert seen[0] == seen[1] == seen[2] and sorted(seen[0]) == keys
-    assert all(isinstance(value, tuple) and len(value) == 2 for value in seen[0].values())
     calls.check_no_conflict()
+    assert reruns() > reruns_before  # the nodes did conflict: the calls were rerun
+    check_nodes_agree_on_the_hot_keys()  # and hold values that were written
 
 
-@PHASE_2
+@on_the_nodes
+def test_coroutines_on_every_node_hammering_the_same_keys(cache):
+    """The same through the asyncio driver: each node's cache on one event loop, two
+    coroutines per node (each on a connection of its own from the loop's pool)."""
+    reruns_before = reruns()
+    caches = [node_cache(alias) for alias in NODES]
+    raised: list[BaseException] = []
+
+    async def writer(cache: MySQLCache, worker: int) -> None:
+        for round in range(60):
+            try:
+                await cache.aset(HOT_KEYS[round % len(HOT_KEYS)], (worker, round))
+                await cache.aset_many({key: (worker, round) for key in HOT_KEYS})
+            except OperationalError as exc:
+                raised.append(exc)
+
+    async def main() -> None:
+        await asyncio.gather(*(writer(cache, worker) for worker, cache in
+                               enumerate(cache for cache in caches for _ in range(2))))
+        for cache in caches:
+            await cache.aclose()
+
+    asyncio.run(main())
+    assert not raised, f"{len(raised)} calls raised, e.g. {raised[:3]}"
+    assert reruns() > reruns_before
+    check_nodes_agree_on_the_hot_keys()
+
+
 @on_the_nodes
 def test_counters_through_every_node(cache):
     cache.set("hits", 0, timeout=None)
@@ -277,11 +301,11 @@ def test_counters_through_every_node(cache):
             calls.attempt(worker, cache.incr, "hits")
 
     calls = on_every_node(work)
+    calls.check_no_conflict()
     succeeded = [value for _, value in calls.returned]
-    # An increment that raised 1213 was not applied: the count is exact.
+    # Each increment applied exactly once, reruns included.
     assert everywhere(lambda c: c.get("hits")) == [len(succeeded)] * len(NODES)
     assert len(set(succeeded)) == len(succeeded)  # no two saw the same new value
-    calls.check_no_conflict()
 
 
 @on_the_nodes

@@ -666,7 +666,7 @@ def test_metrics_list_every_shard_and_replica(cache):
     assert set(metrics["shards"]) == {"shard2", REPLICA}
     assert set(cache.metrics()["shards"]) == set(SHARDS)
     assert cache.metrics()["shards"]["shard1"] == {
-        "errors": 0, "ignored": 0, "skipped": 0, "down": False, "consecutive_failures": 0,
+        "errors": 0, "ignored": 0, "skipped": 0, "reruns": 0, "down": False, "consecutive_failures": 0,
         "outdated_keys": 0, "flush_pending": False,
     }
     assert "outdated_keys" not in metrics["shards"][REPLICA]  # a primary's record
@@ -730,8 +730,8 @@ def test_one_replica_alias_for_two_shards_gets_one_statement_at_a_time():
     seen: list[list[str]] = []
     original = policy.Exchange.__init__
 
-    def recording(self, items_: Any) -> None:
-        original(self, items_)
+    def recording(self, items_: Any, pause: float = 0.0) -> None:
+        original(self, items_, pause)
         seen.append([alias for alias, _ in self.items])
 
     with pytest.MonkeyPatch.context() as patch:

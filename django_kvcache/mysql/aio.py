@@ -53,6 +53,8 @@ async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
                 exchange = engine.send(replies)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
+            if exchange.pause:
+                await asyncio.sleep(exchange.pause)  # a rerun's back-off
             replies = await perform(exchange.items, cluster.max_pool_size, cluster.pool_timeout)
     finally:
         engine.close()  # interrupted (cancelled): the policy lets go of what it holds

@@ -18,6 +18,7 @@ transaction), so the next statement starts on a fresh one.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from django.db import connections
@@ -45,6 +46,8 @@ def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
             exchange = engine.send(replies)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        if exchange.pause:
+            time.sleep(exchange.pause)  # a rerun's back-off
         replies = perform(exchange.items)
 
 

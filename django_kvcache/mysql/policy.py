@@ -14,8 +14,10 @@ and replicas, pipelined or one after another, sync or async, follow the same rul
    deleted first; one bounded step of the rest is taken on the way (maintenance: its
    failure is logged, never held against the shard, never fails the call);
 4. attempt, one statement per connection at a time, every shard in each round;
-5. classify an error once (:mod:`~django_kvcache.mysql.errors`): send it once more
-   where that is harmless; hand it to the work, which may answer for it (``incr``);
+5. classify an error once (:mod:`~django_kvcache.mysql.errors`): send it again where
+   that is harmless (as often, and after such a pause, as its class says: a round
+   carries the pause, which the driver waits out); hand it to the work, which may answer
+   for it (``incr``);
 6. account: health, counters, missed writes, the read-your-writes window; then every
    call's answer — the error of a shard that failed raised only once every other shard
    had its turn, or, under IGNORE_EXCEPTIONS, the call's fallback.
@@ -97,12 +99,13 @@ class Call:
 
 
 class Exchange:
-    """One round: at most one statement per alias, each on that alias's connection."""
+    """One round: at most one statement per alias, each on that alias's connection, sent
+    after ``pause`` seconds (a rerun's back-off; the driver sleeps, or awaits)."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "pause")
 
-    def __init__(self, items: list[tuple[str, Query]]) -> None:
-        self.items = items
+    def __init__(self, items: list[tuple[str, Query]], pause: float = 0.0) -> None:
+        self.items, self.pause = items, pause
 
 
 class Failed:
@@ -127,20 +130,22 @@ def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Repl
             run = runs[0]
             if run.begin():
                 while run.pending is not None:
-                    run.advance((yield Exchange([run.pending]))[0])
+                    run.advance((yield Exchange([run.pending], run.take_pause()))[0])
             return settle(session, runs)
         active = [run for run in runs if run.begin()]
         while active:
             busy: set[str] = set()
             items: list[tuple[str, Query]] = []
             sending: list[Run] = []
+            pause = 0.0
             for run in active:  # never two statements in flight on one connection
                 alias, query = run.pending  # type: ignore[misc]
                 if alias not in busy:
                     busy.add(alias)
                     items.append((alias, query))
                     sending.append(run)
-            replies = yield Exchange(items)
+                    pause = max(pause, run.take_pause())
+            replies = yield Exchange(items, pause)
             for run, reply in zip(sending, replies):
                 run.advance(reply)
             active = [run for run in active if run.pending is not None]
@@ -165,7 +170,7 @@ class Run:
     """One call on its way through :func:`execute`."""
 
     __slots__ = (
-        "session", "call", "alias", "tasks", "task", "steps", "pending", "rerun",
+        "session", "call", "alias", "tasks", "task", "steps", "pending", "reruns", "pause",
         "result", "error", "failed_on", "skipped", "writes", "cleaning",
     )
 
@@ -175,7 +180,8 @@ class Run:
         self.task: Task | None = None
         self.steps: Any = None  # the running task's generator, if it is one
         self.pending: tuple[str, Query] | None = None
-        self.rerun = False
+        self.reruns = 0  # times the pending statement was sent again
+        self.pause = 0.0  # seconds to wait before sending it again
         self.result: Any = None
         self.error: BaseException | None = None
         self.failed_on = ""
@@ -261,7 +267,12 @@ class Run:
 
     def _send(self, alias: str, query: Query) -> None:
         self.pending = (alias, query)
-        self.rerun = False
+        self.reruns = 0
+
+    def take_pause(self) -> float:
+        """The pause owed before the pending statement goes out (once)."""
+        pause, self.pause = self.pause, 0.0
+        return pause
 
     # --- each reply ------------------------------------------------------------------------
 
@@ -271,10 +282,13 @@ class Run:
         assert task is not None
         if isinstance(reply, Failed):
             error = reply.error
-            if not (self.rerun or task.quiet) and errors.may_rerun(
-                error, query.idempotent, reply.in_transaction
+            if not task.quiet and errors.may_rerun(
+                error, query.idempotent, reply.in_transaction, self.reruns
             ):
-                self.rerun = True  # the same statement once more (on a fresh connection)
+                # The same statement again (on a fresh connection if the old one is lost).
+                self.reruns += 1
+                self.pause = errors.classify(error).pause(self.reruns)
+                self.session.cluster.stats(alias).reruns += 1
                 return
             if errors.classify(error) is errors.LOST_REPLY and not reply.in_transaction:
                 logger.warning("Not retried after error %s (the server may have run it): %s",

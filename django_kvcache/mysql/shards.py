@@ -35,6 +35,7 @@ class ShardStats:
     errors: int = 0  # statements that failed because the server was unreachable
     ignored: int = 0  # of those (and skips), how many IGNORE_EXCEPTIONS turned into misses
     skipped: int = 0  # calls not sent because the alias was marked down
+    reruns: int = 0  # statements sent again after an error (a Galera conflict, a lost connection)
 
 
 _shard_stats: dict[tuple[str, str], ShardStats] = {}
