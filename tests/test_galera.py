@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -413,6 +414,51 @@ def test_a_node_killed_the_others_serve_a_cache_on_it_fails_open(fourth_node):
         sorted(f"after.{a}" for a in NODES)] * len(NODES)
 
 
+def cluster_status(alias: str) -> str:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SHOW STATUS LIKE 'wsrep_cluster_status'")
+        return cursor.fetchone()[1]
+
+
+def test_a_node_cut_off_from_the_cluster_fails_open_and_serves_again(fourth_node):
+    """A node that loses the cluster (a network partition: here it stops talking to the
+    others) leaves the primary component and refuses statements with 1047 ("WSREP has not
+    yet prepared node for application use"): that is an unreachable server, not a failed
+    statement. Once it rejoins, the cache uses it again."""
+    doomed = node_cache(KILLED, IGNORE_EXCEPTIONS=True, RETRY_TIMEOUT=0.2)
+    strict = node_cache(KILLED)
+    doomed.set("before", 1)
+    with connections[KILLED].cursor() as cursor:
+        cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=1'")
+    try:
+        wait_for(lambda: cluster_status(KILLED) != "Primary")
+        assert doomed.get("before") is None
+        assert doomed.get_many(["before"]) == {}
+        assert doomed.set("during", 2) is None
+        assert doomed.add("during", 2) is False
+        assert doomed.metrics()["shards"][KILLED]["errors"] >= 1
+        with pytest.raises(OperationalError) as raised:
+            strict.get("before")
+        assert error_code(raised.value) == 1047
+    finally:
+        with connections[KILLED].cursor() as cursor:
+            cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=0'")
+    wait_for(lambda: services.galera_state(fourth_node.port) == "Synced")
+    # RETRY_TIMEOUT has passed: asked again, it answers; the missed write's key was owed
+    # a delete and is gone.
+    wait_for(lambda: doomed.get("before") == 1)
+    assert doomed.get("during") is None
+    doomed.set("after", 3)
+    assert everywhere(lambda c: c.get("after")) == [3] * len(NODES)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
 # --- the system check ---------------------------------------------------------------------
 
 
@@ -429,3 +475,4 @@ def test_check_refuses_a_non_innodb_engine_on_a_galera_node(galera_table):
         (error,) = check_engine_on_galera(databases=[NODES[0]])
     assert isinstance(error, Error) and error.id == "kvcache.E010"
     assert "CACHES['myisam']" in error.msg and "MyISAM" in error.msg and f"'{NODES[1]}'" in error.msg
+

@@ -68,6 +68,12 @@ LOST_REPLY = ErrorClass("reply lost", unreachable=True, connection_lost=True,
 #: connections, 1053 server shutdown in progress.
 NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=True,
                            rerun=Rerun.NEVER)
+#: The server answers but serves no statement: 1047 "WSREP has not yet prepared node for
+#: application use", a Galera node cut off from the cluster's primary component (a
+#: partition, a lost quorum) or still joining. As unreachable as a stopped server, but the
+#: connection is fine: it serves again once the node rejoins.
+NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=False,
+                         rerun=Rerun.NEVER)
 #: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
 #: commit because a write committed on another node conflicts with it (a certification
 #: failure). Either way nothing was applied, so it runs again; each rerun races the other
@@ -89,6 +95,7 @@ CLASSES: dict[int, ErrorClass] = {
     **dict.fromkeys((2006, 4031), NOT_SENT),
     **dict.fromkeys((2013, 2055, 1927), LOST_REPLY),
     **dict.fromkeys((2002, 2003, 2005, 1040, 1053), NO_CONNECTION),
+    1047: NOT_SERVING,
     1213: CONFLICT,
     1205: LOCK_WAIT,
 }
