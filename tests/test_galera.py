@@ -428,6 +428,7 @@ def test_a_node_cut_off_from_the_cluster_fails_open_and_serves_again(fourth_node
     doomed = node_cache(KILLED, IGNORE_EXCEPTIONS=True, RETRY_TIMEOUT=0.2)
     strict = node_cache(KILLED)
     doomed.set("before", 1)
+    doomed.set("during", 0)
     with connections[KILLED].cursor() as cursor:
         cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=1'")
     try:
@@ -444,8 +445,8 @@ def test_a_node_cut_off_from_the_cluster_fails_open_and_serves_again(fourth_node
         with connections[KILLED].cursor() as cursor:
             cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=0'")
     wait_for(lambda: services.galera_state(fourth_node.port) == "Synced")
-    # RETRY_TIMEOUT has passed: asked again, it answers; the missed write's key was owed
-    # a delete and is gone.
+    # RETRY_TIMEOUT has passed: asked again, it answers; the key whose write it missed
+    # was owed a delete: its older value (0) is gone, not served again.
     wait_for(lambda: doomed.get("before") == 1)
     assert doomed.get("during") is None
     doomed.set("after", 3)
