@@ -50,6 +50,8 @@ MEANINGS = {
     "consecutive_failures": "failures in a row",
     "outdated_keys": "keys whose copy on this server may be outdated, to delete when it answers",
     "flush_pending": "1 while this server must be cleared when it answers",
+    "replica_lag": "seconds this replica was behind at the last question (MAX_REPLICA_LAG; "
+                   "inf: replication stopped, question failed or not asked yet)",
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",

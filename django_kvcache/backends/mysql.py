@@ -92,6 +92,7 @@ class MySQLCache(KVCache):
             "WEIGHTS",
             "REPLICAS",
             "READ_YOUR_WRITES",
+            "MAX_REPLICA_LAG",
             "IGNORE_EXCEPTIONS",
             "FAILURE_THRESHOLD",
             "RETRY_TIMEOUT",
@@ -588,7 +589,9 @@ class MySQLCache(KVCache):
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
         size), and under ``"shards"`` each alias's unreachable-server counters and health,
         and for each primary the keys it missed writes of (``outdated_keys``, and
-        ``flush_pending`` past the record's limit or after a missed clear)."""
+        ``flush_pending`` past the record's limit or after a missed clear); with
+        MAX_REPLICA_LAG, for each replica the seconds it was behind at the last question
+        (``replica_lag``, ``inf`` when stopped, unanswered or not asked yet)."""
         shards: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
@@ -601,6 +604,10 @@ class MySQLCache(KVCache):
             if alias == shard.primary():
                 missed = cluster.missed(shard)
                 shards[alias].update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
+            else:
+                lag_monitor = cluster.lag_monitor(shard)
+                if lag_monitor is not None:  # the last answer: no question asked here
+                    shards[alias]["replica_lag"] = lag_monitor.seconds
         return {**asdict(self.stats), "shards": shards}
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
