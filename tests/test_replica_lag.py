@@ -179,7 +179,8 @@ def test_asked_at_most_once_per_interval_whatever_the_call_rate(api, replica, wr
         assert reads(api, cache, "page", 200) == [1] * 200
         assert status_questions(replica) - before == 1
         assert lag_monitor.seconds == 0.0
-        assert cache.metrics()["shards"][REPLICA]["replica_lag"] == 0.0
+        shard = cache.metrics()["shards"][REPLICA]
+        assert (shard["replica_lag"], shard["replica_behind"]) == (0.0, False)
         clock.now += 2.9
         reads(api, cache, "page", 100)
         assert status_questions(replica) - before == 1
@@ -255,7 +256,7 @@ def test_an_unreachable_replica_sends_reads_to_the_primary_logged_once(
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and f"MySQL replica lag failure on {alias}" in lines[0], lines
         assert shard["errors"] == shard["consecutive_failures"] == 0 and not shard["down"]
-        assert shard["replica_lag"] == INFINITE
+        assert (shard["replica_lag"], shard["replica_behind"]) == (None, True)
     finally:
         replica_lag.failures.recovered(alias)
         replica_lag.forget(alias)

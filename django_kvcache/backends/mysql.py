@@ -21,6 +21,7 @@ option and the SQL of each operation.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -591,7 +592,8 @@ class MySQLCache(KVCache):
         and for each primary the keys it missed writes of (``outdated_keys``, and
         ``flush_pending`` past the record's limit or after a missed clear); with
         MAX_REPLICA_LAG, for each replica the seconds it was behind at the last question
-        (``replica_lag``, ``inf`` when stopped, unanswered or not asked yet)."""
+        (``replica_lag``; ``None`` when stopped, unanswered or not asked yet) and whether
+        its shard's reads go to the primary for it (``replica_behind``)."""
         shards: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
@@ -607,7 +609,11 @@ class MySQLCache(KVCache):
             else:
                 lag_monitor = cluster.lag_monitor(shard)
                 if lag_monitor is not None:  # the last answer: no question asked here
-                    shards[alias]["replica_lag"] = lag_monitor.seconds
+                    lag = lag_monitor.seconds
+                    shards[alias].update(
+                        replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
+                        replica_behind=cluster.replica_behind(shard),
+                    )
         return {**asdict(self.stats), "shards": shards}
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
