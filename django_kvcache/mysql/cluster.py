@@ -277,8 +277,8 @@ class Cluster:
     def replica_behind(self, shard: Shard) -> bool:
         """Whether ``shard``'s replica was, at the last answer, further behind than
         MAX_REPLICA_LAG (INFINITE before the first answer and after a failed question)."""
-        monitor = self.lag_monitor(shard)
-        return monitor is not None and monitor.seconds > self.max_replica_lag  # type: ignore[operator]
+        monitor, bound = self.lag_monitor(shard), self.max_replica_lag
+        return monitor is not None and bound is not None and monitor.seconds > bound
 
     def aliases(self) -> Iterator[tuple[Shard, str]]:
         """Every alias of every shard: its primary, then its replica."""

@@ -215,8 +215,9 @@ class Run:
             if lag_monitor is not None and lag_monitor.claim():
                 # Once per interval per replica (not per call), on the replica whichever
                 # alias this read uses; the answer routes the reads that follow.
+                replica = lag_monitor.alias
                 self.tasks.append(Task(
-                    shard.replica, lambda sql: replica_lag.question(lag_monitor.alias),  # type: ignore[arg-type]
+                    replica, lambda sql: replica_lag.question(replica),
                     quiet=True, done=lag_monitor.record, failed=lag_monitor.failed,
                 ))
         if not call.quiet:
