@@ -30,7 +30,7 @@ DJANGO_INTEGER_OPTIONS = frozenset({"MAX_ENTRIES", "CULL_FREQUENCY"})
 #: OPTIONS that hold seconds, or another real number (CULL_PROBABILITY).
 REAL_NUMBER_OPTIONS = frozenset(
     {"LEASE_TIMEOUT", "STALE_TIMEOUT", "EARLY_RECOMPUTE", "RETRY_TIMEOUT",
-     "READ_YOUR_WRITES", "CONNECT_TIMEOUT", "IO_TIMEOUT", "POOL_TIMEOUT", "CULL_PROBABILITY"}
+     "READ_YOUR_WRITES", "MAX_REPLICA_LAG", "CONNECT_TIMEOUT", "IO_TIMEOUT", "POOL_TIMEOUT", "CULL_PROBABILITY"}
 )
 #: The most seconds any option takes (about 31 years): beyond it a value is a mistake, and
 #: one far beyond it (1e300) overflows the expiry times the servers are sent.
@@ -171,10 +171,14 @@ def integer(options: Mapping[str, Any], name: str, default: int, minimum: int = 
 
 
 def seconds(
-    options: Mapping[str, Any], name: str, default: float | None, allow_none: bool = False
+    options: Mapping[str, Any],
+    name: str,
+    default: float | None,
+    allow_none: bool = False,
+    allow_zero: bool = False,
 ) -> float | None:
     """``OPTIONS[name]``: a positive number of seconds up to MAX_SECONDS (or its string),
-    or ``None`` where that means "no limit"."""
+    ``0`` too with ``allow_zero``, or ``None`` where that means "no limit" (``allow_none``)."""
     value = options.get(name, default)
     if value is None and allow_none:
         return None
@@ -182,10 +186,10 @@ def seconds(
         number = float(read_number(value, whole=False))
     except NotANumber:
         number = None
-    if number is None or not 0 < number <= MAX_SECONDS:
+    if number is None or not (number >= 0 if allow_zero else number > 0) or number > MAX_SECONDS:
+        wanted = "a number of seconds from 0" if allow_zero else "a positive number of seconds"
         raise ImproperlyConfigured(
-            f"OPTIONS[{name!r}] must be a positive number of seconds (finite, at most "
-            f"{MAX_SECONDS:_})"
+            f"OPTIONS[{name!r}] must be {wanted} (finite, at most {MAX_SECONDS:_})"
             f"{' or None' if allow_none else ''}, got {value!r}"
         )
     return number

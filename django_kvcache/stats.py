@@ -52,6 +52,9 @@ MEANINGS = {
     "consecutive_failures": "failures in a row",
     "outdated_keys": "keys whose copy on this server may be outdated, to delete when it answers",
     "flush_pending": "1 while this server must be cleared when it answers",
+    "replica_lag": "seconds this replica was behind at the last question (MAX_REPLICA_LAG)",
+    "replica_behind": "1 while this replica is over MAX_REPLICA_LAG (stopped, unanswered, or "
+                      "not asked yet included): its shard's reads go to the primary",
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",

@@ -18,6 +18,7 @@ MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
 NOWHERE = "127.0.0.1:1"  # building a MemcachedCache connects to nothing
 ZLIB = {"COMPRESSOR": "django_kvcache.codec.ZlibCompressor"}
 LEASE = {"LEASE_TIMEOUT": 5}
+REPLICATED = {"DATABASE": "shard2", "REPLICAS": {"shard2": "shard2_replica"}}
 
 # --- the readers -------------------------------------------------------------------------
 
@@ -54,6 +55,13 @@ def test_seconds_must_be_positive_finite_numbers(value):
 @pytest.mark.parametrize("value, expected", [(2, 2.0), ("2", 2.0), ("0.25", 0.25), (0.5, 0.5)])
 def test_seconds_reads_numbers_and_numeric_strings(value, expected):
     assert options.seconds({"WAIT": value}, "WAIT", 1.0) == expected
+
+
+@pytest.mark.parametrize("value, expected", [(0, 0.0), ("0", 0.0), (1.5, 1.5), (None, None)])
+def test_seconds_from_zero_where_allowed(value, expected):
+    assert options.seconds(
+        {"WAIT": value}, "WAIT", None, allow_none=True, allow_zero=True
+    ) == expected
 
 
 def test_seconds_none_only_where_allowed():
@@ -135,6 +143,7 @@ MYSQL_NUMBERS = [
     ("FAILURE_THRESHOLD", "3", 3, {}, lambda c: c.cluster.failure_threshold),
     ("RETRY_TIMEOUT", "0.5", 0.5, {}, lambda c: c.cluster.retry_timeout),
     ("READ_YOUR_WRITES", "2", 2.0, {}, lambda c: c.cluster.read_your_writes),
+    ("MAX_REPLICA_LAG", "2.5", 2.5, REPLICATED, lambda c: c.cluster.max_replica_lag),
     ("MAX_POOL_SIZE", "8", 8, {}, lambda c: c.cluster.max_pool_size),
     ("POOL_TIMEOUT", "3", 3.0, {}, lambda c: c.cluster.pool_timeout),
     ("CULL_PROBABILITY", "0.25", 0.25, {}, lambda c: c.cull_probability),
@@ -235,6 +244,38 @@ def test_infinite_lease_and_stale_timeouts_are_refused_naming_the_cache(
             r"seconds \(finite, at most 1_000_000_000\)"
         )):
             caches["guarded"]
+
+
+# --- issue 22: MAX_REPLICA_LAG ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bound, expected", [(None, None), (0, 0.0), ("0", 0.0), ("30", 30.0)])
+def test_max_replica_lag_is_seconds_from_zero_off_by_default(bound, expected):
+    settings = {**REPLICATED, **({} if bound is None else {"MAX_REPLICA_LAG": bound})}
+    assert mysql(settings).cluster.max_replica_lag == expected
+
+
+@pytest.mark.parametrize("bound", [-1, -0.5, float("inf"), True, "soon", [3], 1e10], ids=repr)
+def test_max_replica_lag_refuses_what_is_not_seconds_naming_the_cache(bound):
+    configured = {"BACKEND": MYSQL, "LOCATION": "kvcache_options",
+                  "OPTIONS": {**REPLICATED, "MAX_REPLICA_LAG": bound}}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["mc"]
+    assert str(raised.value) == (
+        "CACHES['mc']['OPTIONS']['MAX_REPLICA_LAG'] must be a number of seconds from 0 "
+        f"(finite, at most 1_000_000_000) or None, got {bound!r}"
+    )
+
+
+def test_max_replica_lag_needs_replicas():
+    configured = {"BACKEND": MYSQL, "LOCATION": "kvcache_options",
+                  "OPTIONS": {"DATABASE": "shard2", "MAX_REPLICA_LAG": 5}}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured, match=(
+            r"^CACHES\['mc'\]\['OPTIONS'\]\['MAX_REPLICA_LAG'\] needs OPTIONS\['REPLICAS'\]"
+        )):
+            caches["mc"]
 
 
 # --- errors name the cache ----------------------------------------------------------------

@@ -21,6 +21,7 @@ option and the SQL of each operation.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -92,6 +93,7 @@ class MySQLCache(KVCache):
             "WEIGHTS",
             "REPLICAS",
             "READ_YOUR_WRITES",
+            "MAX_REPLICA_LAG",
             "IGNORE_EXCEPTIONS",
             "FAILURE_THRESHOLD",
             "RETRY_TIMEOUT",
@@ -588,7 +590,10 @@ class MySQLCache(KVCache):
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
         size), and under ``"shards"`` each alias's unreachable-server counters and health,
         and for each primary the keys it missed writes of (``outdated_keys``, and
-        ``flush_pending`` past the record's limit or after a missed clear)."""
+        ``flush_pending`` past the record's limit or after a missed clear); with
+        MAX_REPLICA_LAG, for each replica the seconds it was behind at the last question
+        (``replica_lag``; ``None`` when stopped, unanswered or not asked yet) and whether
+        its shard's reads go to the primary for it (``replica_behind``)."""
         shards: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
@@ -601,6 +606,14 @@ class MySQLCache(KVCache):
             if alias == shard.primary():
                 missed = cluster.missed(shard)
                 shards[alias].update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
+            else:
+                lag_monitor = cluster.lag_monitor(shard)
+                if lag_monitor is not None:  # the last answer: no question asked here
+                    lag = lag_monitor.seconds
+                    shards[alias].update(
+                        replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
+                        replica_behind=cluster.replica_behind(shard),
+                    )
         return {**asdict(self.stats), "shards": shards}
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:

@@ -92,8 +92,9 @@ class OwnConnection:
         raw.send_query(statement_bytes(raw, query.sql, query.params))
         self.sent = True
 
-    async def reply(self, timeout: float | None) -> Reply:
-        """The reply of the statement sent, once it is here (at most ``timeout`` s)."""
+    async def reply(self, timeout: float | None, named: bool = False) -> Reply:
+        """The reply of the statement sent, once it is here (at most ``timeout`` s);
+        ``named``: its rows as dicts."""
         deadline = self.loop.time() + timeout if timeout else None
         while True:
             waiter = self.waiter = self.loop.create_future()
@@ -106,7 +107,7 @@ class OwnConnection:
                     timer.cancel()
             if readable(self.fd):  # else woken by an event of the previous reply: wait on
                 break
-        reply = receive(self.raw)
+        reply = receive(self.raw, named)
         self.sent = False
         return reply
 
@@ -285,7 +286,7 @@ async def receive_on(pool: AliasPool, connection: OwnConnection, query: Query) -
     """The reply on ``connection`` (back to the pool), or a :class:`policy.Failed`
     (the connection closed). A cancellation is the caller's to handle."""
     try:
-        reply = await connection.reply(pool.read_timeout)
+        reply = await connection.reply(pool.read_timeout, query.named)
     except Exception as exc:
         pool.discard(connection)
         return policy.Failed(errors.translate(exc))
@@ -294,12 +295,12 @@ async def receive_on(pool: AliasPool, connection: OwnConnection, query: Query) -
     return reply
 
 
-def receive(raw: Any) -> Reply:
+def receive(raw: Any, named: bool = False) -> Reply:
     raw.read_query_result()
     result = raw.store_result()
     if result is None:
         return (None, raw.affected_rows(), raw.insert_id(), raw.info())
-    return (result.fetch_row(0), raw.affected_rows(), raw.insert_id(), None)
+    return (result.fetch_row(0, int(named)), raw.affected_rows(), raw.insert_id(), None)
 
 
 def _expire(future: asyncio.Future, timeout: float) -> None:

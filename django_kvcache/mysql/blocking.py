@@ -71,7 +71,7 @@ def one(connection: BaseDatabaseWrapper, query: Query) -> Any:
         if reply is None:
             with connection.wrap_database_errors:
                 raw.send_query(statement_bytes(raw, query.sql, query.params))
-            reply = receive(connection, raw)
+            reply = receive(connection, raw, query.named)
             remember_reply(raw, query, reply)
         return reply
     except Exception as exc:
@@ -94,7 +94,11 @@ def through_cursor(connection: BaseDatabaseWrapper, query: Query) -> Any:
         with connection.cursor() as cursor:  # connects; shows the statement to its watchers
             cursor.execute(query.sql, query.params)
             if cursor.description is not None:
-                reply: Reply = (cursor.fetchall(), cursor.rowcount, cursor.lastrowid, None)
+                found = cursor.fetchall()
+                if query.named:
+                    names = [column[0] for column in cursor.description]
+                    found = tuple(dict(zip(names, row)) for row in found)
+                reply: Reply = (found, cursor.rowcount, cursor.lastrowid, None)
             else:
                 info = cursor.connection.info()  # the DB-API connection's, under any wrapper
                 reply = (None, cursor.rowcount, cursor.lastrowid, info)
@@ -118,15 +122,16 @@ def ready(connection: BaseDatabaseWrapper, query: Query) -> Any:
     return connection.connection
 
 
-def receive(connection: BaseDatabaseWrapper, raw: Any) -> Reply:
-    """The reply of the statement sent on ``raw``: its rows, or its counts."""
+def receive(connection: BaseDatabaseWrapper, raw: Any, named: bool = False) -> Reply:
+    """The reply of the statement sent on ``raw``: its rows (``named``: as dicts), or its
+    counts."""
     with connection.wrap_database_errors:
         raw.read_query_result()  # an error reply carries no result: nothing left unread
         try:
             result = raw.store_result()
             if result is None:
                 return (None, raw.affected_rows(), raw.insert_id(), raw.info())
-            return (result.fetch_row(0), raw.affected_rows(), raw.insert_id(), None)
+            return (result.fetch_row(0, int(named)), raw.affected_rows(), raw.insert_id(), None)
         except BaseException:
             connection.close()  # rows may be left unread on it
             raise
@@ -163,7 +168,7 @@ def pipelined(targets: list[tuple[BaseDatabaseWrapper, Query]]) -> list[Any]:
         for index, raw in sent:
             connection, query = targets[index]
             try:
-                replies[index] = reply = receive(connection, raw)
+                replies[index] = reply = receive(connection, raw, query.named)
                 remember_reply(raw, query, reply)
             except Exception as exc:
                 replies[index] = failed(connection, exc)

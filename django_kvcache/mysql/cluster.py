@@ -28,12 +28,15 @@ from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql.config import router_model
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, like_prefix
 from django_kvcache.mysql.query import Query, rowcount
+from django_kvcache.mysql.replica_lag import LagMonitor
+from django_kvcache.mysql.replica_lag import monitor as lag_monitor
 from django_kvcache.mysql.server import known_server
 from django_kvcache.mysql.shards import (
     SHARD_KIND,
     Shard,
     ShardStats,
     make_shards,
+    max_replica_lag,
     read_your_writes,
     shard_stats,
 )
@@ -207,6 +210,7 @@ class Cluster:
         self.failure_threshold = integer(options, "FAILURE_THRESHOLD", 2)
         self.retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
         self.read_your_writes = read_your_writes(options)
+        self.max_replica_lag = max_replica_lag(options)
         # The async API's own connections, per event loop and alias (docs/async.rst).
         self.max_pool_size = integer(options, "MAX_POOL_SIZE", DEFAULT_POOL_SIZE)
         self.pool_timeout = seconds(options, "POOL_TIMEOUT", 1.0)
@@ -264,6 +268,18 @@ class Cluster:
             )
         return sql
 
+    def lag_monitor(self, shard: Shard) -> LagMonitor | None:
+        """The monitor of ``shard``'s replica where MAX_REPLICA_LAG bounds its lag."""
+        if self.max_replica_lag is None or not shard.replica:
+            return None
+        return lag_monitor(shard.replica)
+
+    def replica_behind(self, shard: Shard) -> bool:
+        """Whether ``shard``'s replica was, at the last answer, further behind than
+        MAX_REPLICA_LAG (INFINITE before the first answer and after a failed question)."""
+        monitor, bound = self.lag_monitor(shard), self.max_replica_lag
+        return monitor is not None and bound is not None and monitor.seconds > bound
+
     def aliases(self) -> Iterator[tuple[Shard, str]]:
         """Every alias of every shard: its primary, then its replica."""
         for shard in self.shards:
@@ -316,4 +332,4 @@ class Session:
             return shard.reader()
         written = self._written_at.get(shard.index)
         lately = written is not None and time.monotonic() - written < self.cluster.read_your_writes
-        return shard.reader(lately)
+        return shard.reader(lately, self.cluster.replica_behind(shard))

@@ -8,7 +8,9 @@ or through its cursor) and the asyncio driver (:mod:`~django_kvcache.mysql.aio`:
 event loop's own connections) only move those statements; so a single server, shards
 and replicas, pipelined or one after another, sync or async, follow the same rules:
 
-1. route: the shard's primary for writes, :meth:`Session.reader` for reads;
+1. route: the shard's primary for writes, :meth:`Session.reader` for reads (with
+   MAX_REPLICA_LAG, a read that claims its replica's question asks the lag first, on the
+   side: :mod:`~django_kvcache.mysql.replica_lag`);
 2. skip a shard marked down (IGNORE_EXCEPTIONS): no connection is tried;
 3. owed clean-up (:mod:`~django_kvcache.mysql.cluster`): the call's own owed keys are
    deleted first; one bounded step of the rest is taken on the way (maintenance: its
@@ -32,7 +34,7 @@ from typing import Any, Callable, Generator, Sequence
 from django.db import DatabaseError
 
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import errors
+from django_kvcache.mysql import errors, replica_lag
 from django_kvcache.mysql import cluster as owed
 from django_kvcache.mysql.cluster import ANY_KEY, MissedWrites, Session
 from django_kvcache.mysql.query import Query
@@ -156,14 +158,22 @@ def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Repl
 
 
 class Task:
-    """One piece of a run on one alias: the call's work, or owed clean-up before it."""
+    """One piece of a run on one alias: the call's work, or owed clean-up or the
+    replica-lag question before it. ``failed``: a question on the side, whose error goes
+    to it (never held against the alias, never failing the call)."""
 
-    __slots__ = ("alias", "work", "quiet", "done")
+    __slots__ = ("alias", "work", "quiet", "done", "failed")
 
     def __init__(
-        self, alias: str, work: Work, quiet: bool = False, done: Callable[[Any], None] | None = None
+        self,
+        alias: str,
+        work: Work,
+        quiet: bool = False,
+        done: Callable[[Any], None] | None = None,
+        failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.alias, self.work, self.quiet, self.done = alias, work, quiet, done
+        self.failed = failed
 
 
 class Run:
@@ -206,6 +216,16 @@ class Run:
             if health.down_until and not health.may_try():
                 self.skipped = True
                 return False
+        if call.access is Access.READ:
+            lag_monitor = cluster.lag_monitor(shard)
+            if lag_monitor is not None and lag_monitor.claim():
+                # Once per interval per replica (not per call), on the replica whichever
+                # alias this read uses; the answer routes the reads that follow.
+                replica = lag_monitor.alias
+                self.tasks.append(Task(
+                    replica, lambda sql: replica_lag.question(replica),
+                    quiet=True, done=lag_monitor.record, failed=lag_monitor.failed,
+                ))
         if not call.quiet:
             record = cluster.missed(shard)
             if record.pending:
@@ -343,6 +363,9 @@ class Run:
         """Maintenance failed (owed clean-up, a write-path cull): logged; the call goes on
         (a quiet call answers with its fallback). The shard's health is not touched."""
         task = self.task
+        if task is not None and task.failed is not None:
+            self._aside_failed(task, error)
+            return
         if self.steps is not None:
             self.steps.close()
             self.steps = None
@@ -362,7 +385,20 @@ class Run:
             self.result = self.call.fallback
         self._next_task()
 
+    def _aside_failed(self, task: Task, error: BaseException) -> bool:
+        """A question on the side went unanswered (in a transaction too, or its server
+        not even detected): its own handler logs it; the call goes on."""
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
+        task.failed(error)  # type: ignore[misc]
+        self.failed_on = ""  # not the call's alias: its own failure names its own
+        return self._next_task()
+
     def _fail(self, error: BaseException) -> bool:
+        task = self.task
+        if task is not None and task.failed is not None and isinstance(error, Exception):
+            return self._aside_failed(task, error)
         self.error = error
         if not self.failed_on:
             self.failed_on = self.pending[0] if self.pending else self.alias

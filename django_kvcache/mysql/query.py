@@ -4,7 +4,8 @@ A :class:`Query` is what a plan sends; a :data:`Reply` is what either driver mak
 the server's answer, the same on every path (the backend's own connection or Django's
 cursor, blocking or asyncio): ``(rows, rowcount, lastrowid, info)``.
 
-* ``rows``: the result set as a tuple of tuples, ``None`` for a statement without one;
+* ``rows``: the result set as a tuple of tuples (of dicts by column name for a ``named``
+  query), ``None`` for a statement without one;
 * ``rowcount``: affected rows (Django connects with CLIENT.FOUND_ROWS: an UPDATE counts
   the rows it matched);
 * ``lastrowid``: ``LAST_INSERT_ID()`` as the statement left it;
@@ -22,9 +23,10 @@ class Query:
     """``sql`` (``%s`` placeholders) with ``params``; ``read`` turns the reply into the
     statement's answer. ``idempotent=False``: running it twice is not harmless (``add``,
     ``incr``, a delete whose count is its answer), so it is not sent again after a lost
-    reply."""
+    reply. ``named=True``: each row of the reply is a dict keyed by column name (a
+    ``SHOW`` statement, whose columns are known by name only)."""
 
-    __slots__ = ("sql", "params", "read", "idempotent")
+    __slots__ = ("sql", "params", "read", "idempotent", "named")
 
     def __init__(
         self,
@@ -32,8 +34,10 @@ class Query:
         params: Sequence[Any],
         read: Callable[[Reply], Any],
         idempotent: bool = True,
+        named: bool = False,
     ) -> None:
         self.sql, self.params, self.read, self.idempotent = sql, params, read, idempotent
+        self.named = named
 
     def __repr__(self) -> str:
         return f"<Query {self.sql[:60]!r}>"

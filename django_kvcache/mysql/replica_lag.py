@@ -14,12 +14,13 @@ such failures are logged, rate-limited).
 
 One :class:`LagMonitor` per replica alias and process (:func:`monitor`), shared by every
 cache and thread. Callers read its last answer (:attr:`LagMonitor.seconds`, no I/O); one
-caller per interval is told to ask again (:meth:`LagMonitor.claim`), so the server is
-asked at most once per interval whatever the call rate, and no caller ever waits for
-another's question. The question is separate from the I/O: :meth:`~LagMonitor.ask` asks
-on a Django connection (blocking); another driver can send :func:`status_statement`
-itself and :meth:`~LagMonitor.record` what :func:`lag_from_status` makes of the reply.
-:func:`replica_lag` does it all on the calling thread's connection.
+caller per interval (:data:`DEFAULT_INTERVAL`) is told to ask again
+(:meth:`LagMonitor.claim`), so the server is asked at most once per interval whatever the
+call rate, and no caller ever waits for another's question. This module does no I/O: the
+failure policy (:mod:`django_kvcache.mysql.policy`) sends :func:`question` on the replica
+alias ahead of the claiming read, through whichever driver runs it (blocking or asyncio),
+and hands the answer to :meth:`~LagMonitor.record` or the error to
+:meth:`~LagMonitor.failed`.
 """
 from __future__ import annotations
 
@@ -30,19 +31,17 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from django.db import Error as DatabaseError
-from django.db import connections
-from django.db.backends.base.base import BaseDatabaseWrapper
-
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql.server import server_info
+from django_kvcache.mysql.query import ROWS, Query, Reply
+from django_kvcache.mysql.server import known_server
 
 logger = logging.getLogger(__name__)
 failures = FailureLog(logger, "MySQL replica lag")
 
 #: Infinitely behind: no estimate, or none could be had.
 INFINITE = math.inf
-#: Seconds between two questions to one replica.
+#: Seconds between two questions to one replica: the interval of a monitor made without
+#: one (read when it is made; tests shorten it).
 DEFAULT_INTERVAL = 3.0
 
 
@@ -66,17 +65,31 @@ def lag_from_status(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> fl
     return float(seconds)
 
 
+def question(alias: str) -> Query:
+    """The status statement for replica ``alias``, once its server is known (the policy
+    detects it first); the answer is the seconds behind, as :func:`lag_from_status`."""
+    info = known_server(alias)
+    assert info is not None, "the policy detects a server before its first statement"
+    return Query(status_statement(info.mariadb, info.version), (), _lag_of_reply, named=True)
+
+
+def _lag_of_reply(reply: Reply) -> float:
+    rows = reply[ROWS] or ()  # named: each row a dict of column -> value
+    columns = list(rows[0]) if rows else []
+    return lag_from_status(columns, [tuple(row.values()) for row in rows])
+
+
 class LagMonitor:
     """The lag of one replica alias, as last asked."""
 
     def __init__(
         self,
         alias: str,
-        interval: float = DEFAULT_INTERVAL,
+        interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.alias = alias
-        self.interval = interval
+        self.interval = DEFAULT_INTERVAL if interval is None else interval
         self.clock = clock
         #: The last answer; INFINITE until the first one.
         self.seconds: float = INFINITE
@@ -89,6 +102,9 @@ class LagMonitor:
         first caller ever included). A question that hangs holds nobody up: the others
         keep the last answer, and the next interval has its own asker."""
         now = self.clock()
+        claimed_at = self._claimed_at
+        if claimed_at is not None and now - claimed_at < self.interval:
+            return False  # the usual answer, on every read: no lock
         with self._lock:
             if self._claimed_at is not None and now - self._claimed_at < self.interval:
                 return False
@@ -105,20 +121,6 @@ class LagMonitor:
         self.seconds, self.answered_at = INFINITE, self.clock()
         failures.failed(self.alias, f"{type(error).__name__}: {error}")
 
-    def ask(self, connection: BaseDatabaseWrapper) -> float:
-        """Ask the replica behind ``connection`` (blocking) and record the answer."""
-        try:
-            info = server_info(connection)
-            with connection.cursor() as cursor:
-                cursor.execute(status_statement(info.mariadb, info.version))
-                columns = [column[0] for column in cursor.description or ()]
-                rows = cursor.fetchall()
-        except DatabaseError as exc:
-            self.failed(exc)
-        else:
-            self.record(lag_from_status(columns, rows))
-        return self.seconds
-
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._claimed_at = None  # its question is not the child's
@@ -128,8 +130,12 @@ _monitors: dict[str, LagMonitor] = {}
 _monitors_lock = threading.Lock()
 
 
-def monitor(alias: str, interval: float = DEFAULT_INTERVAL) -> LagMonitor:
-    """The process's monitor of replica ``alias`` (its interval is the first caller's)."""
+def monitor(alias: str, interval: float | None = None) -> LagMonitor:
+    """The process's monitor of replica ``alias`` (its interval is the first caller's,
+    else :data:`DEFAULT_INTERVAL`). Called on every routed read: no lock once it exists."""
+    lag_monitor = _monitors.get(alias)
+    if lag_monitor is not None:
+        return lag_monitor
     with _monitors_lock:
         lag_monitor = _monitors.get(alias)
         if lag_monitor is None:
@@ -141,15 +147,6 @@ def forget(alias: str) -> None:
     """Drop ``alias``'s monitor (its DATABASES entry changed): the next call asks anew."""
     with _monitors_lock:
         _monitors.pop(alias, None)
-
-
-def replica_lag(alias: str, interval: float = DEFAULT_INTERVAL) -> float:
-    """Seconds replica ``alias`` is behind its primary: the last answer, asked again on
-    this thread's connection when an interval has passed since the last question."""
-    lag_monitor = monitor(alias, interval)
-    if lag_monitor.claim():
-        return lag_monitor.ask(connections[alias])
-    return lag_monitor.seconds
 
 
 def _new_locks_after_fork() -> None:

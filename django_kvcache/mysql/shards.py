@@ -62,13 +62,14 @@ class Shard:
     def primary(self) -> str:
         return self.alias if self.alias is not None else router.db_for_write(self.model)
 
-    def reader(self, wrote_lately: bool = False) -> str:
+    def reader(self, wrote_lately: bool = False, replica_behind: bool = False) -> str:
         """The alias that serves a read of this shard — the one place that decides it.
 
-        Within READ_YOUR_WRITES of a write by this thread (``wrote_lately``) the primary,
+        Within READ_YOUR_WRITES of a write by this thread (``wrote_lately``), or while the
+        replica is further behind than MAX_REPLICA_LAG (``replica_behind``), the primary;
         else the replica, else the primary (or what the routers say).
         """
-        if wrote_lately:
+        if wrote_lately or replica_behind:
             return self.primary()
         if self.alias is None:
             return router.db_for_read(self.model)
@@ -142,3 +143,15 @@ def make_shards(options: Mapping[str, Any], model: type) -> tuple[list[Shard], R
 
 def read_your_writes(options: Mapping[str, Any]) -> float:
     return cast(float, seconds(options, "READ_YOUR_WRITES", DEFAULT_READ_YOUR_WRITES))
+
+
+def max_replica_lag(options: Mapping[str, Any]) -> float | None:
+    """OPTIONS['MAX_REPLICA_LAG']: seconds a replica may be behind and still serve reads;
+    ``None`` (the default): any."""
+    bound = seconds(options, "MAX_REPLICA_LAG", None, allow_none=True, allow_zero=True)
+    if bound is not None and options.get("REPLICAS") is None:
+        raise ImproperlyConfigured(
+            "OPTIONS['MAX_REPLICA_LAG'] needs OPTIONS['REPLICAS']: it bounds the lag of "
+            "their replicas"
+        )
+    return bound
