@@ -30,7 +30,8 @@ DJANGO_INTEGER_OPTIONS = frozenset({"MAX_ENTRIES", "CULL_FREQUENCY"})
 #: OPTIONS that hold seconds, or another real number (CULL_PROBABILITY).
 REAL_NUMBER_OPTIONS = frozenset(
     {"LEASE_TIMEOUT", "STALE_TIMEOUT", "EARLY_RECOMPUTE", "RETRY_TIMEOUT",
-     "READ_YOUR_WRITES", "MAX_REPLICA_LAG", "CONNECT_TIMEOUT", "IO_TIMEOUT", "POOL_TIMEOUT", "CULL_PROBABILITY"}
+     "READ_YOUR_WRITES", "MAX_REPLICA_LAG", "CONNECT_TIMEOUT", "IO_TIMEOUT", "POOL_TIMEOUT",
+     "CULL_PROBABILITY"}
 )
 #: The most seconds any option takes (about 31 years): beyond it a value is a mistake, and
 #: one far beyond it (1e300) overflows the expiry times the servers are sent.
