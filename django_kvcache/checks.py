@@ -8,7 +8,8 @@
   MySQL/MariaDB;
 * ``kvcache.W003`` one of the cache's databases connects with the utf8mb3 character set
   (``"utf8"``: Django 4.2's default), on which keys with 4-byte characters (emoji) fail;
-* ``kvcache.W001`` the table is missing in one of the cache's own databases. Like Django's
+* ``kvcache.W001`` the table (or, with ``COMPRESS_DICTIONARY: "auto"``, its dictionary
+  table), is missing in one of the cache's own databases; the message names which. Like Django's
   own database checks it needs a connection, so it runs only when the checks are given
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
@@ -76,12 +77,15 @@ def check_mysql_cache_tables(
         for database in cache.database_aliases():
             if connections[database].vendor != "mysql":
                 continue  # kvcache.E001
-            if cache.table_exists(database):
+            missing = cache.missing_tables(database)
+            if not missing:
                 continue
+            names = " and ".join(repr(table) for table in missing)
             messages.append(
                 Warning(
-                    f"The table {cache.table!r} of cache {alias!r} does not exist in "
-                    f"database {database!r}.",
+                    f"The table{'s' if len(missing) > 1 else ''} {names} of cache {alias!r} "
+                    f"{'do' if len(missing) > 1 else 'does'} not exist in database "
+                    f"{database!r}.",
                     hint="'manage.py migrate' creates it before migrating (or run "
                     f"'manage.py kvcache_createtable {alias}').",
                     id="kvcache.W001",

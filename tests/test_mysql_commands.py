@@ -119,6 +119,22 @@ def test_missing_table_warns_with_the_command_to_run():
     assert check_mysql_cache_tables(databases=["default"]) == []
 
 
+def test_a_missing_dictionary_table_is_named_not_the_cache_table():
+    with_dictionaries = {
+        **CACHES,
+        "mysql_d": {"BACKEND": BACKEND, "LOCATION": "kvcache_cmd_d",
+                    "OPTIONS": {"COMPRESS_DICTIONARY": "auto"}},
+    }
+    with override_settings(CACHES=with_dictionaries):
+        command("kvcache_createtable")
+        drop_table("kvcache_cmd_d_dictionaries")
+        (message,) = check_mysql_cache_tables(databases=["default"])
+    assert message.id == "kvcache.W001"
+    assert message.msg == ("The table 'kvcache_cmd_d_dictionaries' of cache 'mysql_d' does "
+                           "not exist in database 'default'.")
+    drop_table("kvcache_cmd_d")
+
+
 @pytest.mark.django_db(transaction=True, databases=["default", "cache"])
 def test_missing_table_of_a_cache_on_its_own_alias_warns_whichever_database_is_checked():
     on_cache_alias = {

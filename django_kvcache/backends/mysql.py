@@ -668,14 +668,21 @@ class MySQLCache(KVCache):
         return statement
 
     def table_exists(self, database: str | None = None) -> bool:
-        """Whether the table exists in ``database``, else on every shard."""
+        """Whether the table (and the dictionary table, with ``COMPRESS_DICTIONARY:
+        "auto"``) exists in ``database``, else on every shard."""
+        return not any(
+            self.missing_tables(alias)
+            for alias in ([database] if database else self.database_aliases())
+        )
+
+    def missing_tables(self, database: str) -> list[str]:
+        """Which of the cache's tables ``database`` lacks: the table, and with
+        ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
         tables = [self.table]
         if dictionaries.uses_stored_dictionaries(self.options):
             tables.append(dictionaries.dictionary_table(self.table))
-        return all(
-            set(tables) <= set(connections[alias].introspection.table_names())
-            for alias in ([database] if database else self.database_aliases())
-        )
+        present = set(connections[database].introspection.table_names())
+        return [table for table in tables if table not in present]
 
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
