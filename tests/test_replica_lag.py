@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -301,3 +302,38 @@ def test_status_statement_per_server():
     assert status_statement(False, (8, 0, 21)) == "SHOW SLAVE STATUS"
     assert status_statement(False, (8, 4, 0)) == "SHOW REPLICA STATUS"
     assert math.isinf(INFINITE)
+
+
+def test_a_hung_replica_is_logged_once_not_once_per_question(replica, writer, django_db_blocker,
+                                                             caplog):
+    """A replica that accepts connections and never answers: each question fails with a
+    lost connection (2013) after connect_timeout. The lag log says so once for the
+    episode; no other line is written per question (the "not retried, the server may
+    have run it" warning is for the calls' own statements, not for questions on the side)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    alias = "lag_hung"
+    entry = connections.settings[REPLICA]
+    register_alias(alias, {**entry, "PORT": str(listener.getsockname()[1]),
+                           "OPTIONS": {**entry["OPTIONS"], "connect_timeout": 1}})
+    clock = Clock()
+    replica_lag.forget(alias)
+    monitor(alias, interval=1.0).clock = clock
+    try:
+        with django_db_blocker.unblock(), caplog.at_level(logging.WARNING):
+            cache = make_cache(TABLE, OPTIONS={
+                "DATABASE": PRIMARY, "REPLICAS": {PRIMARY: alias}, "MAX_REPLICA_LAG": 60,
+                "IGNORE_EXCEPTIONS": True})
+            writer.set("page", "fresh")
+            for _ in range(3):
+                assert cache.get("page") == "fresh"
+                clock.now += 1.0  # each read asks again
+        lines = [record.getMessage() for record in caplog.records]
+        assert len(lines) == 1 and f"MySQL replica lag failure on {alias}" in lines[0], lines
+    finally:
+        listener.close()
+        replica_lag.failures.recovered(alias)
+        replica_lag.forget(alias)
+        connections[alias].close()
+        unregister_alias(alias)

@@ -310,7 +310,11 @@ class Run:
                 self.pause = errors.classify(error).pause(self.reruns)
                 self.session.cluster.stats(alias).reruns += 1
                 return
-            if errors.classify(error) is errors.LOST_REPLY and not reply.in_transaction:
+            if (errors.classify(error) is errors.LOST_REPLY and not query.idempotent
+                    and not (task.quiet or reply.in_transaction)):
+                # The caller's outcome is unknown: say why it was not sent again. (A
+                # statement that may run twice was, once; maintenance and questions on
+                # the side have rate-limited logs of their own.)
                 logger.warning("Not retried after error %s (the server may have run it): %s",
                                errors.error_code(error), query.sql)
             self.failed_on = alias
