@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
 from pymemcache.client.base import Client
 
+from django_kvcache import steps
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeDown, NodeError
 from django_kvcache.health import NodeHealth
@@ -287,6 +289,36 @@ def test_writes_missed_during_a_partition_are_deleted_before_the_node_serves(two
     wait_for_retry()
     assert cache.get(written, "miss") in ("miss", "v2")  # the last write, or nothing
     assert cache.get_many([kept, deleted, many]) == {kept: "kept"}  # only outdated keys go
+    assert cache.metrics()[node.address]["outdated_keys"] == 0
+
+
+def test_a_stale_copy_whose_delete_was_missed_is_deleted_before_the_node_serves(
+    two_nodes, paused, caplog
+):
+    """A delete that times out under fail-open leaves get_or_set's stale copy as it leaves
+    the entry: both are remembered as outdated and deleted when the node answers again,
+    so the deleted value is never served stale."""
+    node, stop = paused
+    options = {"IGNORE_EXCEPTIONS": True, "IO_TIMEOUT": 0.2, "LEASE_TIMEOUT": 2,
+               "STALE_TIMEOUT": 30}
+    cache = build(two_nodes, **options)
+    key = key_on(cache, node)
+    assert cache.get_or_set(key, "deleted", timeout=60) == "deleted"
+    stop()
+    with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
+        assert cache.delete(key) is False  # timed out: logged, not raised
+    assert "timed out" in caplog.text
+    assert cache.metrics()[node.address]["outdated_keys"] == 2  # the entry and its copy
+    resume(node)
+    wait_for_retry()
+    holder = cache._lease_store(key, 60, None)
+    assert steps.run(holder.read()).won
+    storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
+    storing.start()
+    try:
+        assert build(two_nodes, **options).get_or_set(key, "no", timeout=60) == "recomputed"
+    finally:
+        storing.join()
     assert cache.metrics()[node.address]["outdated_keys"] == 0
 
 

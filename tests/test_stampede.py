@@ -179,6 +179,40 @@ class StampedeContract(CacheFixture):
         assert values.count("new") == 1 and values.count("old") == 63
         assert guarded.get("hot") == "new"
 
+    @pytest.mark.parametrize("deletion", ["delete", "adelete", "delete_many", "adelete_many"])
+    @pytest.mark.parametrize("api", ["sync", "async"])
+    def test_a_deleted_entry_is_never_served_stale(self, cache, deletion, api):
+        """After ``delete`` (or ``delete_many``, or their async twins) get_or_set's stale
+        copy of the entry is gone too: a caller that finds the lease held waits for the
+        holder's new value instead of getting the one the user deleted."""
+        options = {**self.lease, "STALE_TIMEOUT": 30}
+        guarded = self.guarded(**options)
+        assert guarded.get_or_set("hot", "deleted", timeout=60) == "deleted"
+        assert guarded.get_or_set("other", "kept", timeout=60) == "kept"
+        if deletion == "delete":
+            assert guarded.delete("hot") is True
+        elif deletion == "adelete":
+            assert asyncio.run(guarded.adelete("hot")) is True
+        elif deletion == "delete_many":
+            guarded.delete_many(["hot", "absent"])
+        else:
+            asyncio.run(guarded.adelete_many(["hot", "absent"]))
+        assert guarded.get("other") == "kept"  # only the keys named
+        holder = guarded._lease_store("hot", 60, None)
+        assert steps.run(holder.read()).won  # someone recomputes the deleted entry...
+        # ...and stores its value a little later, while the caller below waits for it.
+        storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
+        storing.start()
+        try:
+            waiter = self.guarded(**options)
+            if api == "sync":
+                value = waiter.get_or_set("hot", "not computed here", timeout=60)
+            else:
+                value = asyncio.run(waiter.aget_or_set("hot", "not computed here", timeout=60))
+        finally:
+            storing.join()
+        assert value == "recomputed"
+
     def test_aget_or_set_awaits_an_async_default_with_or_without_protection(self, cache):
         async def compute():
             return "awaited"
