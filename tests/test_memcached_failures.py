@@ -7,11 +7,12 @@ import logging
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from pymemcache.client.base import Client
 
-from django_kvcache import steps
+from django_kvcache import stampede, steps
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeDown, NodeError
 from django_kvcache.health import NodeHealth
@@ -320,6 +321,53 @@ def test_a_stale_copy_whose_delete_was_missed_is_deleted_before_the_node_serves(
     finally:
         storing.join()
     assert cache.metrics()[node.address]["outdated_keys"] == 0
+
+
+def test_a_stale_copy_on_another_node_whose_delete_was_missed_is_deleted_there_later(
+    two_nodes, paused, caplog
+):
+    """On nodes without meta commands the stale copy is a key of its own, here on another
+    node than its entry: the entry's delete succeeds, the copy's times out (fail-open:
+    logged), and the copy is remembered as outdated on its node, deleted when it answers
+    again."""
+    from tests.test_memcached_meta_lease import ClassicOnlyProxy
+
+    node, stop = paused
+    proxies = []
+    for each in two_nodes:
+        host, port = each.address.rsplit(":", 1)
+        proxies.append(ClassicOnlyProxy(host, int(port)))
+    try:
+        fronts = [SimpleNamespace(address=f"127.0.0.1:{proxy.port}") for proxy in proxies]
+        paused_at = fronts[two_nodes.index(node)].address
+        cache = build(fronts, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2, LEASE_TIMEOUT=2,
+                      STALE_TIMEOUT=30)
+        key = next(
+            f"k{i}" for i in range(1000)
+            if cache._home(cache.make_and_validate_key(f"k{i}")).name != paused_at
+            and cache._home(cache.make_and_validate_key(stampede.side_key("stale", f"k{i}"))
+                            ).name == paused_at
+        )
+        assert cache.get_or_set(key, "deleted", timeout=60) == "deleted"
+        stop()
+        with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
+            assert cache.delete(key) is True  # the entry is gone; its copy's delete timed out
+        assert "timed out" in caplog.text
+        assert cache.metrics()[paused_at]["outdated_keys"] == 1  # the copy
+        resume(node)
+        wait_for_retry()
+        holder = cache._lease_store(key, 60, None)
+        assert steps.run(holder.read()).won
+        storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
+        storing.start()
+        try:
+            assert cache.get_or_set(key, "no", timeout=60) == "recomputed"
+        finally:
+            storing.join()
+        assert cache.metrics()[paused_at]["outdated_keys"] == 0
+    finally:
+        for proxy in proxies:
+            proxy.stop()
 
 
 def test_too_many_missed_writes_flush_the_node(two_nodes, paused, monkeypatch):
