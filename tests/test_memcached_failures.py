@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 from pymemcache.client.base import Client
 
-from django_kvcache import stampede, steps
+from django_kvcache import stampede
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeDown, NodeError
 from django_kvcache.health import NodeHealth
 from django_kvcache.signals import node_down, node_up
 from tests.test_faults_memcached import pause, resume
+from tests.test_stampede import while_recomputed
 
 RETRY = 0.4
 
@@ -312,14 +312,8 @@ def test_a_stale_copy_whose_delete_was_missed_is_deleted_before_the_node_serves(
     assert cache.metrics()[node.address]["outdated_keys"] == 2  # the entry and its copy
     resume(node)
     wait_for_retry()
-    holder = cache._lease_store(key, 60, None)
-    assert steps.run(holder.read()).won
-    storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
-    storing.start()
-    try:
-        assert build(two_nodes, **options).get_or_set(key, "no", timeout=60) == "recomputed"
-    finally:
-        storing.join()
+    waiter = build(two_nodes, **options)
+    assert while_recomputed(cache, key, lambda: waiter.get_or_set(key, "no", 60)) == "recomputed"
     assert cache.metrics()[node.address]["outdated_keys"] == 0
 
 
@@ -356,14 +350,7 @@ def test_a_stale_copy_on_another_node_whose_delete_was_missed_is_deleted_there_l
         assert cache.metrics()[paused_at]["outdated_keys"] == 1  # the copy
         resume(node)
         wait_for_retry()
-        holder = cache._lease_store(key, 60, None)
-        assert steps.run(holder.read()).won
-        storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
-        storing.start()
-        try:
-            assert cache.get_or_set(key, "no", timeout=60) == "recomputed"
-        finally:
-            storing.join()
+        assert while_recomputed(cache, key, lambda: cache.get_or_set(key, "no", 60)) == "recomputed"
         assert cache.metrics()[paused_at]["outdated_keys"] == 0
     finally:
         for proxy in proxies:

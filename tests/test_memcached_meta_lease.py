@@ -23,7 +23,7 @@ from django_kvcache.memcached import NodeError, wire
 from django_kvcache.memcached.lease import MetaCommandsMissing, MetaLeaseStore
 from tests.lost_reply_proxy import LostReplyProxy, chunks, close, send
 from tests.servers import free_port
-from tests.test_stampede import Computation, in_threads
+from tests.test_stampede import Computation, in_threads, while_recomputed
 
 LEASE = {"LEASE_TIMEOUT": 2}
 
@@ -323,14 +323,8 @@ def test_without_meta_commands_delete_removes_the_stale_copy_on_its_node(
     else:
         asyncio.run(cache.adelete_many([key]))
     assert cache.get(stampede.side_key("stale", key)) is None
-    holder = cache._lease_store(key, 60, None)
-    assert read(holder).won
-    storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
-    storing.start()
-    try:
-        assert build(location, **LEASE, STALE_TIMEOUT=30).get_or_set(key, "no", 60) == "recomputed"
-    finally:
-        storing.join()
+    waiter = build(location, **LEASE, STALE_TIMEOUT=30)
+    assert while_recomputed(cache, key, lambda: waiter.get_or_set(key, "no", 60)) == "recomputed"
 
 
 def deletes(cache: MemcachedCache) -> dict[str, int]:

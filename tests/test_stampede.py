@@ -58,6 +58,20 @@ def in_threads(count: int, work) -> list[Any]:
     return results
 
 
+def while_recomputed(cache: Any, key: str, call) -> Any:
+    """What ``call()`` (a get_or_set of ``key``) gives while another caller, through
+    ``cache``'s lease store, holds ``key``'s lease and stores ``"recomputed"`` 0.2 s
+    later: that value, unless ``call`` is answered with a stale one."""
+    holder = cache._lease_store(key, 60, None)
+    assert steps.run(holder.read()).won
+    storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
+    storing.start()
+    try:
+        return call()
+    finally:
+        storing.join()
+
+
 class StampedeContract(CacheFixture):
     lease = {"LEASE_TIMEOUT": 2}
 
@@ -198,20 +212,15 @@ class StampedeContract(CacheFixture):
         else:
             asyncio.run(guarded.adelete_many(["hot", "absent"]))
         assert guarded.get("other") == "kept"  # only the keys named
-        holder = guarded._lease_store("hot", 60, None)
-        assert steps.run(holder.read()).won  # someone recomputes the deleted entry...
-        # ...and stores its value a little later, while the caller below waits for it.
-        storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
-        storing.start()
-        try:
-            waiter = self.guarded(**options)
+        waiter = self.guarded(**options)
+
+        def ask() -> Any:
             if api == "sync":
-                value = waiter.get_or_set("hot", "not computed here", timeout=60)
-            else:
-                value = asyncio.run(waiter.aget_or_set("hot", "not computed here", timeout=60))
-        finally:
-            storing.join()
-        assert value == "recomputed"
+                return waiter.get_or_set("hot", "not computed here", timeout=60)
+            return asyncio.run(waiter.aget_or_set("hot", "not computed here", timeout=60))
+
+        # Someone recomputes the deleted entry while the waiter asks for it.
+        assert while_recomputed(guarded, "hot", ask) == "recomputed"
 
     def test_aget_or_set_awaits_an_async_default_with_or_without_protection(self, cache):
         async def compute():
