@@ -193,12 +193,14 @@ class StampedeContract(CacheFixture):
         assert values.count("new") == 1 and values.count("old") == 63
         assert guarded.get("hot") == "new"
 
-    @pytest.mark.parametrize("deletion", ["delete", "adelete", "delete_many", "adelete_many"])
+    @pytest.mark.parametrize("deletion", ["delete", "adelete", "delete_many", "adelete_many",
+                                          "set 0", "aset 0", "set_many 0", "aset_many 0"])
     @pytest.mark.parametrize("api", ["sync", "async"])
     def test_a_deleted_entry_is_never_served_stale(self, cache, deletion, api):
-        """After ``delete`` (or ``delete_many``, or their async twins) get_or_set's stale
-        copy of the entry is gone too: a caller that finds the lease held waits for the
-        holder's new value instead of getting the one the user deleted."""
+        """After ``delete`` (or ``delete_many``, their async twins, or a ``set`` with a
+        timeout of 0, which caches nothing) get_or_set's stale copy of the entry is gone
+        too: a caller that finds the lease held waits for the holder's new value instead
+        of getting the one the user deleted."""
         options = {**self.lease, "STALE_TIMEOUT": 30}
         guarded = self.guarded(**options)
         assert guarded.get_or_set("hot", "deleted", timeout=60) == "deleted"
@@ -209,8 +211,17 @@ class StampedeContract(CacheFixture):
             assert asyncio.run(guarded.adelete("hot")) is True
         elif deletion == "delete_many":
             guarded.delete_many(["hot", "absent"])
-        else:
+        elif deletion == "adelete_many":
             asyncio.run(guarded.adelete_many(["hot", "absent"]))
+        elif deletion == "set 0":
+            guarded.set("hot", "not cached", 0)
+        elif deletion == "aset 0":
+            asyncio.run(guarded.aset("hot", "not cached", 0))
+        elif deletion == "set_many 0":
+            assert guarded.set_many({"hot": "not cached", "absent": "no"}, 0) == []
+        else:
+            assert asyncio.run(guarded.aset_many({"hot": "not cached"}, 0)) == []
+        assert guarded.get("hot") is None
         assert guarded.get("other") == "kept"  # only the keys named
         waiter = self.guarded(**options)
 

@@ -362,8 +362,14 @@ class MemcachedCache(KVCache):
         then summarized), ``set`` deletes the older value so it is never read again and
         returns, ``add`` returns False and leaves the entry that is there."""
         stored_key = self.make_and_validate_key(key, version=version)
+        expire = self.expire_time(timeout)
+        if expire < 0 and self._stale_copies and name == b"set":
+            # Nothing to cache (a timeout of 0): the entry goes, and with it the stale
+            # copies get_or_set keeps, as after delete (and as on MySQL).
+            yield from self._delete_entries({stored_key: key}, version)
+            return None
         data, flags, saved = self.codec.encode_measured(value)
-        op = wire.store(name, stored_key.encode(), data, flags, self.expire_time(timeout))
+        op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
         except Refused as exc:
@@ -394,7 +400,8 @@ class MemcachedCache(KVCache):
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
         if self._stale_copies:
             stored_key = self.make_and_validate_key(key, version=version)
-            return stored_key in (yield from self._delete_entries({stored_key: key}, version))
+            deleted, _ = yield from self._delete_entries({stored_key: key}, version)
+            return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
             return bool((yield from self._write(key, wire.delete(key.encode()), io)))
@@ -569,6 +576,9 @@ class MemcachedCache(KVCache):
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
+        if self._stale_copies and self.expire_time(timeout) < 0:  # as set's
+            _, failed = yield from self._delete_entries(key_map, version)
+            return [key_map[key] for key in failed]
         placement = self._place(key_map)
         batches = [
             self._set_batch(node, node_keys, key_map, data, timeout)
@@ -629,9 +639,9 @@ class MemcachedCache(KVCache):
         commands) is a key of its own: its delete goes to its node, in the same round.
         A delete that fails or is skipped is raised or logged like any, and the copies it
         leaves are remembered as outdated, as the entry is. Returns the stored keys of
-        the entries deleted."""
+        the entries deleted, and of those whose delete failed or was skipped."""
         if not key_map:
-            return set()
+            return set(), []
         placement = self._place(key_map)
         riders: dict[str, str] = {}  # each meta stale copy: its entry's key
         classic: list[str] = []
@@ -650,7 +660,8 @@ class MemcachedCache(KVCache):
 
         for node, keys in placement.groups.items():
             keys.extend(copies(keys, node))
-        placement.stranded.extend(copies(list(placement.stranded), None))
+        failed = list(placement.stranded)
+        placement.stranded.extend(copies(failed, None))
         if classic:
             own = self._place(classic)
             for node, keys in own.groups.items():
@@ -665,14 +676,15 @@ class MemcachedCache(KVCache):
             batches.append(batch)
         yield Fanout(batches)
         self.cluster.missed_batch_writes(placement, batches, riders)
-        deleted = {
-            key
-            for batch in batches if batch.error is None
-            for key, line in zip(batch.keys, batch.result)
-            if line == b"DELETED" and key in key_map
-        }
+        deleted = set()
+        for batch in batches:
+            if batch.error is not None:
+                failed.extend(key for key in batch.keys if key in key_map)
+                continue
+            deleted.update(key for key, line in zip(batch.keys, batch.result)
+                           if line == b"DELETED" and key in key_map)
         self._report(placement, batches)
-        return deleted
+        return deleted, failed
 
     def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,
