@@ -6,15 +6,18 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 from pymemcache.client.base import Client
 
+from django_kvcache import stampede
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeDown, NodeError
 from django_kvcache.health import NodeHealth
 from django_kvcache.signals import node_down, node_up
 from tests.test_faults_memcached import pause, resume
+from tests.test_stampede import while_recomputed
 
 RETRY = 0.4
 
@@ -288,6 +291,70 @@ def test_writes_missed_during_a_partition_are_deleted_before_the_node_serves(two
     assert cache.get(written, "miss") in ("miss", "v2")  # the last write, or nothing
     assert cache.get_many([kept, deleted, many]) == {kept: "kept"}  # only outdated keys go
     assert cache.metrics()[node.address]["outdated_keys"] == 0
+
+
+def test_a_stale_copy_whose_delete_was_missed_is_deleted_before_the_node_serves(
+    two_nodes, paused, caplog
+):
+    """A delete that times out under fail-open leaves get_or_set's stale copy as it leaves
+    the entry: both are remembered as outdated and deleted when the node answers again,
+    so the deleted value is never served stale."""
+    node, stop = paused
+    options = {"IGNORE_EXCEPTIONS": True, "IO_TIMEOUT": 0.2, "LEASE_TIMEOUT": 2,
+               "STALE_TIMEOUT": 30}
+    cache = build(two_nodes, **options)
+    key = key_on(cache, node)
+    assert cache.get_or_set(key, "deleted", timeout=60) == "deleted"
+    stop()
+    with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
+        assert cache.delete(key) is False  # timed out: logged, not raised
+    assert "timed out" in caplog.text
+    assert cache.metrics()[node.address]["outdated_keys"] == 2  # the entry and its copy
+    resume(node)
+    wait_for_retry()
+    waiter = build(two_nodes, **options)
+    assert while_recomputed(cache, key, lambda: waiter.get_or_set(key, "no", 60)) == "recomputed"
+    assert cache.metrics()[node.address]["outdated_keys"] == 0
+
+
+def test_a_stale_copy_on_another_node_whose_delete_was_missed_is_deleted_there_later(
+    two_nodes, paused, caplog
+):
+    """On nodes without meta commands the stale copy is a key of its own, here on another
+    node than its entry: the entry's delete succeeds, the copy's times out (fail-open:
+    logged), and the copy is remembered as outdated on its node, deleted when it answers
+    again."""
+    from tests.test_memcached_meta_lease import ClassicOnlyProxy
+
+    node, stop = paused
+    proxies = []
+    for each in two_nodes:
+        host, port = each.address.rsplit(":", 1)
+        proxies.append(ClassicOnlyProxy(host, int(port)))
+    try:
+        fronts = [SimpleNamespace(address=f"127.0.0.1:{proxy.port}") for proxy in proxies]
+        paused_at = fronts[two_nodes.index(node)].address
+        cache = build(fronts, IGNORE_EXCEPTIONS=True, IO_TIMEOUT=0.2, LEASE_TIMEOUT=2,
+                      STALE_TIMEOUT=30)
+        key = next(
+            f"k{i}" for i in range(1000)
+            if cache._home(cache.make_and_validate_key(f"k{i}")).name != paused_at
+            and cache._home(cache.make_and_validate_key(stampede.side_key("stale", f"k{i}"))
+                            ).name == paused_at
+        )
+        assert cache.get_or_set(key, "deleted", timeout=60) == "deleted"
+        stop()
+        with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
+            assert cache.delete(key) is True  # the entry is gone; its copy's delete timed out
+        assert "timed out" in caplog.text
+        assert cache.metrics()[paused_at]["outdated_keys"] == 1  # the copy
+        resume(node)
+        wait_for_retry()
+        assert while_recomputed(cache, key, lambda: cache.get_or_set(key, "no", 60)) == "recomputed"
+        assert cache.metrics()[paused_at]["outdated_keys"] == 0
+    finally:
+        for proxy in proxies:
+            proxy.stop()
 
 
 def test_too_many_missed_writes_flush_the_node(two_nodes, paused, monkeypatch):

@@ -23,7 +23,7 @@ from django_kvcache.memcached import NodeError, wire
 from django_kvcache.memcached.lease import MetaCommandsMissing, MetaLeaseStore
 from tests.lost_reply_proxy import LostReplyProxy, chunks, close, send
 from tests.servers import free_port
-from tests.test_stampede import Computation, in_threads
+from tests.test_stampede import Computation, in_threads, while_recomputed
 
 LEASE = {"LEASE_TIMEOUT": 2}
 
@@ -76,7 +76,7 @@ def test_a_hit_costs_one_round_trip_and_a_stale_answer_two(cache, nodes):
     before = node.ops
     assert read(guarded._lease_store("k", 60, None)) == stampede.Read("old", True, False)
     assert node.ops - before == 1  # one mg, as a plain get
-    guarded.delete("k")  # gone, as if expired: only the stale copy is left
+    node.call(wire.delete(b":1:k"))  # gone, as if expired: only the stale copy is left
     holder = guarded._lease_store("k", 60, None)
     assert read(holder).won
     before = node.ops
@@ -286,6 +286,82 @@ def test_without_meta_commands_a_holder_never_releases_a_successor_s_lease(class
     assert read(cache._lease_store("k", 60, None)).won is False  # the successor's holds
     steps.run(successor.release())
     assert read(cache._lease_store("k", 60, None)).won
+
+
+@pytest.fixture
+def two_classic_only(memcached_node_factory):
+    """Two nodes without meta commands (as ``classic_only``)."""
+    proxies = []
+    for _ in range(2):
+        host, port = memcached_node_factory().address.rsplit(":", 1)
+        proxies.append(ClassicOnlyProxy(host, int(port)))
+    yield [f"127.0.0.1:{proxy.port}" for proxy in proxies]
+    for proxy in proxies:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("deletion", ["delete", "adelete_many"])
+@pytest.mark.parametrize("layout", ["same node", "another node"])
+def test_without_meta_commands_delete_removes_the_stale_copy_on_its_node(
+    classic_only, two_classic_only, layout, deletion
+):
+    """The add-based store's stale copy is a key of its own, which may live on another
+    node than the entry: ``delete`` removes it there too (in the same round), so no
+    caller is served the deleted value while the lease holder recomputes."""
+    location = classic_only if layout == "same node" else two_classic_only
+    cache = build(location, **LEASE, STALE_TIMEOUT=30)
+    key = next(
+        candidate for candidate in (f"k{i}" for i in range(1000))
+        if (cache._home(cache.make_and_validate_key(candidate))
+            is cache._home(cache.make_and_validate_key(stampede.side_key("stale", candidate))))
+        == (layout == "same node")
+    )
+    assert cache.get_or_set(key, "deleted", timeout=60) == "deleted"
+    assert all(node.meta is False for node in cache._nodes if node.meta is not None)
+    if deletion == "delete":
+        assert cache.delete(key) is True
+    else:
+        asyncio.run(cache.adelete_many([key]))
+    assert cache.get(stampede.side_key("stale", key)) is None
+    waiter = build(location, **LEASE, STALE_TIMEOUT=30)
+    assert while_recomputed(cache, key, lambda: waiter.get_or_set(key, "no", 60)) == "recomputed"
+
+
+def deletes(cache: MemcachedCache) -> dict[str, int]:
+    """The deletes each node has served (its own stats, hits and misses)."""
+    return {node: stats["delete_hits"] + stats["delete_misses"]
+            for node, stats in cache.server_stats().items()}
+
+
+def test_delete_without_stale_timeout_sends_the_entry_s_delete_alone(cache, nodes):
+    """Without STALE_TIMEOUT there are no stale copies: delete costs what it always did."""
+    cache.set("k", "v")
+    node = node_of(cache, "k")
+    before, ops = deletes(cache), node.ops
+    assert cache.delete("k") is True
+    assert node.ops == ops + 1
+    before[node.name] += 1
+    assert deletes(cache) == before
+
+
+@pytest.mark.parametrize("deletion", ["delete", "adelete"])
+def test_delete_sends_the_stale_copy_s_delete_in_the_entry_s_request(nodes, deletion):
+    """With STALE_TIMEOUT, on a meta node the stale copy lives beside the entry: its delete
+    goes to that node in the entry's request (one op), and to no other node."""
+    cache = build(nodes, **LEASE, STALE_TIMEOUT=30)
+    assert cache.get_or_set("k", "v", 60) == "v"
+    node = node_of(cache, "k")
+    stale = cache._lease_store("k", 60, None).stale_key
+    assert node.call(wire.meta_ttl(stale)) is not None  # the copy is there
+    before, ops = deletes(cache), node.ops
+    if deletion == "delete":
+        assert cache.delete("k") is True
+    else:
+        assert asyncio.run(cache.adelete("k")) is True
+    assert node.ops == ops + 1  # one op: the caller's delete
+    before[node.name] += 2
+    assert deletes(cache) == before  # the entry's and its copy's, on its node alone
+    assert node.call(wire.meta_ttl(stale)) is None
 
 
 def test_ttl_on_a_node_without_meta_commands_says_so(classic_only):

@@ -58,6 +58,20 @@ def in_threads(count: int, work) -> list[Any]:
     return results
 
 
+def while_recomputed(cache: Any, key: str, call) -> Any:
+    """What ``call()`` (a get_or_set of ``key``) gives while another caller, through
+    ``cache``'s lease store, holds ``key``'s lease and stores ``"recomputed"`` 0.2 s
+    later: that value, unless ``call`` is answered with a stale one."""
+    holder = cache._lease_store(key, 60, None)
+    assert steps.run(holder.read()).won
+    storing = threading.Timer(0.2, lambda: steps.run(holder.store("recomputed")))
+    storing.start()
+    try:
+        return call()
+    finally:
+        storing.join()
+
+
 class StampedeContract(CacheFixture):
     lease = {"LEASE_TIMEOUT": 2}
 
@@ -178,6 +192,46 @@ class StampedeContract(CacheFixture):
         assert len(calls) == 1
         assert values.count("new") == 1 and values.count("old") == 63
         assert guarded.get("hot") == "new"
+
+    @pytest.mark.parametrize("deletion", ["delete", "adelete", "delete_many", "adelete_many",
+                                          "set 0", "aset 0", "set_many 0", "aset_many 0"])
+    @pytest.mark.parametrize("api", ["sync", "async"])
+    def test_a_deleted_entry_is_never_served_stale(self, cache, deletion, api):
+        """After ``delete`` (or ``delete_many``, their async twins, or a ``set`` with a
+        timeout of 0, which caches nothing) get_or_set's stale copy of the entry is gone
+        too: a caller that finds the lease held waits for the holder's new value instead
+        of getting the one the user deleted."""
+        options = {**self.lease, "STALE_TIMEOUT": 30}
+        guarded = self.guarded(**options)
+        assert guarded.get_or_set("hot", "deleted", timeout=60) == "deleted"
+        assert guarded.get_or_set("other", "kept", timeout=60) == "kept"
+        if deletion == "delete":
+            assert guarded.delete("hot") is True
+        elif deletion == "adelete":
+            assert asyncio.run(guarded.adelete("hot")) is True
+        elif deletion == "delete_many":
+            guarded.delete_many(["hot", "absent"])
+        elif deletion == "adelete_many":
+            asyncio.run(guarded.adelete_many(["hot", "absent"]))
+        elif deletion == "set 0":
+            guarded.set("hot", "not cached", 0)
+        elif deletion == "aset 0":
+            asyncio.run(guarded.aset("hot", "not cached", 0))
+        elif deletion == "set_many 0":
+            assert guarded.set_many({"hot": "not cached", "absent": "no"}, 0) == []
+        else:
+            assert asyncio.run(guarded.aset_many({"hot": "not cached"}, 0)) == []
+        assert guarded.get("hot") is None
+        assert guarded.get("other") == "kept"  # only the keys named
+        waiter = self.guarded(**options)
+
+        def ask() -> Any:
+            if api == "sync":
+                return waiter.get_or_set("hot", "not computed here", timeout=60)
+            return asyncio.run(waiter.aget_or_set("hot", "not computed here", timeout=60))
+
+        # Someone recomputes the deleted entry while the waiter asks for it.
+        assert while_recomputed(guarded, "hot", ask) == "recomputed"
 
     def test_aget_or_set_awaits_an_async_default_with_or_without_protection(self, cache):
         async def compute():

@@ -114,6 +114,8 @@ class MemcachedCache(KVCache):
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
         self._nodes = self.cluster.nodes
+        #: get_or_set keeps stale copies beside its entries, which deletes remove too.
+        self._stale_copies = self.stampede is not None and self.stampede.stale_timeout is not None
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -190,10 +192,10 @@ class MemcachedCache(KVCache):
         return await arun(self._set_many(data, timeout, version))
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        run(self._delete_keys(list(self.make_keys(keys, version)), report=True))
+        run(self._delete_many(keys, version))
 
     async def adelete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        await arun(self._delete_keys(list(self.make_keys(keys, version)), report=True))
+        await arun(self._delete_many(keys, version))
 
     async def _aget_or_set_unprotected(
         self, key: Any, default: Any, timeout: Any, version: Any
@@ -360,8 +362,14 @@ class MemcachedCache(KVCache):
         then summarized), ``set`` deletes the older value so it is never read again and
         returns, ``add`` returns False and leaves the entry that is there."""
         stored_key = self.make_and_validate_key(key, version=version)
+        expire = self.expire_time(timeout)
+        if expire < 0 and self._stale_copies and name == b"set":
+            # Nothing to cache (a timeout of 0): the entry goes, and with it the stale
+            # copies get_or_set keeps, as after delete (and as on MySQL).
+            yield from self._delete_entries({stored_key: key}, version)
+            return None
         data, flags, saved = self.codec.encode_measured(value)
-        op = wire.store(name, stored_key.encode(), data, flags, self.expire_time(timeout))
+        op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
         except Refused as exc:
@@ -390,6 +398,10 @@ class MemcachedCache(KVCache):
             return self._failed(exc, False)
 
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
+        if self._stale_copies:
+            stored_key = self.make_and_validate_key(key, version=version)
+            deleted, _ = yield from self._delete_entries({stored_key: key}, version)
+            return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
             return bool((yield from self._write(key, wire.delete(key.encode()), io)))
@@ -564,6 +576,9 @@ class MemcachedCache(KVCache):
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
+        if self._stale_copies and self.expire_time(timeout) < 0:  # as set's
+            _, failed = yield from self._delete_entries(key_map, version)
+            return [key_map[key] for key in failed]
         placement = self._place(key_map)
         batches = [
             self._set_batch(node, node_keys, key_map, data, timeout)
@@ -608,6 +623,68 @@ class MemcachedCache(KVCache):
                     reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
                     refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
         return refused
+
+    def _delete_many(self, keys: Iterable[Any], version: int | None) -> Plan:
+        key_map = self.make_keys(keys, version)
+        if self._stale_copies:
+            yield from self._delete_entries(key_map, version)
+        else:
+            yield from self._delete_keys(list(key_map), report=True)
+
+    def _delete_entries(self, key_map: dict[str, Any], version: int | None) -> Plan:
+        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry and the stale copy
+        ``get_or_set`` may keep of it (docs/stampede.rst), which must not outlive it, in
+        one round. The meta store's copy lives on the entry's node: its delete goes in the
+        entry's request. The add-based store's (a node not known to speak the meta
+        commands) is a key of its own: its delete goes to its node, in the same round.
+        A delete that fails or is skipped is raised or logged like any, and the copies it
+        leaves are remembered as outdated, as the entry is. Returns the stored keys of
+        the entries deleted, and of those whose delete failed or was skipped."""
+        if not key_map:
+            return set(), []
+        placement = self._place(key_map)
+        riders: dict[str, str] = {}  # each meta stale copy: its entry's key
+        classic: list[str] = []
+
+        def copies(keys: list[str], node: Node | None) -> list[str]:
+            """The keys' meta stale copies (also noting their add-based ones where the
+            node is not known to speak meta: ``node``, or the key's home if skipped)."""
+            found = []
+            for key in keys:
+                copy = lease.meta_stale_key(key)
+                riders[copy] = key
+                found.append(copy)
+                if (self._home(key) if node is None else node).meta is not True:
+                    classic.append(lease.classic_stale_key(self, key_map[key], version))
+            return found
+
+        for node, keys in placement.groups.items():
+            keys.extend(copies(keys, node))
+        failed = list(placement.stranded)
+        placement.stranded.extend(copies(failed, None))
+        if classic:
+            own = self._place(classic)
+            for node, keys in own.groups.items():
+                placement.groups.setdefault(node, []).extend(keys)
+            placement.stranded.extend(own.stranded)
+            reported = {error.node for error in placement.errors}
+            placement.errors.extend(e for e in own.errors if e.node not in reported)
+        batches = []
+        for node, keys in placement.groups.items():
+            batch = fanout.delete_batch(node, keys)
+            batch.ops = sum(key in key_map for key in keys)  # the caller's deletes only
+            batches.append(batch)
+        yield Fanout(batches)
+        self.cluster.missed_batch_writes(placement, batches, riders)
+        deleted = set()
+        for batch in batches:
+            if batch.error is not None:
+                failed.extend(key for key in batch.keys if key in key_map)
+                continue
+            deleted.update(key for key, line in zip(batch.keys, batch.result)
+                           if line == b"DELETED" and key in key_map)
+        self._report(placement, batches)
+        return deleted, failed
 
     def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,

@@ -97,16 +97,22 @@ class Cluster:
         if failed is not None and failed is not home:
             failed.outdated.add((key,))
 
-    def missed_batch_writes(self, placement: Placement, batches: list[Batch]) -> None:
+    def missed_batch_writes(
+        self, placement: Placement, batches: list[Batch], riders: Mapping[str, str] | None = None
+    ) -> None:
+        """``missed_write`` for the keys of a multi-key write that were skipped or whose
+        batch failed. ``riders``: side keys stored on their entry's node rather than on
+        their own (a side key: its entry's key), whose home is their entry's."""
+        home = self.home if not riders else (lambda key: self.home(riders.get(key, key)))
         for key in placement.stranded:
-            self.home(key).outdated.add((key,))
+            home(key).outdated.add((key,))
         for batch in batches:
             if batch.error is None:
                 continue
             batch.node.outdated.add(batch.keys)
             for key in batch.keys:
-                if self.home(key) is not batch.node:  # a failover batch
-                    self.home(key).outdated.add((key,))
+                if home(key) is not batch.node:  # a failover batch
+                    home(key).outdated.add((key,))
 
 
 _clusters: dict[tuple, Cluster] = {}

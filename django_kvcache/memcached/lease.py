@@ -90,6 +90,18 @@ def ttl(node: Node, key: str) -> steps.Plan:
     return None if remaining < 0 else remaining
 
 
+def meta_stale_key(stored_key: str) -> str:
+    """The key of the meta store's stale copy of the entry stored under ``stored_key``;
+    the copy lives on the entry's node, whatever this key's own hash says."""
+    return "kvcache-meta-stale:" + hashlib.sha1(stored_key.encode()).hexdigest()
+
+
+def classic_stale_key(host: LeaseHost, key: Any, version: int | None) -> str:
+    """The stored key of the add-based store's stale copy of the caller's ``key``: a key
+    of its own, routed as any key is (``ClassicLeaseStore``, on nodes without meta)."""
+    return host.make_and_validate_key(stampede.side_key("stale", key), version=version)
+
+
 class LeaseHost(Protocol):
     """What the lease stores need of their cache (``MemcachedCache``, a ``KVCache``), and
     no more: its Django API (``get``/``set``/``add``/``delete`` and their async twins,
@@ -156,7 +168,7 @@ class MetaLeaseStore:
 
     @cached_property
     def stale_key(self) -> bytes:
-        return b"kvcache-meta-stale:" + self.digest
+        return meta_stale_key(self.key).encode()
 
     @cached_property
     def digest(self) -> bytes:
