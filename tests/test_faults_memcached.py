@@ -234,9 +234,15 @@ def test_no_failover_restarted_node_never_serves_a_value_from_before(
 
 def pause(node) -> None:
     """SIGSTOP: the node keeps its data and its port but answers nobody (a partition)."""
-    os.kill(node.process.pid, signal.SIGSTOP)
+    stop_process(node.process.pid)
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid``, returning once it is stopped: the signal is delivered
+    asynchronously, and a process still running may answer one more request."""
+    os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 5
-    while process_state(node.process.pid) != "T":  # the signal is delivered asynchronously
+    while process_state(pid) != "T":
         assert time.monotonic() < deadline, "memcached did not stop"
         time.sleep(0.01)
 

@@ -15,6 +15,7 @@ import pytest
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import NodeError
 from tests.servers import free_port, services
+from tests.test_faults_memcached import stop_process
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -135,7 +136,7 @@ def test_a_tls_late_write_is_settled_without_blocking_the_event_loop(certificate
             "TLS": {"cafile": certificate[0]}, "IO_TIMEOUT": 0.5, "FAILURE_THRESHOLD": 100,
             "IGNORE_EXCEPTIONS": False}})
         cache.set("key", "before")
-        os.kill(process.pid, signal.SIGSTOP)
+        stop_process(process.pid)  # stopped before the write, not some time after
         try:
             with pytest.raises(NodeError, match="timed out"):
                 cache.set("key", "late")  # kept as a late write, to settle
