@@ -2,6 +2,7 @@
 Prometheus collector, scraped through a real test-client response."""
 from __future__ import annotations
 
+import asyncio
 import json
 from io import StringIO
 from typing import Any, Iterator
@@ -69,6 +70,31 @@ def test_json_has_every_node_and_shard_with_metrics_and_the_servers_figures(conf
     assert db["process"]["shards"]["default"]["errors"] == 0
     assert db["server"]["default"]["rows_estimate"] >= 0
     assert db["server"]["default"]["data_bytes"] > 0
+
+
+def test_mysql_hits_and_misses_are_counted_for_the_table_sync_and_async(configured):
+    """MySQLCache counts the keys its reads found and missed, per table (every instance
+    and shard of it), on both APIs; the JSON gives the hit ratio beside them."""
+    cache = caches["db"]
+    before = cache.metrics()
+    cache.set_many({"h1": 1, "h2": 2})
+    assert cache.get("h1") == 1 and cache.get("nope") is None
+    assert cache.get_many(["h1", "h2", "nope", "nada"]) == {"h1": 1, "h2": 2}
+    assert cache.get_or_set("h2", 0) == 2
+
+    async def reads() -> None:
+        assert await cache.aget("h2") == 2
+        assert await cache.aget_many(["h1", "nope"]) == {"h1": 1}
+        await cache.aclose()
+
+    asyncio.run(reads())
+    after = cache.metrics()
+    assert after["hits"] - before["hits"] == 1 + 2 + 1 + 1 + 1
+    assert after["misses"] - before["misses"] == 1 + 2 + 1
+    figures = json.loads(stats("--json", "db"))["db"]["process"]["cache"]
+    assert figures["hits"] == after["hits"] and figures["misses"] == after["misses"]
+    assert figures["hit_ratio"] == round(after["hits"] / (after["hits"] + after["misses"]), 4)
+    assert "hit ratio" in stats("db").splitlines()[1]
 
 
 def test_json_process_figures_are_metrics(configured):

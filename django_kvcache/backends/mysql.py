@@ -75,6 +75,8 @@ class TableStats:
     """Process-wide counters of one table, shared by every instance (plain ints: cheap,
     and exact enough under the GIL for monitoring)."""
 
+    hits: int = 0  # keys read that were found (get, get_many, and get_or_set's reads)
+    misses: int = 0  # keys read that were not found, or found unreadable
     values_encoded: int = 0  # values written (or refused as too large) since start
     bytes_encoded: int = 0  # their size as stored
     bytes_saved: int = 0  # what compression took off that
@@ -301,10 +303,12 @@ class MySQLCache(KVCache):
     def _get(self, key: Any, default: Any, version: int | None) -> Plan:
         key = self.make_and_validate_key(key, version)
         row = yield plans.get(self.session, key)
-        if row is None:
+        value = MISSING if row is None else self.decode(row[0], row[1], key)
+        if value is MISSING:
+            self.stats.misses += 1
             return default
-        value = self.decode(row[0], row[1], key)
-        return default if value is MISSING else value
+        self.stats.hits += 1
+        return value
 
     def _has_key(self, key: Any, version: int | None) -> Plan:
         return (yield plans.has_key(self.session, self.make_and_validate_key(key, version)))
@@ -319,6 +323,8 @@ class MySQLCache(KVCache):
                 value = self.decode(data, flags, key)
                 if value is not MISSING:
                     found[key_map[key]] = value
+        self.stats.hits += len(found)
+        self.stats.misses += len(key_map) - len(found)
         return found
 
     def _ttl(self, key: Any, version: int | None) -> Plan:

@@ -69,7 +69,7 @@ class Command(BaseCommand):
             alias: {
                 "backend": figures.backend,
                 "process": {
-                    "cache": figures.figures,
+                    "cache": with_ratio(figures.figures),
                     **{
                         f"{place.kind}s": {p.name: with_ratio(p.figures) for p in figures.places
                                            if p.kind == place.kind}
@@ -88,8 +88,10 @@ class Command(BaseCommand):
         count = len(figures.places)
         lines = [f"{figures.alias} ({figures.backend}, {count} {kinds}{'s' * (count != 1)})"]
         if figures.figures:
-            lines.append("  " + ", ".join(f"{name} {value}" for name, value in
-                                          figures.figures.items()))
+            ratio = stats.hit_ratio(figures.figures)
+            lines.append("  " + ", ".join(
+                [f"{name} {value}" for name, value in figures.figures.items()]
+                + ([] if ratio is None else [f"hit ratio {percent(ratio)}"])))
         lines.append(f"  {PROCESS_NOTE}")
         columns = [place.name for place in figures.places]
         rows: list[list[str]] = []
