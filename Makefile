@@ -39,14 +39,15 @@ tox:
 # bytes last; BENCH_VALUES=realistic overrides.
 BENCH_VALUES ?= realistic,heavy,random
 # The shards scenario caps each shard server at this share of a core where the cgroup v1
-# cpu controller is writable (else it says so and runs them uncapped).
+# cpu controller is writable (else it says so and runs them uncapped); async measures both
+# backends' asyncio APIs against one sync_to_async hop and the peers' async methods.
 BENCH_SERVER_CPU ?= 0.12
 
 bench: $(STAMP)
 	mkdir -p results
 	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
 	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark --values $(BENCH_VALUES) \
-	    --scenario default,shards --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
+	    --scenario default,shards,async --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
 $(STAMP): setup.cfg pyproject.toml scripts/services.py
