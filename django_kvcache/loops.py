@@ -13,7 +13,8 @@ import asyncio
 import os
 import threading
 import weakref
-from typing import AsyncIterator, Callable, Generic, TypeVar
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -77,6 +78,77 @@ class PerLoop(Generic[T]):
         self.lock = threading.Lock()
         self.states = weakref.WeakKeyDictionary()
         self.guards = weakref.WeakKeyDictionary()
+
+
+class WaitingLine:
+    """Coroutines of one loop waiting for a pooled connection, oldest first, each for at
+    most ``timeout`` seconds — the one waiting rule of both backends' asyncio pools.
+
+    :meth:`wait` returns what :meth:`hand_over` gives it (a connection, or ``None``: open
+    one of your own) or raises ``exhausted()`` once its time is up. Whichever comes first
+    settles the waiter's future, so no waiter is both served and timed out (no
+    ``asyncio.wait_for``, which from Python 3.12 may raise TimeoutError after the future
+    got its result). A waiter cancelled just after it was served passes what it got to
+    ``give_back``. One timer runs, for the oldest waiter's deadline (deadlines come in
+    arrival order), not one per waiter: under load most checkouts wait, and a timer each
+    — made, pushed on the loop's heap, cancelled, popped — cost a tenth of a MySQL
+    ``aget``'s CPU.
+    """
+
+    def __init__(self, timeout: float, exhausted: Callable[[], BaseException]) -> None:
+        self.timeout, self.exhausted = timeout, exhausted
+        self.waiters: deque[tuple[asyncio.Future, float]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    async def wait(self, give_back: Callable[[Any], None]) -> Any:
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        deadline = loop.time() + self.timeout
+        self.waiters.append((waiter, deadline))
+        if self.timer is None:
+            self.timer = loop.call_at(deadline, self._expire)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                give_back(waiter.result())  # cancelled just as it was served: pass it on
+            else:
+                self._forget(waiter)
+            raise
+
+    def hand_over(self, item: Any) -> bool:
+        """Give ``item`` to the oldest waiter still waiting; False if none is."""
+        while self.waiters:
+            waiter, _ = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(item)
+                return True
+        return False
+
+    def _forget(self, waiter: asyncio.Future) -> None:
+        for entry in self.waiters:
+            if entry[0] is waiter:
+                self.waiters.remove(entry)
+                return
+
+    def _expire(self) -> None:
+        """Fail the waiters whose time is up; set the timer again for the next one."""
+        self.timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self.waiters:
+            waiter, deadline = self.waiters[0]
+            if waiter.done():
+                self.waiters.popleft()
+            elif deadline > now:
+                self.timer = loop.call_at(deadline, self._expire)
+                return
+            else:
+                self.waiters.popleft()
+                waiter.set_exception(self.exhausted())
 
 
 _instances: weakref.WeakSet[PerLoop] = weakref.WeakSet()

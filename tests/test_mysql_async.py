@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
 
 import asgiref.sync
@@ -285,15 +286,25 @@ def test_concurrent_coroutines_share_a_bounded_pool(cache):
     assert asyncio.run(scenario()) <= 3
 
 
+@contextmanager
+def row_locked(key: str) -> Iterator[Any]:
+    """``key``'s row locked by a transaction of another connection (yielded: ROLLBACK on
+    it lets go), so a write of it holds its pooled connection until then."""
+    locker = MySQLdb.connect(**observer("default"))
+    try:
+        locker.query(b"BEGIN")
+        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = '{key}' FOR UPDATE".encode())
+        locker.store_result()
+        yield locker
+    finally:
+        locker.close()
+
+
 def test_an_exhausted_pool_says_so(cache):
     bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.2)
     cache.set("k", 1)
-    locker = MySQLdb.connect(**observer("default"))
-    locker.query(b"BEGIN")
-    locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = ':1:k' FOR UPDATE".encode())
-    locker.store_result()
 
-    async def scenario() -> None:
+    async def scenario(locker: Any) -> None:
         holding = asyncio.create_task(bounded.aset("k", 2))  # waits for the lock
         await asyncio.sleep(0.2)
         with pytest.raises(errors.PoolExhausted, match="MAX_POOL_SIZE"):
@@ -301,10 +312,41 @@ def test_an_exhausted_pool_says_so(cache):
         locker.query(b"ROLLBACK")
         await holding
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        locker.close()
+    with row_locked(":1:k") as locker:
+        asyncio.run(scenario(locker))
+    assert cache.get("k") == 2
+
+
+def test_each_waiter_has_its_own_pool_timeout(cache):
+    """The pool keeps one timer for its oldest waiter: a coroutine that started waiting
+    later still waits its whole POOL_TIMEOUT, and one that gave up (cancelled) leaves
+    the others' deadlines alone."""
+    bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.3)
+    cache.set("k", 1)
+
+    async def scenario(locker: Any) -> list[float]:
+        loop = asyncio.get_running_loop()
+        holding = asyncio.create_task(bounded.aset("k", 2))  # holds the one connection
+        await asyncio.sleep(0.05)
+
+        async def waited(delay: float) -> float:
+            await asyncio.sleep(delay)
+            started = loop.time()
+            with pytest.raises(errors.PoolExhausted):
+                await bounded.aget("k")
+            return loop.time() - started
+
+        given_up = asyncio.create_task(bounded.aget("k"))
+        await asyncio.sleep(0.05)
+        given_up.cancel()
+        waits = await asyncio.gather(waited(0), waited(0.2))
+        locker.query(b"ROLLBACK")
+        await holding
+        return waits
+
+    with row_locked(":1:k") as locker:
+        waits = asyncio.run(scenario(locker))
+    assert all(0.29 <= wait < 2 for wait in waits), waits
     assert cache.get("k") == 2
 
 

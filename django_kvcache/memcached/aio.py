@@ -23,9 +23,9 @@ import ssl
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from django_kvcache.loops import WaitingLine
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
     RECV_SIZE,
@@ -265,14 +265,14 @@ class AsyncPool:
         self.address = address
         self.settings = settings
         self.idle: list[AsyncConnection] = []
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiting = WaitingLine(settings.pool_timeout, self._exhausted)
         self.size = 0
         self.waits = 0
         self.connects = 0
 
     def try_checkout(self) -> AsyncConnection | None:
         """A connection if one is free or may be opened now; None instead of waiting."""
-        if self.idle and not self.waiters:
+        if self.idle and not self.waiting:
             return self.idle.pop()
         if self.size < self.settings.max_size:
             self.size += 1
@@ -280,42 +280,27 @@ class AsyncPool:
         return None
 
     async def checkout(self) -> AsyncConnection:
-        """A connection, waiting at most POOL_TIMEOUT for one.
-
-        The waiter's future decides between a hand-over and the timeout: whichever comes
-        first sets it (no ``asyncio.wait_for``, which from Python 3.12 may raise
-        TimeoutError after the future got its connection). A caller cancelled after a
-        connection was handed over gives it on.
-        """
+        """A connection, waiting at most POOL_TIMEOUT for one (:class:`WaitingLine`:
+        a caller cancelled after a connection was handed over gives it on)."""
         connection = self.try_checkout()
         if connection is not None:
             return connection
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self.waiters.append(waiter)
         self.waits += 1
-        timer = loop.call_later(self.settings.pool_timeout, _expire, waiter)
-        try:
-            handed = await waiter
-        except TimeoutError:  # set by the timer: nothing was handed over
-            raise PoolExhausted(
-                self.address.name,
-                f"all {self.settings.max_size} connections busy for "
-                f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
-            ) from None
-        except BaseException:  # cancelled just as a connection was handed over: give it on
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                handed = waiter.result()
-                self.free_slot() if handed is None else self.checkin(handed)
-            raise
-        finally:
-            timer.cancel()
-            if waiter in self.waiters:
-                self.waiters.remove(waiter)
+        handed = await self.waiting.wait(self._give_back)
         return handed if handed is not None else self._new()
 
+    def _give_back(self, handed: AsyncConnection | None) -> None:
+        self.free_slot() if handed is None else self.checkin(handed)
+
+    def _exhausted(self) -> PoolExhausted:
+        return PoolExhausted(
+            self.address.name,
+            f"all {self.settings.max_size} connections busy for "
+            f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
+        )
+
     def checkin(self, connection: AsyncConnection) -> None:
-        if not self._hand_over(connection):
+        if not self.waiting.hand_over(connection):
             self.idle.append(connection)
 
     def discard(self, connection: AsyncConnection) -> None:
@@ -323,7 +308,7 @@ class AsyncPool:
         self.free_slot()
 
     def free_slot(self) -> None:
-        if not self._hand_over(None):  # None: the waiter opens a connection of its own
+        if not self.waiting.hand_over(None):  # None: the waiter opens a connection of its own
             self.size -= 1
 
     def close_idle(self) -> None:
@@ -331,14 +316,6 @@ class AsyncPool:
         self.size -= len(idle)
         for connection in idle:
             connection.close()
-
-    def _hand_over(self, connection: AsyncConnection | None) -> bool:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(connection)
-                return True
-        return False
 
     def _new(self) -> AsyncConnection:
         self.connects += 1
@@ -415,7 +392,7 @@ def pool_figures(node: Any) -> dict[str, int]:
         "async_loops": len(pools),
         "async_pool_size": sum(pool.size for pool in pools),
         "async_pool_idle": sum(len(pool.idle) for pool in pools),
-        "async_pool_waiters": sum(len(pool.waiters) for pool in pools),
+        "async_pool_waiters": sum(len(pool.waiting) for pool in pools),
         "async_pool_waits": sum(pool.waits for pool in pools),
         "async_pool_connects": sum(pool.connects for pool in pools),
     }

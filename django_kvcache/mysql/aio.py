@@ -23,13 +23,12 @@ it needs no lock; its connections close when the loop shuts down
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any, Sequence
 
 import MySQLdb
 from django.db import OperationalError, connections
 
-from django_kvcache.loops import PerLoop
+from django_kvcache.loops import PerLoop, WaitingLine
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.query import Query, Reply
@@ -135,50 +134,30 @@ class AliasPool:
         self.read_timeout = self.params.get("read_timeout") or None
         self.max_size, self.timeout = max_size, timeout
         self.idle: list[OwnConnection] = []
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiting = WaitingLine(timeout, self._exhausted)
         self.size = 0
         self.connects = 0
 
     async def checkout(self) -> OwnConnection:
-        while self.idle and not self.waiters:
+        while self.idle and not self.waiting:
             connection = self.idle.pop()
             if not connection.hung_up:
                 return connection
             self.discard(connection)  # closed by the server while idle
         if self.size < self.max_size:
             return self._connect()
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self.waiters.append(waiter)
-        timer = loop.call_later(self.timeout, self._exhausted, waiter)
-        try:
-            handed = await waiter
-        except BaseException:  # cancelled just as a connection was handed over: pass it on
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                handed = waiter.result()
-                self._free_slot() if handed is None else self.checkin(handed)
-            raise
-        finally:
-            timer.cancel()
-            if not waiter.done() or waiter.cancelled():
-                try:
-                    self.waiters.remove(waiter)
-                except ValueError:
-                    pass
+        handed = await self.waiting.wait(self._give_back)
         return handed if handed is not None else self._connect(counted=True)
 
-    def _exhausted(self, waiter: asyncio.Future) -> None:
-        if waiter.done():
-            return
-        try:
-            self.waiters.remove(waiter)
-        except ValueError:
-            pass
-        waiter.set_exception(errors.PoolExhausted(
+    def _give_back(self, handed: OwnConnection | None) -> None:
+        self._free_slot() if handed is None else self.checkin(handed)
+
+    def _exhausted(self) -> errors.PoolExhausted:
+        return errors.PoolExhausted(
             f"all {self.max_size} connections of this event loop to "
             f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
             "POOL_TIMEOUT)"
-        ))
+        )
 
     def _connect(self, counted: bool = False) -> OwnConnection:
         """A new connection (blocking: mysqlclient has no asynchronous connect)."""
@@ -195,24 +174,16 @@ class AliasPool:
         return OwnConnection(raw, asyncio.get_running_loop())
 
     def checkin(self, connection: OwnConnection) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(connection)
-                return
-        self.idle.append(connection)
+        if not self.waiting.hand_over(connection):
+            self.idle.append(connection)
 
     def discard(self, connection: OwnConnection) -> None:
         connection.close()
         self._free_slot()
 
     def _free_slot(self) -> None:
-        while self.waiters:  # None: the waiter opens a connection of its own
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.size -= 1
+        if not self.waiting.hand_over(None):  # None: the waiter opens a connection of its own
+            self.size -= 1
 
     def close_idle(self) -> None:
         idle, self.idle = self.idle, []
