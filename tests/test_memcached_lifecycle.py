@@ -52,7 +52,7 @@ def assert_no_connection_checked_out(cache: MemcachedCache, styled: Any = None) 
         return [aio.pool_of(node) for node in cache._nodes]
 
     for pool in loop.run_until_complete(the_loop_s_pools()):
-        assert pool.size == len(pool.idle) and not pool.waiters
+        assert pool.size == len(pool.idle) and not pool.waiting
 
 
 # --- the pool hands a returned connection to a thread that just queued ------------------------
