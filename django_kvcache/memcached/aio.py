@@ -20,12 +20,10 @@ import asyncio
 import os
 import socket
 import ssl
-import threading
 import time
-import weakref
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from django_kvcache.loops import WaitingLine
+from django_kvcache.loops import PerLoop, WaitingLine
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
     RECV_SIZE,
@@ -329,46 +327,19 @@ class LoopState:
     def __init__(self) -> None:
         self.pools: dict[Any, AsyncPool] = {}
         self.gets: dict[Any, Any] = {}
-        self.guard: AsyncIterator[None] | None = None
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close_idle()
 
 
-_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState] = (
-    weakref.WeakKeyDictionary()
-)
-_loops_lock = threading.Lock()
-
-
-async def _closed_with_the_loop(loop: asyncio.AbstractEventLoop, state: LoopState):
-    """An async generator the loop finalizes at shutdown: then the pools close."""
-    try:
-        yield
-    finally:
-        state.close()
-        with _loops_lock:
-            _loops.pop(loop, None)
+#: Each loop's state (:class:`~django_kvcache.loops.PerLoop`, as the MySQL driver's pools).
+_loops: PerLoop[LoopState] = PerLoop(LoopState, LoopState.close)
 
 
 def loop_state() -> LoopState:
-    """The running loop's state, made (and registered to close with it) on first use:
-    the guard's first step runs here (a coroutine step, driven by hand) so the loop's
-    asyncgen hook adopts it."""
-    loop = asyncio.get_running_loop()
-    state = _loops.get(loop)
-    if state is not None:
-        return state
-    with _loops_lock:
-        state = _loops.setdefault(loop, LoopState())
-    if state.guard is None:
-        state.guard = _closed_with_the_loop(loop, state)
-        try:
-            state.guard.__anext__().send(None)
-        except StopIteration:  # reached its ``yield``: registered, now waits for shutdown
-            pass
-    return state
+    """The running loop's state, made (and registered to close with it) on first use."""
+    return _loops.get()
 
 
 def pool_of(node: Any) -> AsyncPool:
@@ -385,9 +356,7 @@ def pool_figures(node: Any) -> dict[str, int]:
     """The asyncio pools' figures for ``node``, summed over the process's event loops:
     connections open (idle or in use), idle, and coroutines waiting for one. Read from
     any thread: each figure is one read of a loop's own counters (monitoring, not exact)."""
-    with _loops_lock:
-        loops = list(_loops.values())
-    pools = [p for p in (loop.pools.get(node) for loop in loops) if p is not None]
+    pools = [p for p in (state.pools.get(node) for state in _loops.every()) if p is not None]
     return {
         "async_loops": len(pools),
         "async_pool_size": sum(pool.size for pool in pools),
@@ -400,18 +369,9 @@ def pool_figures(node: Any) -> dict[str, int]:
 
 def close_pools(nodes: Sequence[Any]) -> None:
     """Close the running loop's idle connections to ``nodes``."""
-    pools = _loops.get(asyncio.get_running_loop())
-    if pools is not None:
+    state = _loops.existing()
+    if state is not None:
         for node in nodes:
-            pool = pools.pools.get(node)
+            pool = state.pools.get(node)
             if pool is not None:
                 pool.close_idle()
-
-
-def _forget_after_fork() -> None:
-    global _loops_lock
-    _loops_lock = threading.Lock()
-    _loops.clear()  # the parent's loops and sockets
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
