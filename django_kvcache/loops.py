@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable, Generic, TypeVar
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 class PerLoop(Generic[T]):
@@ -149,6 +150,88 @@ class WaitingLine:
             else:
                 self.waiters.popleft()
                 waiter.set_exception(self.exhausted())
+
+
+class LoopPool(Generic[C]):
+    """One event loop's connections to one server, at most ``max_size``, a coroutine
+    waiting at most ``timeout`` for one (:class:`WaitingLine`): the connection lifecycle
+    of both backends' asyncio drivers. A pool belongs to its loop and is only touched from
+    that loop's thread, so it needs no lock.
+
+    A subclass says how a connection is opened (:meth:`open`), whether an idle one may
+    still be used (:meth:`usable`), what a timed-out wait raises (:meth:`exhausted`) and
+    how a connection is closed (its ``close()``). A slot (``size``) is taken before a
+    connection is opened and freed when it is discarded or its opening failed; a freed
+    slot goes to the oldest waiter, which opens a connection of its own.
+    """
+
+    def __init__(self, max_size: int, timeout: float) -> None:
+        self.max_size = max_size
+        self.idle: list[C] = []
+        self.waiting = WaitingLine(timeout, self.exhausted)
+        self.size = 0
+        self.waits = 0
+        self.connects = 0
+
+    def open(self) -> C:
+        raise NotImplementedError
+
+    def usable(self, connection: C) -> bool:
+        return True
+
+    def exhausted(self) -> BaseException:
+        raise NotImplementedError
+
+    def try_checkout(self) -> C | None:
+        """A connection if one is idle or may be opened now; None instead of waiting."""
+        while self.idle and not self.waiting:
+            connection = self.idle.pop()
+            if self.usable(connection):
+                return connection
+            self.discard(connection)
+        if self.size < self.max_size:
+            self.size += 1
+            return self._opened()
+        return None
+
+    async def checkout(self) -> C:
+        connection = self.try_checkout()
+        if connection is not None:
+            return connection
+        self.waits += 1
+        handed = await self.waiting.wait(self._give_back)
+        return handed if handed is not None else self._opened()
+
+    def checkin(self, connection: C) -> None:
+        if not self.waiting.hand_over(connection):
+            self.idle.append(connection)
+
+    def discard(self, connection: C) -> None:
+        connection.close()  # type: ignore[attr-defined]
+        self.free_slot()
+
+    def free_slot(self) -> None:
+        if not self.waiting.hand_over(None):  # None: the waiter opens a connection of its own
+            self.size -= 1
+
+    def close_idle(self) -> None:
+        idle, self.idle = self.idle, []
+        self.size -= len(idle)
+        for connection in idle:
+            connection.close()  # type: ignore[attr-defined]
+
+    def _opened(self) -> C:
+        """A new connection in a slot already taken (freed again if opening fails)."""
+        try:
+            connection = self.open()
+        except BaseException:
+            self.free_slot()
+            raise
+        self.connects += 1
+        return connection
+
+    def _give_back(self, handed: C | None) -> None:
+        self.free_slot() if handed is None else self.checkin(handed)
 
 
 _instances: weakref.WeakSet[PerLoop] = weakref.WeakSet()

@@ -23,7 +23,7 @@ import ssl
 import time
 from typing import Any, Callable, Sequence
 
-from django_kvcache.loops import PerLoop, WaitingLine
+from django_kvcache.loops import LoopPool, PerLoop
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
     RECV_SIZE,
@@ -254,70 +254,26 @@ async def _ready(
             timer.cancel()
 
 
-class AsyncPool:
+class AsyncPool(LoopPool[AsyncConnection]):
     """One loop's connections to one node, with the blocking pool's interface
     (``try_checkout``, ``checkout``, ``checkin``, ``discard``, ``free_slot``,
-    ``close_idle``): the exchange uses either the same way."""
+    ``close_idle``): the exchange uses either the same way. A connection is opened
+    lazily, by its first exchange."""
 
     def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
+        super().__init__(settings.max_size, settings.pool_timeout)
         self.address = address
         self.settings = settings
-        self.idle: list[AsyncConnection] = []
-        self.waiting = WaitingLine(settings.pool_timeout, self._exhausted)
-        self.size = 0
-        self.waits = 0
-        self.connects = 0
 
-    def try_checkout(self) -> AsyncConnection | None:
-        """A connection if one is free or may be opened now; None instead of waiting."""
-        if self.idle and not self.waiting:
-            return self.idle.pop()
-        if self.size < self.settings.max_size:
-            self.size += 1
-            return self._new()
-        return None
+    def open(self) -> AsyncConnection:
+        return AsyncConnection(self.address, self.settings)
 
-    async def checkout(self) -> AsyncConnection:
-        """A connection, waiting at most POOL_TIMEOUT for one (:class:`WaitingLine`:
-        a caller cancelled after a connection was handed over gives it on)."""
-        connection = self.try_checkout()
-        if connection is not None:
-            return connection
-        self.waits += 1
-        handed = await self.waiting.wait(self._give_back)
-        return handed if handed is not None else self._new()
-
-    def _give_back(self, handed: AsyncConnection | None) -> None:
-        self.free_slot() if handed is None else self.checkin(handed)
-
-    def _exhausted(self) -> PoolExhausted:
+    def exhausted(self) -> PoolExhausted:
         return PoolExhausted(
             self.address.name,
             f"all {self.settings.max_size} connections busy for "
             f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
         )
-
-    def checkin(self, connection: AsyncConnection) -> None:
-        if not self.waiting.hand_over(connection):
-            self.idle.append(connection)
-
-    def discard(self, connection: AsyncConnection) -> None:
-        connection.close()
-        self.free_slot()
-
-    def free_slot(self) -> None:
-        if not self.waiting.hand_over(None):  # None: the waiter opens a connection of its own
-            self.size -= 1
-
-    def close_idle(self) -> None:
-        idle, self.idle = self.idle, []
-        self.size -= len(idle)
-        for connection in idle:
-            connection.close()
-
-    def _new(self) -> AsyncConnection:
-        self.connects += 1
-        return AsyncConnection(self.address, self.settings)
 
 
 class LoopState:

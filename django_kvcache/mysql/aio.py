@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import MySQLdb
 from django.db import OperationalError, connections
 
-from django_kvcache.loops import PerLoop, WaitingLine
+from django_kvcache.loops import LoopPool, PerLoop
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.query import Query, Reply
@@ -119,10 +119,12 @@ class OwnConnection:
             pass
 
 
-class AliasPool:
+class AliasPool(LoopPool[OwnConnection]):
     """One loop's connections to one alias (see the module docstring)."""
 
     def __init__(self, alias: str, max_size: int, timeout: float) -> None:
+        super().__init__(max_size, timeout)
+        self.timeout = timeout
         wrapper = connections[alias]  # this thread's: its settings, never its connection
         self.settings = wrapper.settings_dict
         self.entry = connections.settings[alias]  # replaced when the alias is redefined
@@ -132,64 +134,23 @@ class AliasPool:
             f"SET SESSION TRANSACTION ISOLATION LEVEL {level.upper()}".encode() if level else b""
         )
         self.read_timeout = self.params.get("read_timeout") or None
-        self.max_size, self.timeout = max_size, timeout
-        self.idle: list[OwnConnection] = []
-        self.waiting = WaitingLine(timeout, self._exhausted)
-        self.size = 0
-        self.connects = 0
 
-    async def checkout(self) -> OwnConnection:
-        while self.idle and not self.waiting:
-            connection = self.idle.pop()
-            if not connection.hung_up:
-                return connection
-            self.discard(connection)  # closed by the server while idle
-        if self.size < self.max_size:
-            return self._connect()
-        handed = await self.waiting.wait(self._give_back)
-        return handed if handed is not None else self._connect(counted=True)
+    def open(self) -> OwnConnection:
+        """A new connection (blocking: mysqlclient has no asynchronous connect)."""
+        raw = MySQLdb.connect(**self.params)
+        if self.session_sql:
+            raw.query(self.session_sql)
+        return OwnConnection(raw, asyncio.get_running_loop())
 
-    def _give_back(self, handed: OwnConnection | None) -> None:
-        self._free_slot() if handed is None else self.checkin(handed)
+    def usable(self, connection: OwnConnection) -> bool:
+        return not connection.hung_up  # else closed by the server while idle
 
-    def _exhausted(self) -> errors.PoolExhausted:
+    def exhausted(self) -> errors.PoolExhausted:
         return errors.PoolExhausted(
             f"all {self.max_size} connections of this event loop to "
             f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
             "POOL_TIMEOUT)"
         )
-
-    def _connect(self, counted: bool = False) -> OwnConnection:
-        """A new connection (blocking: mysqlclient has no asynchronous connect)."""
-        if not counted:
-            self.size += 1
-        try:
-            raw = MySQLdb.connect(**self.params)
-            if self.session_sql:
-                raw.query(self.session_sql)
-        except BaseException:
-            self._free_slot()
-            raise
-        self.connects += 1
-        return OwnConnection(raw, asyncio.get_running_loop())
-
-    def checkin(self, connection: OwnConnection) -> None:
-        if not self.waiting.hand_over(connection):
-            self.idle.append(connection)
-
-    def discard(self, connection: OwnConnection) -> None:
-        connection.close()
-        self._free_slot()
-
-    def _free_slot(self) -> None:
-        if not self.waiting.hand_over(None):  # None: the waiter opens a connection of its own
-            self.size -= 1
-
-    def close_idle(self) -> None:
-        idle, self.idle = self.idle, []
-        self.size -= len(idle)
-        for connection in idle:
-            connection.close()
 
 
 async def perform(items: list[tuple[str, Query]], max_size: int, timeout: float) -> list[Any]:
