@@ -1,4 +1,6 @@
-"""State kept per asyncio event loop, closed when the loop shuts down.
+"""What both backends' asyncio drivers keep per event loop: the state of each loop
+(:class:`PerLoop`), closed when the loop shuts down, and its connection pools
+(:class:`LoopPool`, whose coroutines wait in a :class:`WaitingLine`).
 
 An asyncio driver's connections belong to the loop that opened them: they are only
 touched from that loop's thread (so they need no lock), and a process running several
