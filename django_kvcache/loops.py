@@ -16,10 +16,17 @@ import os
 import threading
 import weakref
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Generic, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, Protocol, TypeVar
+
+
+class Connection(Protocol):
+    """What a :class:`LoopPool` needs of its connections."""
+
+    def close(self) -> None: ...
+
 
 T = TypeVar("T")
-C = TypeVar("C")
+C = TypeVar("C", bound=Connection)
 
 
 class PerLoop(Generic[T]):
@@ -209,7 +216,7 @@ class LoopPool(Generic[C]):
             self.idle.append(connection)
 
     def discard(self, connection: C) -> None:
-        connection.close()  # type: ignore[attr-defined]
+        connection.close()
         self.free_slot()
 
     def free_slot(self) -> None:
@@ -220,7 +227,7 @@ class LoopPool(Generic[C]):
         idle, self.idle = self.idle, []
         self.size -= len(idle)
         for connection in idle:
-            connection.close()  # type: ignore[attr-defined]
+            connection.close()
 
     def _opened(self) -> C:
         """A new connection in a slot already taken (freed again if opening fails)."""

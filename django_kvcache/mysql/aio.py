@@ -124,7 +124,6 @@ class AliasPool(LoopPool[OwnConnection]):
 
     def __init__(self, alias: str, max_size: int, timeout: float) -> None:
         super().__init__(max_size, timeout)
-        self.timeout = timeout
         wrapper = connections[alias]  # this thread's: its settings, never its connection
         self.settings = wrapper.settings_dict
         self.entry = connections.settings[alias]  # replaced when the alias is redefined
@@ -148,7 +147,7 @@ class AliasPool(LoopPool[OwnConnection]):
     def exhausted(self) -> errors.PoolExhausted:
         return errors.PoolExhausted(
             f"all {self.max_size} connections of this event loop to "
-            f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
+            f"{self.settings.get('NAME')!r} busy for {self.waiting.timeout} s (MAX_POOL_SIZE, "
             "POOL_TIMEOUT)"
         )
 
