@@ -24,9 +24,19 @@ _spec.loader.exec_module(services)  # type: ignore[union-attr]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((services.HOST, 0))
-        return sock.getsockname()[1]
+    """A free loopback port this process has not handed out before: the backends keep
+    per-address state for the process (pools, counters, health, outdated keys), so a
+    server of one test on a port an earlier test's server used would inherit it."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((services.HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+_handed_out: set[int] = set()
 
 
 class MemcachedNode:
