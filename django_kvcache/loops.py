@@ -12,11 +12,12 @@ collector. After a fork the child forgets the parent's loops and sockets.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import weakref
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Generic, Protocol, TypeVar
+
+from django_kvcache import forks
 
 
 class Connection(Protocol):
@@ -42,7 +43,7 @@ class PerLoop(Generic[T]):
             weakref.WeakKeyDictionary()
         )
         self.lock = threading.Lock()
-        _instances.add(self)
+        forks.register(self)
 
     def get(self) -> T:
         """The running loop's state (call it on the loop)."""
@@ -84,7 +85,7 @@ class PerLoop(Generic[T]):
                 if self.states.get(loop) is state:
                     del self.states[loop]
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         self.lock = threading.Lock()
         self.states = weakref.WeakKeyDictionary()
         self.guards = weakref.WeakKeyDictionary()
@@ -242,13 +243,3 @@ class LoopPool(Generic[C]):
     def _give_back(self, handed: C | None) -> None:
         self.free_slot() if handed is None else self.checkin(handed)
 
-
-_instances: weakref.WeakSet[PerLoop] = weakref.WeakSet()
-
-
-def _forget_after_fork() -> None:
-    for per_loop in list(_instances):
-        per_loop._after_fork()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)

@@ -15,9 +15,11 @@ lock), so at least one of the two sees the other and hands the connection over.
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
+
+from django_kvcache import forks
+from django_kvcache.forks import Registry
 
 from django_kvcache.memcached import PoolExhausted
 from django_kvcache.memcached.connection import Connection, ConnectionSettings
@@ -47,9 +49,10 @@ class NodePool:
     def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
         self.address = address
         self.settings = settings
-        self.forget()
+        self.after_fork()
+        forks.register(self)
 
-    def forget(self) -> None:
+    def after_fork(self) -> None:
         """Start empty without closing anything (after fork the sockets are the parent's)."""
         self.idle: list[Connection] = []
         self.queue: deque[_Waiter] = deque()
@@ -167,25 +170,9 @@ class NodePool:
         return Connection(self.address, self.settings)
 
 
-_registry: dict[tuple[str, ConnectionSettings], NodePool] = {}
-_registry_lock = threading.Lock()
+_registry: Registry[tuple[str, ConnectionSettings], NodePool] = Registry()
 
 
 def pool_for(address: NodeAddress, settings: ConnectionSettings) -> NodePool:
     """The process-wide pool for this node and these settings."""
-    key = (address.name, settings)
-    try:
-        return _registry[key]
-    except KeyError:
-        with _registry_lock:
-            return _registry.setdefault(key, NodePool(address, settings))
-
-
-def _forget_all_after_fork() -> None:
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    for pool in _registry.values():
-        pool.forget()
-
-
-os.register_at_fork(after_in_child=_forget_all_after_fork)
+    return _registry.get((address.name, settings), lambda: NodePool(address, settings))
