@@ -33,6 +33,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
+from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.plans import (
@@ -222,6 +223,11 @@ class MemcachedCache(KVCache):
         return lease.MetaLeaseStore(
             self, self.stampede, key, timeout, version, node_for=self._node, failed=self._failed
         )
+
+    def _lock_store(self, key: Any, version: int | None) -> MemcachedLockStore:
+        """A lease item and a token counter on the name's home node, whatever FAILOVER
+        and IGNORE_EXCEPTIONS say (``django_kvcache.memcached.locks``)."""
+        return MemcachedLockStore(self.cluster, self, self.make_and_validate_key(key, version))
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires (whole seconds, memcached's): ``None`` if it never
