@@ -62,11 +62,10 @@ class Grant:
     """One grant of a lock, as this process knows it. ``owner`` is random per acquire
     attempt and stored with the grant, so the store can tell this grant from any other
     (release and extend compare it, never delete blindly); ``token`` is the fencing
-    token the server gave; ``handle`` whatever else the store keeps (memcached's CAS)."""
+    token the server gave."""
 
     owner: bytes = field(default_factory=lambda: secrets.token_hex(16).encode())
     token: int | None = None
-    handle: Any = None
     pid: int = field(default_factory=os.getpid)
     #: ``time.monotonic()`` when the grant's lease ends, as this process reckons it
     #: (None: no timeout). Only the memcached classic store reads it (for extend).

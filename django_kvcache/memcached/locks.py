@@ -128,7 +128,7 @@ class MemcachedLockStore:
                                  f"{counter.code!r}, {lease.code!r}")
         if lease.code == b"NS":
             return False
-        grant.handle = self._cas(node, lease.number(b"c"))
+        self._cas(node, lease.number(b"c"))  # a server without CAS cannot release safely
         grant.token = wire.number(counter.value or b"", "a lock token")
         return True
 
@@ -176,11 +176,10 @@ class MemcachedLockStore:
         return self._cas(node, found[2]), None
 
     def release(self, grant: locks.Grant) -> steps.Plan:
+        # The lease is read first, even with the CAS of our own grant at hand: a node
+        # that restarted counts CAS values from 1 again, so a successor's lease may have
+        # the very CAS ours had; only the owner id tells them apart.
         node, meta = yield from self.node()
-        if meta and grant.handle is not None:  # the CAS of our own grant: one round trip
-            (reply,) = yield from node.call_plan(wire.meta_sequence(
-                [wire.meta_command(b"md", self.lease_key, b"C%d" % grant.handle)], True))
-            return reply.code == b"HD"
         cas, _ = yield from self._current(node, meta, grant)
         if cas is None:
             return False
@@ -202,13 +201,8 @@ class MemcachedLockStore:
         expire = self.lease_expire(seconds)
         if meta:
             (reply,) = yield from node.call_plan(wire.meta_sequence([wire.meta_command(
-                b"ms", self.lease_key, b"T%d" % expire, b"C%d" % cas, b"c",
-                data=grant.owner)], True))
-            if reply.code != b"HD":
-                return False
-            grant.handle = self._cas(node, reply.number(b"c"))
-            return True
-        grant.handle = None
+                b"ms", self.lease_key, b"T%d" % expire, b"C%d" % cas, data=grant.owner)], True))
+            return reply.code == b"HD"
         return (yield from node.call_plan(wire.cas(self.lease_key, grant.owner, 0, expire, cas)))
 
     def peek(self) -> steps.Plan:
