@@ -56,7 +56,7 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
                "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
                "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
-               "stampede": stampede_counts}
+               "stampede": stampede_counts, "locks": locks_bars}
     #: Figures of a part of a scenario: (scenario, part) -> its writer.
     parts = {("async", "emcache"): emcache_throughput}
     figures = [(name, scenario, writers[name]) for name, scenario in results["scenarios"].items()]
@@ -332,3 +332,22 @@ def stampede_counts(stampede: dict[str, Any], results: dict[str, Any]) -> Any:
            "callers miss it at once (1 is the goal)", results, values="one small string value")
     return figure
 
+
+
+def locks_bars(locks: dict[str, Any], results: dict[str, Any]) -> Any:
+    """Uncontended acquire + release time, and contended grants per second, per subject."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for axis, mode, metric, label in (
+        (axes[0], "uncontended", "median_us", "µs per acquire + release (median)"),
+        (axes[1], "contended", "grants_per_s", f"grants per second, {locks['workers']} threads"),
+    ):
+        entries = [e for e in locks["results"] if e["mode"] == mode]
+        names = [f"{e['cache']}\n{e['method']}" for e in entries]
+        axis.barh(names, [e[metric] for e in entries],
+                  color=[color_of(e["cache"]) for e in entries])
+        axis.invert_yaxis()
+        axis.set_xlabel(label)
+        axis.tick_params(axis="y", labelsize=7)
+    _title(figure, f"locks: our lock() beside the add + delete recipe (contended: each grant "
+           f"held {locks['hold_ms']:g} ms)", results, values="no values: lock names only")
+    return figure

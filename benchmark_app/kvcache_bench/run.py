@@ -11,7 +11,8 @@ from typing import Any, Iterator, Sequence
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
-SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec")
+SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec",
+             "locks")
 #: The scenarios whose figures depend on the values: run once per value mix. The others
 #: use small random filler and run with the first mix only.
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
