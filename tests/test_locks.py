@@ -811,3 +811,109 @@ def test_mariadb_killed_mid_hold(mariadb_server, django_db_blocker):
             other.release()
     finally:
         unregister_alias(KILLED_ALIAS)
+
+
+# --- the rules alone (django_kvcache.locks), with a scripted store ------------------------------
+
+
+class ScriptedStore:
+    """A lock store in memory that records what the rules asked of it: for the waiting
+    and interruption rules, which no server makes reproducible."""
+
+    where = "scripted store"
+
+    def __init__(self, busy_for: float = 0.0, interrupt: BaseException | None = None) -> None:
+        self.free_at = time.monotonic() + busy_for
+        self.holder: bytes | None = None
+        self.grants = 0
+        self.tries: list[float] = []
+        self.released: list[bytes] = []
+        self.interrupt = interrupt
+
+    def unreachable(self, exc: BaseException) -> bool:
+        return isinstance(exc, ConnectionError)
+
+    def grant(self, grant, seconds):
+        self.tries.append(time.monotonic())
+        if self.interrupt is not None:  # the request went out, then the caller was stopped
+            self.holder, interrupt, self.interrupt = grant.owner, self.interrupt, None
+            raise interrupt
+        yield steps.Sleep(0)
+        if time.monotonic() < self.free_at or self.holder is not None:
+            return False
+        self.grants += 1
+        self.holder, grant.token = grant.owner, self.grants
+        return True
+
+    def release(self, grant):
+        yield steps.Sleep(0)
+        self.released.append(grant.owner)
+        if self.holder != grant.owner:
+            return False
+        self.holder = None
+        return True
+
+    def extend(self, grant, seconds, replace):
+        yield steps.Sleep(0)
+        return self.holder == grant.owner
+
+    def peek(self):
+        yield steps.Sleep(0)
+        return self.holder
+
+
+def test_a_waiting_acquire_pauses_and_never_spins():
+    store = ScriptedStore(busy_for=0.6)
+    lock = Lock(store, "job", timeout=10, sleep=0.1)
+    assert lock.acquire(blocking_timeout=5)
+    pauses = [b - a for a, b in zip(store.tries, store.tries[1:])]
+    # 2, 4, 8... ms, then every 50-100 ms (a busy loop would try thousands of times);
+    # the bounds leave room for a loaded machine's late wake-ups.
+    assert len(store.tries) <= 25
+    assert pauses[0] < 0.05 and max(pauses) < 0.1 + 0.1
+
+
+def test_blocking_timeout_makes_one_last_try_when_it_runs_out():
+    store = ScriptedStore(busy_for=60)
+    lock = Lock(store, "job", timeout=10, sleep=0.05)
+    started = time.monotonic()
+    assert not lock.acquire(blocking_timeout=0.3)
+    assert 0.3 <= store.tries[-1] - started < 0.3 + 0.2  # at the deadline, not a pause later
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), asyncio.CancelledError()])
+def test_an_interrupted_grant_is_released_by_its_owner(interrupt):
+    store = ScriptedStore(interrupt=interrupt)
+    lock = Lock(store, "job", timeout=10)
+    with pytest.raises(type(interrupt)):
+        lock.acquire()
+    assert store.holder is None and len(store.released) == 1  # the grant it may have made
+    assert lock.token is None
+
+
+def test_an_unreachable_store_answers_a_non_blocking_acquire_and_raises_otherwise(caplog):
+    class Down(ScriptedStore):
+        def grant(self, grant, seconds):
+            raise ConnectionError("refused")
+            yield  # pragma: no cover
+
+    lock = Lock(Down(), "job", timeout=10)
+    assert lock.acquire(blocking=False) is False
+    assert "lock 'job' not acquired: the server could not be reached" in caplog.text
+    with pytest.raises(ConnectionError):
+        lock.acquire()
+
+
+def test_an_async_holder_and_waiter_share_the_rules():
+    store = ScriptedStore()
+
+    async def main() -> list[Any]:
+        holder = AsyncLock(store, "job", timeout=10)
+        waiter = AsyncLock(store, "job", timeout=10, sleep=0.01)
+        assert await holder.acquire()
+        waiting = asyncio.ensure_future(waiter.acquire(blocking_timeout=5))
+        await asyncio.sleep(0.05)
+        await holder.release()
+        return [await waiting, waiter.token, holder.token]
+
+    assert asyncio.run(main()) == [True, 2, None]
