@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import MySQLdb
 import pytest
+from django.conf import settings
 from django.db import OperationalError, connections, transaction
 
 from django_kvcache import steps
@@ -443,6 +444,26 @@ class TestMySQLLocks(LockContract):
         assert waiter.acquire(blocking_timeout=5)
         assert 0.15 < time.monotonic() - started < 1.0
         waiter.release()
+
+    @pytest.mark.django_db(transaction=True, databases=["default", *settings.SHARD_ALIASES])
+    def test_a_name_lives_on_the_shard_its_key_routes_to(self, cache):
+        sharded = self.build(OPTIONS={"DATABASES": settings.SHARD_ALIASES,
+                                      "CULL_PROBABILITY": 0})
+        names = [f"job{i}" for i in range(12)]
+        locks = [sharded.lock(name, timeout=10) for name in names]
+        assert all(lock.acquire(blocking=False) for lock in locks)
+        where = {sharded.cluster.shard_for(sharded.make_and_validate_key(n)).primary()
+                 for n in names}
+        assert len(where) > 1
+        for alias in settings.SHARD_ALIASES:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(f"SELECT `name` FROM `{sharded.lock_table}` WHERE `expires` > 0")
+                found = {row[0] for row in cursor.fetchall()}
+            assert found == {sharded.make_and_validate_key(n) for n in names
+                             if sharded.cluster.shard_for(
+                                 sharded.make_and_validate_key(n)).primary() == alias}
+        for lock in locks:
+            lock.release()
 
     def test_a_sync_lock_inside_a_transaction_on_its_database_is_refused(self, cache):
         with transaction.atomic():
