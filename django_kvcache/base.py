@@ -290,8 +290,8 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         ``timeout``: seconds the lock lives unless released (None: until released);
         ``blocking``, ``blocking_timeout`` and ``sleep``: how ``acquire()`` waits.
         Nothing happens until ``acquire()`` or ``with``."""
-        return locks.Lock(self._lock_store(key, version), key, timeout, sleep, blocking,
-                          blocking_timeout, thread_local)
+        return locks.Lock(self._lock_store(key, version, asynchronous=False), key, timeout,
+                          sleep, blocking, blocking_timeout, thread_local)
 
     def alock(
         self,
@@ -305,11 +305,11 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     ) -> locks.AsyncLock:
         """:meth:`lock` for async code: ``async with cache.alock("feed", timeout=60):``
         (not a coroutine: it builds the lock; its methods are awaited)."""
-        return locks.AsyncLock(self._lock_store(key, version), key, timeout, sleep, blocking,
-                               blocking_timeout, thread_local)
+        return locks.AsyncLock(self._lock_store(key, version, asynchronous=True), key,
+                               timeout, sleep, blocking, blocking_timeout, thread_local)
 
-    def _lock_store(self, key: Any, version: int | None) -> locks.LockStore:
-        """The backend's primitive for one lock name."""
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> locks.LockStore:
+        """The backend's primitive for one lock name, for the sync or the async API."""
         raise NotImplementedError(f"{self.backend_name} does not implement locks")
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:

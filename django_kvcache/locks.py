@@ -386,11 +386,13 @@ def fenced_update(queryset: Any, token: int, field: str = "fencing_token", **val
 
         updated = fenced_update(Feed.objects.filter(pk=feed.pk), lock.token, items=items)
     """
-    return _fenced(queryset, token, field).update(**{field: token, **values})  # type: ignore[no-any-return]
+    fenced = _fenced(queryset, token, field)
+    return fenced.update(**{field: token, **values})  # type: ignore[no-any-return]
 
 
 async def afenced_update(
     queryset: Any, token: int, field: str = "fencing_token", **values: Any
 ) -> int:
     """:func:`fenced_update` for async code (``QuerySet.aupdate``)."""
-    return await _fenced(queryset, token, field).aupdate(**{field: token, **values})  # type: ignore[no-any-return]
+    fenced = _fenced(queryset, token, field)
+    return await fenced.aupdate(**{field: token, **values})  # type: ignore[no-any-return]

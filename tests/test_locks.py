@@ -555,7 +555,7 @@ class MemcachedLocks(LockContract):
                            OPTIONS={"FAILOVER": True, "IGNORE_EXCEPTIONS": True,
                                     "RETRY_TIMEOUT": 60, "CONNECT_TIMEOUT": 0.5})
         name = next(n for n in (f"job{i}" for i in range(100))
-                    if cache._lock_store(n, None).home.name == dead.address)
+                    if cache._lock_store(n, None, False).home.name == dead.address)
         dead.kill()
         lock = cache.lock(name, timeout=10)
         with pytest.raises(NodeError):

@@ -224,10 +224,12 @@ class MemcachedCache(KVCache):
             self, self.stampede, key, timeout, version, node_for=self._node, failed=self._failed
         )
 
-    def _lock_store(self, key: Any, version: int | None) -> MemcachedLockStore:
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MemcachedLockStore:
         """A lease item and a token counter on the name's home node, whatever FAILOVER
-        and IGNORE_EXCEPTIONS say (``django_kvcache.memcached.locks``)."""
-        return MemcachedLockStore(self.cluster, self, self.make_and_validate_key(key, version))
+        and IGNORE_EXCEPTIONS say (``django_kvcache.memcached.locks``), for the driver
+        of the API asking."""
+        return MemcachedLockStore(self.cluster, self, self.make_and_validate_key(key, version),
+                                  ASYNCIO if asynchronous else BLOCKING)
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires (whole seconds, memcached's): ``None`` if it never

@@ -556,9 +556,9 @@ class MySQLCache(KVCache):
 
     # --- locks ---------------------------------------------------------------------------
 
-    def _lock_store(self, key: Any, version: int | None) -> MySQLLockStore:
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MySQLLockStore:
         """A row of the lock table (``django_kvcache.mysql.locks``) on the shard the
-        name's key routes to."""
+        name's key routes to (either API: the plans' steps have both drivers)."""
         stored = self.make_and_validate_key(key, version)
         return MySQLLockStore(
             self.session, stored, partial(self._missing_table_message, table=self.lock_table)

@@ -33,8 +33,7 @@ from typing import Any
 
 from django_kvcache import locks, steps
 from django_kvcache.memcached import MemcachedError, NodeError, PoolExhausted, Refused, wire
-from django_kvcache.memcached.lease import speaks_meta
-from django_kvcache.memcached.node import Node
+from django_kvcache.memcached.node import Node, Transport
 
 #: A classic expiry in the past (an absolute Unix time just over 30 days from 1970): a
 #: ``cas`` with it replaces the item with an expired one. (``-1`` means the same to
@@ -76,12 +75,14 @@ class TwoLines:
 class MemcachedLockStore:
     """:class:`django_kvcache.locks.LockStore` for one name of a MemcachedCache."""
 
-    def __init__(self, cluster: Any, host: Any, key: str) -> None:
+    def __init__(self, cluster: Any, host: Any, key: str, io: Transport) -> None:
         """``key``: the name as a stored key (it picks the node); ``host`` gives
-        memcached's expiry times (``expire_time``)."""
+        memcached's expiry times (``expire_time``); ``io``: the transport of the driver
+        that runs the plans (the sync or the async API's)."""
         self.cluster = cluster
         self.host = host
         self.key = key
+        self.io = io
         digest = hashlib.sha1(key.encode()).hexdigest().encode()
         self.lease_key = b"kvcache-lock:" + digest
         self.counter_key = b"kvcache-lock-token:" + digest
@@ -98,7 +99,13 @@ class MemcachedLockStore:
         """The name's home node and whether it speaks meta; ``NodeDown`` while it is
         marked down (a lock never moves to another node)."""
         node: Node = self.cluster.node(self.key, failover=False)
-        return node, (yield from speaks_meta(node))
+        if node.meta is None:  # asked once per node
+            node.meta = yield from self.request(node, wire.meta_probe())
+        return node, node.meta
+
+    def request(self, node: Node, op: wire.Op) -> steps.Plan:
+        """``op`` on ``node``, in the driver running the plan."""
+        return (yield from node.exchange(op, self.io))
 
     def lease_expire(self, seconds: float | None) -> int:
         """memcached's exptime for a lease of ``seconds`` (never shorter)."""
@@ -119,7 +126,7 @@ class MemcachedLockStore:
         draw = wire.meta_command(b"ma", self.counter_key, b"N0", b"J%d" % clock_us(), b"v")
         add = wire.meta_command(b"ms", self.lease_key, b"ME", b"T%d" % expire, b"c",
                                 data=grant.owner)
-        counter, lease = yield from node.call_plan(wire.meta_sequence([draw, add], True))
+        counter, lease = yield from self.request(node, wire.meta_sequence([draw, add], True))
         for reply in (counter, lease):
             if reply.code in wire.ERROR_REPLIES:
                 raise Refused(node.name, f"lock not granted: {(reply.value or b'').decode()}")
@@ -135,7 +142,7 @@ class MemcachedLockStore:
     def _classic_grant(self, node: Node, grant: locks.Grant, expire: int) -> steps.Plan:
         request = (b"incr %b 1\r\n" % self.counter_key
                    + wire.store_command(b"add", self.lease_key, grant.owner, 0, expire))
-        counter, lease = yield from node.call_plan(wire.Op(request, TwoLines, True))
+        counter, lease = yield from self.request(node, wire.Op(request, TwoLines, True))
         if lease not in (b"STORED", b"NOT_STORED"):
             raise MemcachedError(node.name, f"unexpected reply to add: {lease[:80]!r}")
         if counter == b"NOT_FOUND":
@@ -144,8 +151,8 @@ class MemcachedLockStore:
             # the increment and the add always travel together.
             if lease == b"STORED":
                 yield from self.release(grant)
-            yield from node.call_plan(
-                wire.store(b"add", self.counter_key, b"%d" % clock_us(), 0, 0))
+            yield from self.request(
+                node, wire.store(b"add", self.counter_key, b"%d" % clock_us(), 0, 0))
             return (yield from self._classic_grant(node, grant, expire))
         if lease == b"NOT_STORED":
             return False
@@ -165,12 +172,12 @@ class MemcachedLockStore:
         """The lease's CAS if it holds ``grant``'s owner id, else None; with meta, also
         its remaining seconds."""
         if meta:
-            (found,) = yield from node.call_plan(wire.meta_sequence(
+            (found,) = yield from self.request(node, wire.meta_sequence(
                 [wire.meta_command(b"mg", self.lease_key, b"v", b"c", b"t")], False))
             if found.code != b"VA" or found.value != grant.owner:
                 return None, None
             return self._cas(node, found.number(b"c")), found.number(b"t")
-        found = yield from node.call_plan(wire.gets_one(self.lease_key))
+        found = yield from self.request(node, wire.gets_one(self.lease_key))
         if found is None or found[0] != grant.owner:
             return None, None
         return self._cas(node, found[2]), None
@@ -184,10 +191,10 @@ class MemcachedLockStore:
         if cas is None:
             return False
         if meta:
-            (reply,) = yield from node.call_plan(wire.meta_sequence(
+            (reply,) = yield from self.request(node, wire.meta_sequence(
                 [wire.meta_command(b"md", self.lease_key, b"C%d" % cas)], True))
             return reply.code == b"HD"
-        return (yield from node.call_plan(wire.cas(self.lease_key, b"", 0, EXPIRED, cas)))
+        return (yield from self.request(node, wire.cas(self.lease_key, b"", 0, EXPIRED, cas)))
 
     def extend(self, grant: locks.Grant, seconds: float, replace: bool) -> steps.Plan:
         node, meta = yield from self.node()
@@ -200,18 +207,19 @@ class MemcachedLockStore:
             seconds = left + seconds
         expire = self.lease_expire(seconds)
         if meta:
-            (reply,) = yield from node.call_plan(wire.meta_sequence([wire.meta_command(
+            (reply,) = yield from self.request(node, wire.meta_sequence([wire.meta_command(
                 b"ms", self.lease_key, b"T%d" % expire, b"C%d" % cas, data=grant.owner)], True))
             return reply.code == b"HD"
-        return (yield from node.call_plan(wire.cas(self.lease_key, grant.owner, 0, expire, cas)))
+        return (yield from self.request(
+            node, wire.cas(self.lease_key, grant.owner, 0, expire, cas)))
 
     def peek(self) -> steps.Plan:
         node, meta = yield from self.node()
-        found = yield from node.call_plan(wire.get_one(self.lease_key))
+        found = yield from self.request(node, wire.get_one(self.lease_key))
         return None if found is None else found[0]
 
     def holder_token(self) -> steps.Plan:
         """Not kept with the lease on memcached (for tests: the counter's value)."""
         node, _ = yield from self.node()
-        found = yield from node.call_plan(wire.get_one(self.counter_key))
+        found = yield from self.request(node, wire.get_one(self.counter_key))
         return None if found is None else int(found[0])
