@@ -281,7 +281,7 @@ def test_every_shard_holds_the_dictionaries(first):
             reader = MySQLCache("kvcache_auto_shards", {"OPTIONS": options})
             found = reader.get_many([f"k{n}" for n in range(60)])
             assert found == {f"k{n}": value(500 + n) for n in range(60)}
-            ids = {frame_dictionary_id(data) for data, flags in reader.sample_entries(100)
+            ids = {frame_dictionary_id(data) for _, data, flags in reader.sample_entries(100)
                    if flags & FLAG_ZSTD}
             assert len(ids - {0}) == 1 and f"zstd dictionary {max(ids)}" in out.getvalue()
     finally:

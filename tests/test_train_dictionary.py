@@ -28,20 +28,28 @@ MYSQL_CACHE = {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABIL
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 
-@pytest.fixture(params=["mysql", "memcached"])
+ENCRYPTED = {"ENCRYPTION_KEYS": ["the key of the sampled cache, 0123456789abcdef"]}
+
+
+@pytest.fixture(params=["mysql", "memcached", "mysql encrypted", "memcached encrypted"])
 def sampled(request, memcached_node_factory):
-    """The "sampled" cache: a MySQLCache table, or a memcached node of the test's own."""
-    if request.param == "memcached":
+    """The "sampled" cache: a MySQLCache table, or a memcached node of the test's own;
+    with ENCRYPTION_KEYS, whose entries are sampled through its keys."""
+    backend = request.param.partition(" ")[0]
+    if backend == "memcached":
         node = memcached_node_factory()
         CACHES["sampled"] = {"BACKEND": MEMCACHED, "LOCATION": [node.address]}
     else:
         CACHES["sampled"] = MYSQL_CACHE
+    if request.param.endswith("encrypted"):
+        options = CACHES["sampled"].get("OPTIONS", {})
+        CACHES["sampled"] = {**CACHES["sampled"], "OPTIONS": {**options, **ENCRYPTED}}
     with override_settings(CACHES=CACHES):
         cache = caches["sampled"]
-        if request.param == "mysql":
+        if backend == "mysql":
             ensure_table(cache)
         yield cache
-        if request.param == "mysql":
+        if backend == "mysql":
             drop_table(TABLE)
 
 
@@ -113,11 +121,12 @@ def test_too_few_entries_is_a_clear_error(sampled, tmp_path):
 def test_sample_entries_picks_distinct_live_entries_at_random(sampled):
     fill(sampled, 100)
     values = sampled.get_many([f"api:{n}" for n in range(100)]).values()
-    stored = {sampled.codec.encode(value)[0] for value in values}
+    payloads = {sampled.codec.payload(value)[0] for value in values}
     first, second = sampled.sample_entries(30), sampled.sample_entries(30)
     assert len(first) == len(second) == 30
-    assert all(flags != FLAG_INTEGER or data.isdigit() for data, flags in first)
-    api_entries = [data for data, _ in first if data in stored]
+    assert all(flags != FLAG_INTEGER or data.isdigit() for _, data, flags in first)
+    opened = [sampled.codec.opened(data, flags, key)[0] for key, data, flags in first]
+    api_entries = [payload for payload in opened if payload in payloads]
     assert len(set(api_entries)) == len(api_entries) > 10  # no entry twice
     assert first != second  # a random pick, not the first 30 in storage order
 

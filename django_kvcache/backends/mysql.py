@@ -113,7 +113,10 @@ class MySQLCache(KVCache):
 
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
         # COMPRESS_DICTIONARY "auto": zstd dictionaries in a table beside the cache's.
-        super().__init__(params, partial(dictionaries.table_dictionaries, location))
+        super().__init__(
+            params, partial(dictionaries.table_dictionaries, location),
+            encryption_scope=f"mysql table {location}",
+        )
         self.table = check_table(location)
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
         self.cull_probability = fraction(
@@ -367,7 +370,7 @@ class MySQLCache(KVCache):
         if expires is None:
             yield plans.delete_row(self.session, stored)
             return None
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         too_large = yield plans.set(self.session, stored, data, flags, expires)
         if too_large is not None:
@@ -379,7 +382,7 @@ class MySQLCache(KVCache):
         expires = self._expires(timeout)
         if expires is None:  # nothing is stored; "added" when no live entry was there
             return not (yield plans.live_on_primary(self.session, stored))
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         added = yield plans.add(self.session, stored, data, flags, expires)
         if isinstance(added, plans.TooLarge):
@@ -401,7 +404,7 @@ class MySQLCache(KVCache):
         for key, value in data.items():
             stored = self.make_and_validate_key(key, version)
             callers[stored] = key
-            rows[stored] = self._encode(value)
+            rows[stored] = self._encode(value, stored)
         yield from self._cull_before(list(rows))
         failed: list[Any] = []
         for answer in (yield plans.set_many(self.session, rows, expires)):
@@ -487,8 +490,8 @@ class MySQLCache(KVCache):
         if cull is not None:
             yield cull
 
-    def _encode(self, value: Any) -> tuple[bytes, int]:
-        data, flags, saved = self.codec.encode_measured(value)
+    def _encode(self, value: Any, stored: str) -> tuple[bytes, int]:
+        data, flags, saved = self.codec.encode_measured(value, stored)
         stats = self.stats
         stats.values_encoded += 1
         stats.bytes_encoded += len(data)
@@ -622,9 +625,9 @@ class MySQLCache(KVCache):
                     )
         return {**asdict(self.stats), "shards": shards}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
-        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``,
-        the same share from each shard.
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
+        """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
+        flags)``, the same share from each shard (``codec.opened`` decrypts one).
 
         For training a compression dictionary (``kvcache_train_dictionary``); it scans
         the table, so it is no request-path call.
@@ -632,7 +635,7 @@ class MySQLCache(KVCache):
         per_shard = -(-count // len(self.shards))
         rows = [row for rows in run(self._sample(per_shard)) for row in rows]
         random.shuffle(rows)
-        return [(bytes(data), flags) for data, flags in rows[:count]]
+        return [(key, bytes(data), flags) for key, data, flags in rows[:count]]
 
     def _sample(self, per_shard: int) -> Plan:
         return (yield plans.sample(self.session, per_shard))

@@ -493,7 +493,7 @@ def with_prefix(session: Session, pattern: str, entries: bool) -> On:
 
 
 def sample(session: Session, per_shard: int) -> On:
-    """Up to ``per_shard`` live ``(value, flags)`` rows of each shard, at random."""
+    """Up to ``per_shard`` live ``(key, value, flags)`` rows of each shard, at random."""
     return each(session, [
         Call(shard, Access.READ, lambda sql: Query(sql.sample, (now_ms(), per_shard), rows))
         for shard in session.cluster.shards

@@ -184,7 +184,9 @@ class Statements:
             "AND `expires` + 0 <= %s ORDER BY `cache_key` LIMIT %s"
         )
         # For training a compression dictionary: a scan, kept out of the request path.
-        self.sample = f"SELECT `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
+        self.sample = (
+            f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
+        )
 
         # Culling walks the expiry index (whose entries end with the primary key).
         self.delete_expired = f"DELETE FROM {t} WHERE `expires` <= %s ORDER BY `expires` LIMIT %s"
