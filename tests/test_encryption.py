@@ -572,3 +572,17 @@ def test_prefix_helpers_and_culling_work_on_encrypted_rows(api):
     finally:
         mysql.clean()
 
+
+def test_incr_of_a_pickled_big_int_under_a_version_says_so(caplog):
+    """The row is read back to say why incr refused it: with ENCRYPTION_KEYS it opens only
+    under the key it was stored with, the versioned one."""
+    mysql = MySQLSide()
+    cache = mysql.build()
+    try:
+        cache.set("big", 2**70, version=2)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            with pytest.raises(TypeError, match="beyond the signed 64-bit range"):
+                cache.incr("big", version=2)
+        assert warnings_naming(caplog, "") == []
+    finally:
+        mysql.clean()

@@ -425,19 +425,24 @@ class MySQLCache(KVCache):
 
     def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         check_delta(delta)
-        outcome = yield plans.incr(self.session, self.make_and_validate_key(key, version), delta)
+        stored = self.make_and_validate_key(key, version)
+        outcome = yield plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, delta, outcome)
+            raise self._incr_refused(key, stored, delta, outcome)
         return outcome
 
-    def _incr_refused(self, key: Any, delta: int, refused: plans.Refused) -> Exception:
-        """The exception for an incr that did not apply, naming the caller's key."""
+    def _incr_refused(
+        self, key: Any, stored: str, delta: int, refused: plans.Refused
+    ) -> Exception:
+        """The exception for an incr that did not apply, naming the caller's key (the
+        row, read back, is decoded under its stored key: with ENCRYPTION_KEYS it opens
+        under no other)."""
         if refused.reason == plans.OVERFLOW:
             return OverflowError(
                 f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
             )
         if refused.reason == plans.NOT_INTEGER:
-            value = self.decode(refused.data, refused.flags, self.make_key(key))
+            value = self.decode(refused.data, refused.flags, stored)
             if isinstance(value, int) and not isinstance(value, bool):
                 return TypeError(
                     f"The value of key '{key}' is an int beyond the signed 64-bit range of "
@@ -445,7 +450,6 @@ class MySQLCache(KVCache):
                 )
             return TypeError(f"The value of key '{key}' is not an integer")
         if refused.reason == plans.CORRUPT:
-            stored = self.make_and_validate_key(key)
             self.report_unreadable(
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
