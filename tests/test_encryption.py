@@ -9,9 +9,11 @@ plain, and the other features keep working.
 """
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import random
+import re
 import socket
 import sys
 from contextlib import ExitStack
@@ -21,7 +23,10 @@ import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.test import override_settings
 
 from django_kvcache import encryption, stampede, steps
 from django_kvcache.backends.memcached import MemcachedCache
@@ -31,7 +36,7 @@ from django_kvcache.encryption import FLAG_ENCRYPTED, OVERHEAD, key_id_of, key_i
 from django_kvcache.memcached import wire
 from django_kvcache.zstd import FLAG_ZSTD, dictionary_id, train_dictionary, zstd_engine
 from tests.contract import AsyncAPI, api  # noqa: F401  (fixture)
-from tests.mysql_support import drop_table, make_cache, sql
+from tests.mysql_support import BACKEND, drop_table, make_cache, sql
 from tests.servers import memcached_node
 from tests.test_zstd import api_response
 from tests.zstd_support import frame_dictionary_id
@@ -586,3 +591,159 @@ def test_incr_of_a_pickled_big_int_under_a_version_says_so(caplog):
         assert warnings_naming(caplog, "") == []
     finally:
         mysql.clean()
+
+
+# --- kvcache_rotate_key ----------------------------------------------------------------------
+
+
+def key_ids_in(cache: MySQLCache) -> dict[str, int]:
+    """Each row's key id, by stored key (0 for an unencrypted row)."""
+    return {key: key_id_of(flags) if flags & FLAG_ENCRYPTED else 0
+            for key, flags in sql(f"SELECT `cache_key`, `flags` FROM `{cache.table}`")}
+
+
+@pytest.fixture
+def rotation() -> Iterator[tuple[MySQLSide, MySQLCache, MySQLCache]]:
+    """25 entries of the "site" cache written with key 1, a counter, and a neighbour in the
+    same table (KEY_PREFIX "other", key 1 only) whose rows the rotation must not touch."""
+    mysql = MySQLSide()
+    old = mysql.build(keys=[KEY1], KEY_PREFIX="site")
+    old.set_many({f"k{n:02}": f"value {n}" for n in range(25)}, timeout=600)
+    old.set("counter", 7)
+    neighbour = mysql.build(keys=[KEY1], KEY_PREFIX="other")
+    neighbour.set_many({f"k{n}": n * 1.5 for n in range(5)})
+    rotating = mysql.build(keys=[KEY2, KEY1], KEY_PREFIX="site")
+    yield mysql, rotating, neighbour
+    mysql.clean()
+
+
+def test_rotation_reencrypts_this_cache_s_entries_in_bounded_batches(rotation):
+    mysql, rotating, neighbour = rotation
+    rotating.set("new", "written with key 2")
+    ttl_before = rotating.ttl("k03")
+    done = rotating.rotate_encryption_key(batch_rows=4)
+    assert (done.resealed, done.current, done.unreadable) == (25, 1, 0)
+    assert done.examined == 27 and done.batches == 7 and done.resume_after is None
+    ids = key_ids_in(rotating)
+    assert {ids[f"site:1:k{n:02}"] for n in range(25)} == {key_id(KEY2)}
+    assert ids["site:1:counter"] == 0  # plain, untouched
+    assert {ids[f"other:1:k{n}"] for n in range(5)} == {key_id(KEY1)}  # not this cache's
+    only_new = mysql.build(keys=[KEY2], KEY_PREFIX="site")
+    assert only_new.get_many([f"k{n:02}" for n in range(25)]) == {
+        f"k{n:02}": f"value {n}" for n in range(25)}
+    assert ttl_before - 1 < only_new.ttl("k03") <= ttl_before  # the expiry is kept
+    assert neighbour.get_many([f"k{n}" for n in range(5)]) == {f"k{n}": n * 1.5 for n in range(5)}
+    again = rotating.rotate_encryption_key(batch_rows=4)
+    assert (again.resealed, again.current) == (0, 26)  # nothing left: only read
+
+
+def test_rotation_stopped_after_some_batches_resumes_where_it_stopped(rotation):
+    mysql, rotating, _ = rotation
+    first = rotating.rotate_encryption_key(batch_rows=5, max_batches=2)
+    # In key order: site:1:counter, then k00 to k08 (ten rows, nine entries to rotate).
+    assert (first.resealed, first.batches) == (9, 2)
+    assert first.resume_after == "site:1:k08"
+    ids = key_ids_in(rotating)
+    assert [ids[f"site:1:k{n:02}"] == key_id(KEY2) for n in range(25)] == [True] * 9 + [False] * 16
+    rest = rotating.rotate_encryption_key(batch_rows=5, after=first.resume_after)
+    assert (rest.resealed, rest.current, rest.resume_after) == (16, 0, None)
+    assert {key_ids_in(rotating)[f"site:1:k{n:02}"] for n in range(25)} == {key_id(KEY2)}
+
+
+def test_a_row_written_while_its_batch_is_reencrypted_keeps_the_new_value(rotation):
+    mysql, rotating, _ = rotation
+    plan = rotating._rotate(100, None, "")
+    scans = next(plan).run()
+    rotating.set("k05", "written meanwhile")  # after the scan, before the write
+    rotating.delete("k06")
+    writes = plan.send(scans)
+    with pytest.raises(StopIteration) as finished:
+        plan.send(writes.run())
+    assert finished.value.value.resealed == 23
+    assert rotating.get("k05") == "written meanwhile" and rotating.get("k06") is None
+    assert mysql.build(keys=[KEY2], KEY_PREFIX="site").get("k07") == "value 7"
+
+
+def test_rows_no_key_opens_are_counted_left_alone_and_logged_once(rotation, caplog):
+    mysql, rotating, _ = rotation
+    lost = mysql.build(keys=["a key nobody configures any more, abcdefghij"], KEY_PREFIX="site")
+    lost.set_many({"lost1": 1.5, "lost2": 2.5})
+    stored = rotating.make_and_validate_key("k00")
+    data, flags = mysql.raw(rotating, stored)
+    mysql.write_raw(rotating, stored, data[:-1] + bytes([data[-1] ^ 1]), flags)  # altered
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        done = rotating.rotate_encryption_key()
+    assert (done.resealed, done.unreadable) == (24, 3)
+    assert mysql.raw(rotating, stored)[1] == flags  # left as it was
+    lost_id = key_id_text(key_id_of(mysql.raw(lost, lost.make_and_validate_key("lost1"))[1]))
+    assert len(warnings_naming(caplog, f"unknown key id {lost_id}")) == 1
+    assert len(warnings_naming(caplog, "failed authentication")) == 1
+    assert "not re-encrypted" in caplog.text and KEY1 not in caplog.text
+
+
+def rotate_command(*args: str) -> str:
+    out = io.StringIO()
+    call_command("kvcache_rotate_key", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_reencrypts_reports_and_says_where_to_continue(rotation):
+    mysql, rotating, _ = rotation
+    caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+              "site": {"BACKEND": BACKEND, "LOCATION": TABLE_A,
+                       "OPTIONS": {"ENCRYPTION_KEYS": [KEY2, KEY1]}, "KEY_PREFIX": "site"}}
+    new_id = key_id_text(key_id(KEY2))
+    with override_settings(CACHES=caches):
+        out = rotate_command("site", "--batch-size", "5", "--max-batches", "1")
+        assert out == (
+            f"site: 4 entries re-encrypted with key id {new_id}, 0 had it already, 5 rows "
+            "examined in 1 batches.\nsite: stopped after 1 batches; continue with "
+            "--after 'site:1:k03'\n")
+        out = rotate_command("site", "--after", "site:1:k03")
+        assert out.startswith(f"site: 21 entries re-encrypted with key id {new_id}, 0 had it")
+        assert "site: done. Once every process" in out
+        assert rotate_command("site", "--verbosity", "0") == ""
+    assert {key_ids_in(rotating)[f"site:1:k{n:02}"] for n in range(25)} == {key_id(KEY2)}
+
+
+@pytest.mark.parametrize("alias, message", [
+    ("plain", "plain: the cache has no OPTIONS['ENCRYPTION_KEYS']: nothing to re-encrypt"),
+    ("nodes", "'nodes' is not a MySQLCache"),
+    ("missing", "No cache named 'missing'"),
+])
+def test_the_command_refuses_what_it_cannot_rotate(alias, message, memcached_locations):
+    caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+              "plain": {"BACKEND": BACKEND, "LOCATION": TABLE_A},
+              "nodes": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                        "LOCATION": memcached_locations,
+                        "OPTIONS": {"ENCRYPTION_KEYS": [KEY1]}}}
+    with override_settings(CACHES=caches):
+        with pytest.raises(CommandError, match=re.escape(message)):
+            rotate_command(alias)
+
+
+SHARDS = list(settings.SHARD_ALIASES)
+
+
+@pytest.mark.skipif(len(SHARDS) < 3, reason="needs KVCACHE_MYSQL_SHARD_PORTS (two ports)")
+@pytest.mark.django_db(transaction=True, databases=["default", *SHARDS])
+def test_rotation_covers_every_shard():
+    mysql = MySQLSide()
+    old = mysql.build(keys=[KEY1], table="kvcache_encrypted_shards", OPTIONS={"DATABASES": SHARDS})
+    try:
+        old.set_many({f"k{n}": n * 0.5 for n in range(60)})
+        rotating = mysql.build(keys=[KEY2, KEY1], table="kvcache_encrypted_shards",
+                               OPTIONS={"DATABASES": SHARDS})
+        first = rotating.rotate_encryption_key(batch_rows=7, max_batches=2)
+        assert first.resume_after is not None and 0 < first.resealed <= 42
+        rest = rotating.rotate_encryption_key(batch_rows=7, after=first.resume_after)
+        assert first.resealed + rest.resealed == 60  # each shard resumed at the lowest cursor
+        reader = mysql.build(keys=[KEY2], table="kvcache_encrypted_shards",
+                             OPTIONS={"DATABASES": SHARDS})
+        assert reader.get_many([f"k{n}" for n in range(60)]) == {f"k{n}": n * 0.5 for n in range(60)}
+        assert all(len(sql("SELECT 1 FROM `kvcache_encrypted_shards`", alias=alias)) > 5
+                   for alias in SHARDS)
+    finally:
+        mysql.clean()
+        for alias in SHARDS:
+            drop_table("kvcache_encrypted_shards", alias)

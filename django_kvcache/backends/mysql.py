@@ -40,6 +40,7 @@ from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.mysql import aio, dictionaries, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
@@ -83,6 +84,25 @@ class TableStats:
 
 
 _stats: dict[str, TableStats] = {}
+
+#: Rows a batch of ``rotate_encryption_key`` examines (``kvcache_rotate_key --batch-size``).
+ROTATION_BATCH_ROWS = 1000
+
+
+@dataclass
+class Rotation:
+    """What ``rotate_encryption_key`` did: rows examined, re-encrypted, found encrypted
+    with the newest key already, found unreadable (another key, altered: left as they
+    are, misses until they expire); ``resume_after``: the key to continue after, or None
+    when every row was examined."""
+
+    key_id: int
+    examined: int = 0
+    resealed: int = 0
+    current: int = 0
+    unreadable: int = 0
+    batches: int = 0
+    resume_after: str | None = None
 
 
 class MySQLCache(KVCache):
@@ -290,6 +310,19 @@ class MySQLCache(KVCache):
 
     async def acull(self, max_batches: int | None = None) -> int:
         return await arun(self._cull(max_batches))  # type: ignore[no-any-return]
+
+    def rotate_encryption_key(
+        self,
+        batch_rows: int = ROTATION_BATCH_ROWS,
+        max_batches: int | None = None,
+        after: str = "",
+    ) -> Rotation:
+        """Re-encrypt with the first of ENCRYPTION_KEYS every live entry of this cache
+        that another of its keys encrypted, in batches of ``batch_rows`` rows in key
+        order on each shard (after the stored key ``after``); stops after ``max_batches``
+        batches, and tells where to resume. A row written or deleted meanwhile is left
+        as it is; running it again skips what is done (``kvcache_rotate_key``)."""
+        return run(self._rotate(batch_rows, max_batches, after))  # type: ignore[no-any-return]
 
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: Django's connections are Django's to close."""
@@ -522,6 +555,57 @@ class MySQLCache(KVCache):
 
     def _cull(self, max_batches: int | None) -> Plan:
         return sum((yield plans.cull(self.session, self._culling(), max_batches)))
+
+    def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
+        encryption = self.codec.encryption
+        if encryption is None:
+            raise ValueError(f"{self.backend_name} on table {self.table!r} has no ENCRYPTION_KEYS")
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        done = Rotation(encryption.writer_id)
+        cursors = {shard.index: after for shard in self.shards}  # shards left to scan
+        keep_ms = self._culling().stale_ms
+        while cursors and (max_batches is None or done.batches < max_batches):
+            done.batches += 1
+            scans = yield plans.rotation_scan(
+                self.session, cursors, batch_rows, encryption.writer_id, keep_ms
+            )
+            work: dict[int, list[plans.Resealed]] = {}
+            for index, found in zip(list(cursors), scans):
+                work[index] = self._resealed(found, done)
+                if len(found) < batch_rows:
+                    del cursors[index]
+                else:
+                    cursors[index] = found[-1][0]
+            if any(work.values()):
+                done.resealed += sum((yield plans.reseal(self.session, work)))
+        done.resume_after = min(cursors.values()) if cursors else None
+        return done
+
+    def _resealed(self, found: list[tuple[str, int, Any]], done: Rotation) -> list[plans.Resealed]:
+        """The rows of a scan that need the newest key, encrypted with it."""
+        encryption = self.codec.encryption
+        assert encryption is not None
+        resealed = []
+        for key, flags, data in found:
+            done.examined += 1
+            if not flags & FLAG_ENCRYPTED:
+                continue  # an integer, a lease row, another cache's unencrypted entry
+            if key_id_of(flags) == encryption.writer_id:
+                done.current += 1
+                continue
+            if data is None:
+                continue  # expired: culling deletes it
+            data = bytes(data)
+            try:
+                new = encryption.resealed(data, flags, key)
+            except NotOpened as exc:
+                done.unreadable += 1
+                self.report_unreadable(exc.reason, f"cache entry {key!r} not re-encrypted: {exc}")
+                continue
+            assert new is not None
+            resealed.append(plans.Resealed(key, flags, data[:NONCE_BYTES], *new))
+        return resealed
 
     @property
     def _drops_stale(self) -> bool:
