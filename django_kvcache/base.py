@@ -280,6 +280,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         seconds = self.timeout_seconds(timeout)
         return seconds is None or seconds > 0
 
+    def storage(self) -> frozenset[str]:
+        """Where the entries live, one name per place (a table in a database, a node):
+        caches whose places meet share their entries' storage (the ``kvcache.W011``
+        check compares their ENCRYPTION_KEYS)."""
+        return frozenset()
+
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires, with django-redis's meaning: ``None`` for an
         entry that never expires, ``0`` for a missing (or expired) one."""

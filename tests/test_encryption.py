@@ -31,6 +31,7 @@ from django.test import override_settings
 from django_kvcache import encryption, stampede, steps
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.checks import check_encryption_keys, check_shared_encryption
 from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, Codec, CorruptValue
 from django_kvcache.encryption import FLAG_ENCRYPTED, OVERHEAD, key_id_of, key_id_text
 from django_kvcache.memcached import wire
@@ -47,6 +48,7 @@ RAW_KEY = bytes(range(100, 132))  # 32 bytes, used as they are
 MARKER = "PLAINTEXT-MARKER-4f1d"
 TABLE_A, TABLE_B = "kvcache_encrypted_a", "kvcache_encrypted_b"
 LOGGER = "django_kvcache.base"
+MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
 
 # Committed rows: the async API reads on connections of its own.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -714,7 +716,7 @@ def test_the_command_reencrypts_reports_and_says_where_to_continue(rotation):
 def test_the_command_refuses_what_it_cannot_rotate(alias, message, memcached_locations):
     caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
               "plain": {"BACKEND": BACKEND, "LOCATION": TABLE_A},
-              "nodes": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+              "nodes": {"BACKEND": MEMCACHED,
                         "LOCATION": memcached_locations,
                         "OPTIONS": {"ENCRYPTION_KEYS": [KEY1]}}}
     with override_settings(CACHES=caches):
@@ -747,3 +749,78 @@ def test_rotation_covers_every_shard():
         mysql.clean()
         for alias in SHARDS:
             drop_table("kvcache_encrypted_shards", alias)
+
+
+# --- system checks ------------------------------------------------------------------------
+
+
+def checked(caches: dict[str, Any]) -> list[Any]:
+    with override_settings(CACHES={
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, **caches
+    }):
+        return check_encryption_keys() + check_shared_encryption()
+
+
+def test_a_weak_key_is_an_error_that_never_repeats_it(memcached_locations):
+    weak = ["short key", "a" * 40, b"\0" * 32]
+    messages = checked({"mc": {"BACKEND": MEMCACHED, "LOCATION": memcached_locations,
+                               "OPTIONS": {"ENCRYPTION_KEYS": [KEY1, *weak]}}})
+    assert [(m.id, m.msg.partition(" too")[0]) for m in messages] == [
+        ("kvcache.E011", "CACHES['mc']['OPTIONS']['ENCRYPTION_KEYS'][1] is 9 characters long, "
+                         "fewer than 32:"),
+        ("kvcache.E011", "CACHES['mc']['OPTIONS']['ENCRYPTION_KEYS'][2] uses only 1 distinct "
+                         "characters:"),
+        ("kvcache.E011", "CACHES['mc']['OPTIONS']['ENCRYPTION_KEYS'][3] uses only 1 distinct "
+                         "byte values: not random bytes:"),
+    ]
+    assert not any("short key" in m.msg or "a" * 40 in m.msg for m in messages)
+    assert "secrets.token_urlsafe(32)" in messages[0].hint
+
+
+def test_caches_sharing_a_table_or_nodes_are_warned_when_their_keys_disagree(memcached_locations):
+    encrypted = {"ENCRYPTION_KEYS": [KEY1]}
+    mysql = {"BACKEND": BACKEND, "LOCATION": TABLE_A}
+    nodes = {"BACKEND": MEMCACHED, "LOCATION": memcached_locations}
+    assert checked({"a": {**mysql, "OPTIONS": encrypted},
+                    "b": {**mysql, "KEY_PREFIX": "b", "OPTIONS": encrypted},
+                    "c": {**mysql, "LOCATION": "kvcache_elsewhere"},  # another table
+                    "d": {**nodes, "OPTIONS": encrypted},
+                    "e": {**nodes, "KEY_PREFIX": "e", "OPTIONS": {"ENCRYPTION_KEYS": [KEY2]}},
+                    "f": {**mysql, "LOCATION": TABLE_B, "OPTIONS": {"ENCRYPTION_KEYS": [KEY2]},
+                          "KEY_PREFIX": "f"}}) == [
+        ]  # the same keys, or none anywhere near, or other prefixes with their own keys
+    messages = checked({"a": {**mysql, "OPTIONS": encrypted},
+                        "plain": {**mysql, "KEY_PREFIX": "plain"},
+                        "d": {**nodes, "OPTIONS": {"ENCRYPTION_KEYS": [KEY2, KEY1]}},
+                        "e": {**nodes, "OPTIONS": encrypted}})
+    assert [m.id for m in messages] == ["kvcache.W011", "kvcache.W011"]
+    assert messages[0].msg == (
+        f"CACHES['a'] and CACHES['plain'] keep their entries in the same place (table "
+        f"'{TABLE_A}' in database 'default'), but only one of them has ENCRYPTION_KEYS: "
+        "CACHES['plain'] stores its entries unencrypted where the other's are encrypted, "
+        "readable by anyone who can read the other's ciphertext, and each reads the "
+        "other's entries as misses.")
+    assert messages[1].msg.startswith("CACHES['d'] and CACHES['e'] keep their entries in the "
+                                      "same place (memcached node ")
+    assert messages[1].msg.endswith(
+        f"but CACHES['d'] encrypts with key id {key_id_text(key_id(KEY2))}, which is not "
+        "among CACHES['e']'s ENCRYPTION_KEYS: what one writes, the other reads as a miss.")
+
+
+def test_without_cryptography_the_check_command_says_what_to_install(monkeypatch,
+                                                                     memcached_locations):
+    for name in [name for name in sys.modules if name.partition(".")[0] == "cryptography"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    encryption._cipher.cache_clear()
+    caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+              "secret": {"BACKEND": MEMCACHED, "LOCATION": memcached_locations,
+                         "OPTIONS": {"ENCRYPTION_KEYS": [KEY1]}}}
+    try:
+        with override_settings(CACHES=caches):
+            with pytest.raises(ImproperlyConfigured) as raised:
+                call_command("check")
+    finally:
+        encryption._cipher.cache_clear()
+    assert str(raised.value) == (
+        "CACHES['secret']['OPTIONS']['ENCRYPTION_KEYS'] needs cryptography: install the "
+        "cryptography package (pip install 'django-kvcache[encrypt]')")

@@ -730,6 +730,9 @@ class MemcachedCache(KVCache):
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"memcached node {node.name}" for node in self._nodes)
+
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}

@@ -675,6 +675,10 @@ class MySQLCache(KVCache):
         shard = self.shards[0]
         return shard.primary() if write else self.session.reader(shard)
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"table {self.table!r} in database {alias!r}"
+                         for alias in self.database_aliases())
+
     def database_aliases(self) -> list[str]:
         """Every shard's primary alias, in OPTIONS order (one alias without shards)."""
         return [shard.primary() for shard in self.shards]
