@@ -40,6 +40,8 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 #: What encryption adds to each stored value.
 OVERHEAD = NONCE_BYTES + TAG_BYTES
+#: Values up to this size are sliced (copied) to be decrypted, larger ones viewed.
+COPY_LIMIT = 16 * 1024
 #: AES-256: a key given as bytes is exactly this long.
 KEY_BYTES = 32
 #: A key given as text shorter than this, or with fewer distinct characters than
@@ -211,11 +213,11 @@ class Encryption:
                 f"ENCRYPTION_KEYS (key ids {', '.join(map(key_id_text, self.key_ids))})",
                 f"unknown key id {key_id_text(key_id)}",
             )
-        view = memoryview(data)
+        # A slice copies the bytes: cheaper than a memoryview for small values (1.0
+        # against 1.3 µs at 1.5 KB), far dearer for large ones (1.1 ms against 0.1 at 1 MB).
+        body = data[NONCE_BYTES:] if len(data) <= COPY_LIMIT else memoryview(data)[NONCE_BYTES:]
         try:
-            payload = cipher.decrypt(
-                view[:NONCE_BYTES], view[NONCE_BYTES:], self.associated_data(flags, key)
-            )
+            payload = cipher.decrypt(data[:NONCE_BYTES], body, self.associated_data(flags, key))
         except self.not_authentic:
             raise NotOpened(
                 f"failed authentication under key id {key_id_text(key_id)}: altered, "
