@@ -156,15 +156,19 @@ def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
     assert f"wrote {tmp_path / 'copy.zstd'} and the table of cache 'sampled' " \
            f"(zstd dictionary {dictionary.id}" in out
     assert "set its OPTIONS['COMPRESS_DICTIONARY'] to 'auto'" in err  # this one does not read it
-    rows = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
-    assert rows == [(dictionary.id, dictionary.content)]
-    auto = {**MYSQL_CACHE, "OPTIONS": {**MYSQL_CACHE["OPTIONS"], "COMPRESS_DICTIONARY": "auto",
-                                       "COMPRESS_MIN_LENGTH": 400}}
+    (found_id, content), = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
+    encrypted = "ENCRYPTION_KEYS" in CACHES["sampled"]["OPTIONS"]
+    assert found_id == dictionary.id
+    assert (bytes(content) != dictionary.content) is encrypted  # sealed with the cache's keys
+    auto = {**CACHES["sampled"], "OPTIONS": {**CACHES["sampled"]["OPTIONS"],
+                                             "COMPRESS_DICTIONARY": "auto",
+                                             "COMPRESS_MIN_LENGTH": 400}}
     with override_settings(CACHES={**CACHES, "auto": auto}):
         caches["auto"].set("new", [api_response(random.Random(5)) for _ in range(3)])
         data, flags = [row[1:] for row in sql(
             f"SELECT `cache_key`, `value`, `flags` FROM `{TABLE}` WHERE `cache_key` = ':1:new'")][0]
-        assert frame_dictionary_id(bytes(data)) == dictionary.id
+        payload, _ = caches["auto"].codec.opened(bytes(data), flags, ":1:new")
+        assert frame_dictionary_id(payload) == dictionary.id
         # Trained again on entries now compressed with it: sampling reads them through the
         # table (none skipped), and the new dictionary is installed beside the first.
         caches["auto"].set_many({f"api:{n}": value for n, value in enumerate(
