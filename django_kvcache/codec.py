@@ -396,9 +396,9 @@ class Codec:
         if self.encryption is None:
             if flags & FLAG_ENCRYPTED:
                 key_id = key_id_text(key_id_of(flags))
-                raise CorruptValue(
+                raise CorruptValue(  # the reason without the id, which a forger chooses
                     f"encrypted (key id {key_id}), and this cache has no ENCRYPTION_KEYS",
-                    f"encrypted, key id {key_id}",
+                    "encrypted",
                 )
             return data, flags
         if flags & FLAG_ENCRYPTED:
