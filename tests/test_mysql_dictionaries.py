@@ -27,6 +27,7 @@ from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.base import unreadable_entries
 from django_kvcache.codec import FLAG_PICKLE
+from django_kvcache.forks import Registry
 from django_kvcache.mysql import dictionaries
 from django_kvcache.mysql.dictionaries import dictionary_table, table_dictionaries
 from django_kvcache.zstd import (
@@ -72,13 +73,13 @@ def second() -> bytes:
 
 @pytest.fixture(autouse=True)
 def new_process(monkeypatch) -> Iterator[None]:
-    monkeypatch.setattr(dictionaries, "_tables", {})
+    monkeypatch.setattr(dictionaries, "_tables", Registry())
     dictionaries.failures.episodes.clear()  # each test's first failure is logged
     yield
 
 
 def new_process_now() -> None:
-    dictionaries._tables.clear()
+    dictionaries._tables.items.clear()
     dictionaries.failures.episodes.clear()
     unreadable_entries.episodes.clear()
 

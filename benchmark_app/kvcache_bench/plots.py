@@ -57,11 +57,17 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
                "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
                "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
                "stampede": stampede_counts, "encryption": encryption_ratios}
+    #: Figures of a part of a scenario: (scenario, part) -> its writer.
+    parts = {("async", "emcache"): emcache_throughput}
+    figures = [(name, scenario, writers[name]) for name, scenario in results["scenarios"].items()]
+    figures += [(f"{name}-{part}", results["scenarios"][name][part], writer)
+                for (name, part), writer in parts.items()
+                if (results["scenarios"].get(name) or {}).get(part)]
     written = []
-    for name, scenario in results["scenarios"].items():
+    for name, scenario, writer in figures:
         if scenario["results"]:
             path = folder / f"benchmark-{results['values']['name']}-{name}.png"
-            figure = writers[name](scenario, results)
+            figure = writer(scenario, results)
             figure.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(figure)
             written.append(path)
@@ -160,7 +166,9 @@ def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any]) -> Any:
     figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
     for axis, operation in zip(axes, ("get", "get_many")):
         series = _series(nodes["results"], "client", "nodes", counts, "median_us", operation=operation)
-        floors = {client: series.pop(client)[0] for client in list(series) if client.startswith("bare")}
+        single = set(nodes.get("single_node", ()))
+        floors = {client: series.pop(client)[0] for client in list(series)
+                  if client in single or client.startswith("bare")}
         _line_chart(axis, counts, series, "memcached nodes", "µs per call (median)",
                     operation if operation == "get" else f"get_many of {nodes['keys']} keys")
         for client, floor in floors.items():
@@ -186,6 +194,22 @@ def async_throughput(scenario: dict[str, Any], results: dict[str, Any]) -> Any:
         axis.legend(fontsize=8)
     _title(figure, "async: throughput of concurrent coroutines (higher is better)", results,
            values=FILLER_LABEL)
+    return figure
+
+
+def emcache_throughput(peers: dict[str, Any], results: dict[str, Any]) -> Any:
+    """emcache's benchmark: calls per second against the node count, per operation."""
+    counts = peers["counts"]
+    operations = list(dict.fromkeys(e["operation"] for e in peers["results"]))
+    figure, axes = plt.subplots(1, len(operations), figsize=(6 * len(operations), 5),
+                                layout="constrained", squeeze=False)
+    for axis, operation in zip(axes[0], operations):
+        series = _series(peers["results"], "client", "nodes", counts, "ops_per_s",
+                         operation=operation)
+        _line_chart(axis, counts, series, "memcached nodes", "calls per second", operation)
+        axis.legend(fontsize=8)
+    _title(figure, f"async: emcache's benchmark, {peers['tasks']} tasks (higher is better)",
+           results, values=f"{peers['value_bytes']}-byte values")
     return figure
 
 
