@@ -56,7 +56,8 @@ def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     writers = {"ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
                "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
                "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
-               "stampede": stampede_counts, "locks": locks_bars}
+               "stampede": stampede_counts, "encryption": encryption_ratios,
+               "locks": locks_bars}
     #: Figures of a part of a scenario: (scenario, part) -> its writer.
     parts = {("async", "emcache"): emcache_throughput}
     figures = [(name, scenario, writers[name]) for name, scenario in results["scenarios"].items()]
@@ -310,6 +311,30 @@ def codec_tradeoff(codec: dict[str, Any], results: dict[str, Any]) -> Any:
     axes[0].set_ylabel("bytes stored / serialized payload")
     _title(figure, "codec: what compression costs and saves per value (no server; lower left "
            "is better)", results)
+    return figure
+
+
+def encryption_ratios(scenario: dict[str, Any], results: dict[str, Any]) -> Any:
+    """Encrypted over plain, wall time and CPU, per backend and operation (1 is free)."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", sharey=True)
+    operations = scenario["operations"]
+    caches = list(dict.fromkeys(e["cache"] for e in scenario["results"]))
+    width = 0.8 / max(len(caches), 1)
+    for axis, metric, label in ((axes[0], "time_ratio", "wall time"), (axes[1], "cpu_ratio", "CPU")):
+        for index, cache in enumerate(caches):
+            ratios = {e["operation"]: e[metric] for e in scenario["results"] if e["cache"] == cache}
+            axis.bar([n + index * width for n in range(len(operations))],
+                     [ratios.get(op, 0) for op in operations], width, label=cache,
+                     color=color_of(cache))
+        axis.axhline(1.0, color="#222222", linewidth=0.8)
+        axis.axhline(scenario["target_time_ratio"], color="#b2182b", linewidth=0.8, linestyle="--")
+        axis.set_xticks([n + width * (len(caches) - 1) / 2 for n in range(len(operations))],
+                        operations)
+        axis.set_xlabel(f"{label}: encrypted / plain")
+    axes[0].set_ylabel("ratio (1 = no cost; dashed: the time target)")
+    _legend_outside(axes[1])
+    _title(figure, "encryption: ENCRYPTION_KEYS against the same cache without (lower is "
+           "better)", results)
     return figure
 
 

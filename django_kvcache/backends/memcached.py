@@ -110,7 +110,9 @@ class MemcachedCache(KVCache):
     )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
-        super().__init__(params)
+        # Every node's entries share one scope: a key may move between nodes (failover,
+        # a node added), never between caches (the stored key carries KEY_PREFIX).
+        super().__init__(params, encryption_scope="memcached")
         self.failover = flag(self.options, "FAILOVER")
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
@@ -269,9 +271,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
-        return self.codec.encode(value)
+    def encode(self, value: Any, key: str) -> tuple[bytes, int]:
+        """A value as stored under the stored key ``key``: ``(data, flags)`` (for the
+        lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value, key)
 
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
@@ -346,7 +349,7 @@ class MemcachedCache(KVCache):
             return self._failed(exc, default)
         if found is None:
             return default
-        value = self.decode(found[0], found[1], key)
+        value = self.decode(found[0], found[1], stored_key)
         return default if value is MISSING else value
 
     def _write(
@@ -376,7 +379,7 @@ class MemcachedCache(KVCache):
             # copies get_or_set keeps, as after delete (and as on MySQL).
             yield from self._delete_entries({stored_key: key}, version)
             return None
-        data, flags, saved = self.codec.encode_measured(value)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
@@ -440,13 +443,13 @@ class MemcachedCache(KVCache):
         written with compare-and-swap, which keeps the item's remaining lifetime.
         """
         check_delta(delta)
-        caller_key, key = key, self.make_and_validate_key(key, version=version)
+        key = self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
+                value = yield from self._incr_on_server(node, key, delta, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta, caller_key, io)
+                value = yield from self._add_with_cas(node, key, delta, io)
         except Refused:
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
@@ -463,7 +466,7 @@ class MemcachedCache(KVCache):
         return value
 
     def _incr_on_server(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
@@ -483,7 +486,7 @@ class MemcachedCache(KVCache):
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+            return (yield from self._add_with_cas(node, key, delta, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
@@ -491,7 +494,7 @@ class MemcachedCache(KVCache):
         raise self._overflow(key, delta)
 
     def _add_with_cas(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
@@ -508,14 +511,14 @@ class MemcachedCache(KVCache):
             if found is None:
                 return None
             data, flags, ttl, cas = found
-            value = self._counter_value(data, flags, key, caller_key)
+            value = self._counter_value(data, flags, key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
-            new_data, new_flags = self.codec.encode(result)
+            new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.exchange(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
@@ -534,11 +537,11 @@ class MemcachedCache(KVCache):
                 "(meta commands, which keep the entry's expiry time)"
             )
 
-    def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
+    def _counter_value(self, data: bytes, flags: int, key: str) -> Any:
         """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
             raise TypeError(f"The value of key '{key}' is not an integer")
-        return self.decode(data, flags, caller_key)
+        return self.decode(data, flags, key)
 
     @staticmethod
     def _absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
@@ -570,10 +573,10 @@ class MemcachedCache(KVCache):
             if batch.error is not None:
                 continue
             for key_bytes, (data, flags) in batch.result.items():
-                key = key_map[key_bytes.decode()]
-                value = decode(data, flags, key)
+                stored_key = key_bytes.decode()
+                value = decode(data, flags, stored_key)
                 if value is not MISSING:
-                    found[key] = value
+                    found[key_map[stored_key]] = value
         self._report(placement, batches)
         return found
 
@@ -612,7 +615,7 @@ class MemcachedCache(KVCache):
         encoded = []
         saved = 0
         for key in keys:
-            payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
+            payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
             encoded.append((payload, flags))
             saved += saving
         return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
@@ -735,13 +738,16 @@ class MemcachedCache(KVCache):
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"memcached node {node.name}" for node in self._nodes)
+
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` entries picked at random across the nodes, as stored:
-        ``(bytes, flags)``. For training a compression dictionary
+        ``(stored key, bytes, flags)`` (``codec.opened`` decrypts one). For training a compression dictionary
         (``kvcache_train_dictionary``): it lists every key of every node, so it is no
         request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
         return sampling.sample_entries(self._nodes, count)
