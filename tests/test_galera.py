@@ -92,7 +92,7 @@ def galera_table(django_db_setup: Any, django_db_blocker: Any) -> Iterator[str]:
                 assert node_cache(alias).table_exists(alias)
         yield TABLE
         with connections[NODES[0]].cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS `{TABLE}`")
+            cursor.execute(f"DROP TABLE IF EXISTS `{TABLE}`, `{cache.lock_table}`")
 
 
 @pytest.fixture
