@@ -18,22 +18,27 @@
   MEMORY…) uses a Galera node (MariaDB Galera, Percona XtraDB Cluster): Galera replicates
   only InnoDB, so each node would keep a cache of its own. It needs a connection, as W001.
 
+None of them imports a backend that no cache in CACHES names.
+
 An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
 every cache in CACHES before these run, so ``check`` (and every command that runs the
 checks) stops with the cache's ``ImproperlyConfigured``, which names the option.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
-from django_kvcache.backends.mysql import MySQLCache, mysql_cache_aliases
 from django_kvcache.base import KVCache
+from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.zstd import INSTALL_HINT, zstd_engine
+
+if TYPE_CHECKING:  # the MySQL backend is imported only by a site that configures it
+    from django_kvcache.backends.mysql import MySQLCache
 
 
 def all_databases(cache: MySQLCache) -> list[str]:
@@ -46,7 +51,7 @@ def check_mysql_caches(
     app_configs: Iterable[Any] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             vendor = connections[database].vendor
             if vendor == "mysql":
@@ -72,7 +77,7 @@ def check_mysql_cache_tables(
     if not databases:  # no database access unless the caller allows it
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         for database in cache.database_aliases():
             if connections[database].vendor != "mysql":
@@ -132,7 +137,7 @@ def check_engine_on_galera(
     if not databases:  # no database access unless the caller allows it (as W001)
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         if cache.engine.lower() == "innodb":
             continue
@@ -163,7 +168,7 @@ def check_mysql_connection_charsets(
     """``kvcache.W003``: the connection character set, as Django will connect (OPTIONS
     ``charset``, else the Django version's default) — read from settings, no connection."""
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             connection = connections[database]
             if connection.vendor != "mysql":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterator
 
 import pytest
@@ -20,10 +21,12 @@ def new_corrupt_entry_episode() -> None:
 def new_mysql_failure_episodes() -> None:
     """Each test's first MySQL failure of a kind is logged (the logs are rate-limited:
     an earlier test's episode would only count it)."""
-    from django_kvcache.backends.mysql import oversized
-    from django_kvcache.mysql.policy import ignored_failures, maintenance_failures
-
-    for failure_log in (oversized, ignored_failures, maintenance_failures):
+    # Only where the MySQL backend is in use: the extra-memcached environment has none.
+    backend, policy = (sys.modules.get(f"django_kvcache.{name}")
+                       for name in ("backends.mysql", "mysql.policy"))
+    logs = ([backend.oversized] if backend else []) + (
+        [policy.ignored_failures, policy.maintenance_failures] if policy else [])
+    for failure_log in logs:
         failure_log.episodes.clear()
 
 

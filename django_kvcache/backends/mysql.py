@@ -36,10 +36,10 @@ from django.core.cache.backends.base import (
     default_key_func,
 )
 from django.db import connections
-from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.mysql import aio, dictionaries, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
@@ -726,18 +726,4 @@ def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:
     options = cache_settings.get("OPTIONS") or {}
     databases = options.get("DATABASES")
     return options.get("DATABASE"), None if databases is None else tuple(databases)
-
-
-def is_mysql_cache(alias: str) -> bool:
-    """Whether ``CACHES[alias]`` is a MySQLCache (or a subclass), without building it."""
-    try:
-        backend = import_string(settings.CACHES[alias]["BACKEND"])
-    except (KeyError, ImportError):
-        return False
-    return isinstance(backend, type) and issubclass(backend, MySQLCache)
-
-
-def mysql_cache_aliases() -> list[str]:
-    """The aliases of every MySQLCache in ``CACHES``, in settings order."""
-    return [alias for alias in settings.CACHES if is_mysql_cache(alias)]
 

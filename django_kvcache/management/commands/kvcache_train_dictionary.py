@@ -19,10 +19,9 @@ from django.core.cache import caches
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG
+from django_kvcache.configured import is_mysql_cache
 from django_kvcache.management.commands._errors import failing
-from django_kvcache.mysql.dictionaries import table_dictionaries
 from django_kvcache.zstd import (
     DEFAULT_DICTIONARY_SIZE,
     DEFAULT_LEVEL,
@@ -67,7 +66,7 @@ class Command(BaseCommand):
             raise CommandError(f"Cache {alias!r} is not a django-kvcache cache")
         if output is None and not install:
             raise CommandError("Say where the dictionary goes: --output FILE, --install, or both")
-        if install and not isinstance(cache, MySQLCache):
+        if install and not is_mysql_cache(alias):
             raise CommandError(
                 f"--install keeps the dictionary in a MySQLCache's database; cache {alias!r} "
                 "takes dictionary files: use --output and OPTIONS['COMPRESS_DICTIONARY']"
@@ -98,6 +97,8 @@ class Command(BaseCommand):
                                           training, held_out))
 
     def install(self, cache: Any, alias: str, dictionary: bytes) -> None:
+        from django_kvcache.mysql.dictionaries import table_dictionaries  # a MySQLCache's
+
         try:
             table_dictionaries(cache.table, cache.options).install(dictionary)
         except (DatabaseError, ValueError) as exc:  # a shard down, an id taken, no table
