@@ -7,9 +7,10 @@ Runs ``python -m build`` on a copy of the files git tracks (the sdist, then the 
 built from that sdist, so a file missing from the sdist breaks the wheel too) into a
 temporary directory, checks what each archive holds — every package of the tree,
 ``kvcache_bench`` (the benchmark app, shipped from ``benchmark_app/``) included — then
-installs each one with the ``mysql`` and ``memcached`` extras into its own new venv and,
-from outside the checkout, imports both backends and lists the management commands of
-both apps through Django. Needs ``build`` (the ``dev`` extra) in the interpreter
+installs each one with one extra into its own new venv (the wheel with ``mysql``, the
+sdist with ``memcached``: what a user installs) and, from outside the checkout, imports
+that extra's backend and lists the management commands of both apps through Django.
+(tox's ``py311-extra-*`` environments run a whole site on each extra, and on none.) Needs ``build`` (the ``dev`` extra) in the interpreter
 running it, and what mysqlclient needs to compile (``scripts/services.py deps``).
 
 Exits non-zero, saying what is wrong, at the first problem.
@@ -28,7 +29,9 @@ import zipfile
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
-EXTRAS = "mysql,memcached"
+#: The extra each archive is installed with, and the backend module it must import.
+EXTRAS = {"whl": ("mysql", "django_kvcache.backends.mysql"),
+          "gz": ("memcached", "django_kvcache.backends.memcached")}
 COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_stats")
 BENCH_COMMANDS = ("kvcache_benchmark",)
 # Where each top-level package of the wheel lives in the tree (setup.cfg's package_dir).
@@ -46,10 +49,10 @@ from pathlib import Path
 import django
 from django.conf import settings
 
+import importlib
 import django_kvcache
-import django_kvcache.backends.memcached
-import django_kvcache.backends.mysql
 
+importlib.import_module(sys.argv[1])
 package = Path(django_kvcache.__file__).parent
 assert package.is_relative_to(sys.prefix), f"imported from {{package}}, not the venv"
 for name in {PACKAGE_FILES!r}:
@@ -170,8 +173,9 @@ def install_and_import(archive: Path, workdir: Path) -> None:
     venv = workdir / f"venv-{archive.name}"
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    run(python, "-m", "pip", "install", "-q", f"django-kvcache[{EXTRAS}] @ {archive.as_uri()}")
-    run(python, "-c", INSTALLED_CHECK, cwd=workdir)
+    extra, backend = EXTRAS[archive.name.rsplit(".", 1)[-1]]
+    run(python, "-m", "pip", "install", "-q", f"django-kvcache[{extra}] @ {archive.as_uri()}")
+    run(python, "-c", INSTALLED_CHECK, backend, cwd=workdir)
 
 
 def main() -> int:
