@@ -1,11 +1,29 @@
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Iterator
 
 import pytest
 
-from tests.servers import MariaDBServer, MemcachedNode, Replica, configured_replica
+from tests.servers import (
+    MariaDBServer,
+    MemcachedNode,
+    Replica,
+    configured_replica,
+    missing_servers,
+)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The server groups named by KVCACHE_REQUIRE_SERVERS (``make test`` names the ones it
+    started) must answer: a test whose servers are not there would skip, and a run that
+    was meant to test them would pass having tested nothing."""
+    required = [g for g in os.environ.get("KVCACHE_REQUIRE_SERVERS", "").split(",") if g]
+    problems = missing_servers(required)
+    if problems:
+        pytest.exit("servers that were meant to run are not there: " + "; ".join(problems),
+                    returncode=3)
 
 
 @pytest.fixture(autouse=True)
