@@ -38,7 +38,7 @@ from django.core.cache.backends.base import (
 from django.db import connections
 
 from django_kvcache import stampede
-from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.mysql import aio, dictionaries, plans
@@ -55,7 +55,7 @@ from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for te
     drop_table_sql,
     now_ms,
 )
-from django_kvcache.options import fraction
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, fraction
 from django_kvcache.stampede import Compute, LeaseStore
 from django_kvcache.steps import Plan, arun, run
 
@@ -105,6 +105,25 @@ class MySQLCache(KVCache):
             "POOL_TIMEOUT",
         }
     )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the connection's "
+        "timeouts are connect_timeout, read_timeout and write_timeout in the OPTIONS of its "
+        "DATABASES entry",
+        "timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS of "
+        "the cache's DATABASES entry; the entries' default expiry is TIMEOUT, at the top "
+        f"level of {THIS_CACHE}",
+        "connect_timeout": "a connection setting: connect_timeout in the OPTIONS of the "
+        "cache's DATABASES entry",
+        "io_timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS "
+        "of the cache's DATABASES entry",
+        "socket_timeout": "a connection setting: read_timeout and write_timeout in the "
+        "OPTIONS of the cache's DATABASES entry",
+        "tls": "a connection setting: ssl in the OPTIONS of the cache's DATABASES entry",
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS",
+        "reverse_key_function": "django-mysql's option: not needed here, the prefix "
+        "operations read keys made by the default KEY_FUNCTION",
+    }
     #: Compress from 1000 bytes: with zstandard's reused decompressors, reading the
     #: realistic mix costs about what django-mysql's policy (zlib level 6 from 5000 bytes)
     #: costs, and it stores 0.64x its bytes; from 2000, 0.71x (docs/codec.rst, "Choosing
@@ -424,17 +443,17 @@ class MySQLCache(KVCache):
         check_delta(delta)
         outcome = yield plans.incr(self.session, self.make_and_validate_key(key, version), delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, delta, outcome)
+            raise self._incr_refused(key, delta, version, outcome)
         return outcome
 
-    def _incr_refused(self, key: Any, delta: int, refused: plans.Refused) -> Exception:
+    def _incr_refused(
+        self, key: Any, delta: int, version: int | None, refused: plans.Refused
+    ) -> Exception:
         """The exception for an incr that did not apply, naming the caller's key."""
         if refused.reason == plans.OVERFLOW:
-            return OverflowError(
-                f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-            )
+            return counter_overflow(key, delta)
         if refused.reason == plans.NOT_INTEGER:
-            value = self.decode(refused.data, refused.flags, self.make_key(key))
+            value = self.decode(refused.data, refused.flags, self.make_key(key, version))
             if isinstance(value, int) and not isinstance(value, bool):
                 return TypeError(
                     f"The value of key '{key}' is an int beyond the signed 64-bit range of "
@@ -442,20 +461,21 @@ class MySQLCache(KVCache):
                 )
             return TypeError(f"The value of key '{key}' is not an integer")
         if refused.reason == plans.CORRUPT:
-            stored = self.make_and_validate_key(key)
+            stored = self.make_and_validate_key(key, version)
             self.report_unreadable(
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
             )
-        return ValueError(f"Key '{key}' not found")
+        return key_not_found(key, version)
 
     def _incr_version(self, key: Any, delta: int, version: int | None) -> Plan:
         """Django's ``incr_version``, as one plan for both APIs."""
+        asked = version
         if version is None:
             version = self.version
         value = yield from self._get(key, MISSING, version)
         if value is MISSING:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(key, asked)
         yield from self._set(key, value, DEFAULT_TIMEOUT, version + delta)
         yield from self._delete(key, version)
         return version + delta
