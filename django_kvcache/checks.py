@@ -14,6 +14,10 @@
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
   checked, whichever alias was named.
+* ``kvcache.E002`` the table exists in one of the cache's own databases with another
+  layout: django-mysql's, Django's DatabaseCache's, or another application's table of that
+  name (every cache call would fail); the message says whose it looks like and the fix.
+  Checked as W001 is, under ``--database``.
 * ``kvcache.E010`` a cache whose ``OPTIONS["ENGINE"]`` is not InnoDB (MyISAM, Aria,
   MEMORY…) uses a Galera node (MariaDB Galera, Percona XtraDB Cluster): Galera replicates
   only InnoDB, so each node would keep a cache of its own. It needs a connection, as W001.
@@ -83,6 +87,10 @@ def check_mysql_cache_tables(
             if connections[database].vendor != "mysql":
                 continue  # kvcache.E001
             missing = cache.missing_tables(database)
+            problem = None if cache.table in missing else cache.table_layout_problem(database)
+            if problem is not None:
+                found, fix = problem
+                messages.append(Error(found, hint=fix, id="kvcache.E002"))
             if not missing:
                 continue
             names = " and ".join(repr(table) for table in missing)

@@ -64,6 +64,7 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
         statements = []
         for database in cache.database_aliases():
             if cache.table_exists(database):
+                refuse_other_layout(cache, database)
                 continue
             statement = cache.create_table_sql(database)
             if not dry_run:
@@ -80,12 +81,23 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
     done = {}
     for alias, cache in caches_in(database).items():
         if cache.table_exists(database):
+            refuse_other_layout(cache, database)
             continue
         done[alias] = cache.create_table_sql(database)
         if not dry_run:
             cache.create_table(database)
             logger.info("Created table %r of cache %r in database %r", cache.table, alias, database)
     return done
+
+
+def refuse_other_layout(cache: MySQLCache, database: str) -> None:
+    """An existing table of another layout (django-mysql's, DatabaseCache's...) is no
+    table of the cache's: ``CacheTableLayout``, saying whose it looks like and the fix."""
+    from django_kvcache.mysql.layouts import CacheTableLayout
+
+    problem = cache.table_layout_problem(database)
+    if problem is not None:
+        raise CacheTableLayout(" ".join(problem))
 
 
 def caches_in(database: str) -> dict[str, MySQLCache]:

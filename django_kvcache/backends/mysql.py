@@ -41,7 +41,7 @@ from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, dictionaries, plans
+from django_kvcache.mysql import aio, dictionaries, layouts, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
@@ -141,7 +141,7 @@ class MySQLCache(KVCache):
         self.cache_model_class = router_model(self.table)
         scope = own_keys_pattern(self.key_prefix, self.key_func is default_key_func)
         self.cluster = cluster_for(self.table, self.options, scope)
-        self.session = Session(self.cluster, self._missing_table_message)
+        self.session = Session(self.cluster, self._missing_table_message, self._layout_message)
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
@@ -710,6 +710,30 @@ class MySQLCache(KVCache):
         present = set(connections[database].introspection.table_names())
         return [table for table in tables if table not in present]
 
+    def table_layout_problem(self, database: str) -> tuple[str, str] | None:
+        """What is wrong with the layout of the table in ``database`` (another library's
+        table under this name, say) and the fix, or ``None``: it is ours, or missing."""
+        with connections[database].cursor() as cursor:
+            columns = layouts.table_columns(cursor, self.table)
+        return self._layout_problem(database, columns) if columns else None
+
+    def _layout_message(self, database: str, error: BaseException) -> str:
+        """After a statement's ``error`` (1054): the table's columns are read on a
+        connection of its own (the caller may be in an event loop, or in a transaction),
+        at most once a minute per table."""
+        columns = layouts.columns_once(database, self.table, partial(
+            read_columns, connections[database].get_connection_params(), self.table))
+        return " ".join(self._layout_problem(database, columns, error) or (str(error),))
+
+    def _layout_problem(
+        self, database: str, columns: list[str] | None, error: BaseException | None = None
+    ) -> tuple[str, str] | None:
+        aliases = self.configured_aliases()
+        owner = "cache " + ", ".join(map(repr, aliases)) if aliases else f"a {self.backend_name}"
+        return layouts.describe(
+            self.table, owner, database, columns, " ".join(aliases) or "<alias>", error
+        )
+
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
         if not aliases:  # built outside CACHES
@@ -739,6 +763,17 @@ class MySQLCache(KVCache):
             if settings.CACHES[alias].get("LOCATION") == self.table
             and shard_options(settings.CACHES[alias]) == shard_options({"OPTIONS": self.options})
         ]
+
+
+def read_columns(params: dict[str, Any], table: str) -> list[str]:
+    """``table``'s columns, on a mysqlclient connection of its own made with ``params``."""
+    import MySQLdb
+
+    connection = MySQLdb.connect(**params)
+    try:
+        return layouts.table_columns(connection.cursor(), table)
+    finally:
+        connection.close()
 
 
 def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -21,6 +21,7 @@ from django_kvcache.configured import loaded_class
 # Each backend's errors, when that backend is in use: a site with one extra never imports
 # the other backend (a class not loaded has no instances to catch).
 MYSQL_ERRORS, MEMCACHED_ERRORS = "django_kvcache.mysql.errors", "django_kvcache.memcached"
+MYSQL_LAYOUTS = "django_kvcache.mysql.layouts"
 
 
 def _is(exc: BaseException, module: str, name: str) -> bool:
@@ -30,7 +31,8 @@ def _is(exc: BaseException, module: str, name: str) -> bool:
 
 def failure_line(alias: str, cache: Any, exc: BaseException) -> str:
     """``exc`` met while working on the cache ``alias``, as one line saying what to do."""
-    if isinstance(exc, ImproperlyConfigured) or _is(exc, MYSQL_ERRORS, "CacheTableMissing"):
+    if (isinstance(exc, ImproperlyConfigured) or _is(exc, MYSQL_ERRORS, "CacheTableMissing")
+            or _is(exc, MYSQL_LAYOUTS, "CacheTableLayout")):
         return f"{alias}: {exc}"  # these say what to fix already
     if isinstance(exc, OperationalError):
         where = " or ".join(f"DATABASES[{name!r}]" for name in _databases(alias, cache))
