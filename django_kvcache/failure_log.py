@@ -12,12 +12,12 @@ of failure ("memcached", "MySQL").
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable
+
+from django_kvcache import forks
 
 #: Seconds between two summary lines of one source.
 DEFAULT_INTERVAL = 60.0
@@ -69,7 +69,7 @@ class FailureLog:
         self.clock = clock
         self.episodes: dict[str, Episode] = {}
         self.lock = threading.Lock()
-        _instances.add(self)
+        forks.register(self)
 
     def failed(self, source: str, error: object) -> None:
         """Note one ignored failure of ``source``; log it if the rate allows."""
@@ -119,13 +119,5 @@ class FailureLog:
                 self.SUMMARY, unreported, self.kind, source, until - since, episode.last_error,
             ))
 
-
-_instances: weakref.WeakSet[FailureLog] = weakref.WeakSet()
-
-
-def _new_locks_after_fork() -> None:
-    for failure_log in list(_instances):
-        failure_log.lock = threading.Lock()  # another thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_new_locks_after_fork)
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork

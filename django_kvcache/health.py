@@ -11,12 +11,13 @@ whether the node is up again (``node_up``) or down for another period.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 from django.dispatch import Signal
 
+from django_kvcache import forks
+from django_kvcache.forks import Registry
 from django_kvcache.signals import node_down, node_up
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ class NodeHealth:
         self.failures = 0  # consecutive
         self.down_until = 0.0  # monotonic time; 0 while the node is up
         self.lock = threading.Lock()
+        forks.register(self)
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork
 
     @property
     def down(self) -> bool:
@@ -89,27 +94,14 @@ def _notify(name: str, signal: Signal, **arguments: str) -> None:
             )
 
 
-_registry: dict[tuple[str, str, int, float], NodeHealth] = {}
-_registry_lock = threading.Lock()
+_registry: Registry[tuple[str, str, int, float], NodeHealth] = Registry()
 
 
 def health_for(
     name: str, threshold: int, retry_timeout: float, kind: str = "memcached node"
 ) -> NodeHealth:
     """The process-wide health record of a node (per kind and failure policy)."""
-    key = (kind, name, threshold, retry_timeout)
-    try:
-        return _registry[key]
-    except KeyError:
-        with _registry_lock:
-            return _registry.setdefault(key, NodeHealth(name, threshold, retry_timeout, kind))
-
-
-def _new_locks_after_fork() -> None:
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    for health in _registry.values():
-        health.lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_locks_after_fork)
+    return _registry.get(
+        (kind, name, threshold, retry_timeout),
+        lambda: NodeHealth(name, threshold, retry_timeout, kind),
+    )

@@ -12,10 +12,10 @@ process's. How to delete or flush is the backend's business.
 """
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from typing import Iterable
+
+from django_kvcache import forks
 
 #: Remembered keys per node before we give up listing them and flush the node instead.
 LIMIT = 10_000
@@ -27,7 +27,7 @@ class OutdatedCopies:
         self.flush = False
         self.pending = False  # read without the lock on every request: keep it a plain bool
         self.lock = threading.Lock()
-        _all.add(self)
+        forks.register(self)
 
     def add(self, keys: Iterable[str]) -> None:
         with self.lock:
@@ -63,16 +63,5 @@ class OutdatedCopies:
                 self.keys |= keys
             self.pending = True
 
-    def _after_fork(self) -> None:
-        self.lock = threading.Lock()
-
-
-_all: weakref.WeakSet[OutdatedCopies] = weakref.WeakSet()
-
-
-def _new_locks_after_fork() -> None:
-    for record in list(_all):
-        record._after_fork()
-
-
-os.register_at_fork(after_in_child=_new_locks_after_fork)
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork

@@ -171,9 +171,36 @@ def test_nodes_compares_both_clients_with_the_bare_floor(data: dict[str, Any]) -
     found = {(e["client"], e["nodes"], e["operation"]) for e in nodes["results"]}
     clients = {(client, n, op) for client in ("kv-memcached", "pymemcache")
                for n in NODES for op in ("get", "get_many")}
-    floor = {("bare pymemcache Client", 1, op) for op in ("get", "get_many")}
+    floor = {(client, 1, op) for op in ("get", "get_many")
+             for client in ("bare pymemcache Client", "meta-memcache CacheClient")}
     assert found == clients | floor
     assert all(e["median_us"] > 0 for e in nodes["results"])
+    assert set(nodes["single_node"]) == {"bare pymemcache Client", "meta-memcache CacheClient"}
+
+
+def test_emcache_s_benchmark_measures_every_client_and_the_targets(tmp_path: Path) -> None:
+    """emcache's method, shortened: every client, operation and node count measured, with
+    CPU per call, the ratios at the targets, a table and a plot."""
+    from kvcache_bench import plots, report
+    from kvcache_bench.scenarios import async_peers
+
+    nodes = os.environ["KVCACHE_MEMCACHED"].split(",")[:2]
+    peers = async_peers.measure(nodes, [1, 2], "test", seconds=0.05, rounds=1)
+    clients = {async_peers.EMCACHE, async_peers.EMCACHE_BATCHING, async_peers.OURS,
+               async_peers.OURS_UNBATCHED}
+    operations = {"set", "get", f"get_many({async_peers.BATCH})"}
+    found = {(e["client"], e["operation"], e["nodes"]) for e in peers["results"]}
+    assert found == {(c, o, n) for c in clients for o in operations for n in (1, 2)}
+    assert all(e["ops_per_s"] > 0 and e["cpu_us"] > 0 for e in peers["results"])
+    assert {(r["operation"], r["versus"]) for r in peers["ratios"]} == {
+        (operation, versus) for _, operation, versus, _ in async_peers.TARGETS}
+    text = report.emcache_text(peers)
+    assert "kv-memcached (default OPTIONS) against emcache" in text
+    results = {"machine": {"cpu": "cpu", "cores": 2, "date_utc": "now"},
+               "values": {"name": "realistic", "label": "realistic"},
+               "scenarios": {"async": {"results": [], "emcache": peers}}}
+    assert [path.name for path in plots.write_all(results, tmp_path)] == [
+        "benchmark-realistic-async-emcache.png"]
 
 
 def test_concurrency_counts_throughput_and_races(data: dict[str, Any]) -> None:

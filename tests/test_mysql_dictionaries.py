@@ -26,6 +26,7 @@ from django.test.utils import CaptureQueriesContext
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import FLAG_PICKLE
+from django_kvcache.forks import Registry
 from django_kvcache.mysql import dictionaries
 from django_kvcache.mysql.dictionaries import dictionary_table, table_dictionaries
 from django_kvcache.zstd import FLAG_ZSTD, Dictionary, train_dictionary, zstd_engine
@@ -65,12 +66,12 @@ def second() -> bytes:
 
 @pytest.fixture(autouse=True)
 def new_process(monkeypatch) -> Iterator[None]:
-    monkeypatch.setattr(dictionaries, "_tables", {})
+    monkeypatch.setattr(dictionaries, "_tables", Registry())
     yield
 
 
 def new_process_now() -> None:
-    dictionaries._tables.clear()
+    dictionaries._tables.items.clear()
 
 
 def make(table: str = TABLE, **options: Any) -> MySQLCache:

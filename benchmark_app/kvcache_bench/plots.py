@@ -56,11 +56,15 @@ class Styles:
 
     @classmethod
     def for_results(cls, results: dict[str, Any]) -> Styles:
-        """The caches and clients of every scenario, each scenario's drawn together."""
+        """The caches and clients of every scenario (and scenario part: the async
+        scenario's emcache benchmark), each one's drawn together."""
+        scenarios = list(results["scenarios"].values())
+        scenarios += [scenario[part] for scenario in list(scenarios)
+                      for (_, part) in PART_WRITERS if isinstance(scenario.get(part), dict)]
         return cls(
             [entry.get("cache") or entry.get("client") for entry in scenario["results"]
              if entry.get("cache") or entry.get("client")]
-            for scenario in results["scenarios"].values()
+            for scenario in scenarios
         )
 
     def of(self, names: Iterable[str]) -> dict[str, Style]:
@@ -97,11 +101,15 @@ def _log_axis(axes: Any, which: str) -> None:
 def write_all(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     styles = Styles.for_results(results)
+    figures = [(name, scenario, WRITERS[name]) for name, scenario in results["scenarios"].items()]
+    figures += [(f"{name}-{part}", results["scenarios"][name][part], writer)
+                for (name, part), writer in PART_WRITERS.items()
+                if (results["scenarios"].get(name) or {}).get(part)]
     written = []
-    for name, scenario in results["scenarios"].items():
+    for name, scenario, writer in figures:
         if scenario["results"]:
             path = folder / f"benchmark-{results['values']['name']}-{name}.png"
-            figure = WRITERS[name](scenario, results, styles)
+            figure = writer(scenario, results, styles)
             figure.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(figure)
             written.append(path)
@@ -204,7 +212,9 @@ def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any], styles: Styles
     figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
     for axis, operation in zip(axes, ("get", "get_many")):
         series = _series(nodes["results"], "client", "nodes", counts, "median_us", operation=operation)
-        floors = {client: series.pop(client)[0] for client in list(series) if client.startswith("bare")}
+        single = set(nodes.get("single_node", ()))
+        floors = {client: series.pop(client)[0] for client in list(series)
+                  if client in single or client.startswith("bare")}
         _line_chart(axis, counts, series, "memcached nodes", "µs per call (median)",
                     operation if operation == "get" else f"get_many of {nodes['keys']} keys",
                     styles)
@@ -231,6 +241,23 @@ def async_throughput(scenario: dict[str, Any], results: dict[str, Any], styles: 
     _figure_legend(figure, axes[0][0])
     _title(figure, "async: throughput of concurrent coroutines (higher is better)", results,
            values=FILLER_LABEL)
+    return figure
+
+
+def emcache_throughput(peers: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
+    """emcache's benchmark: calls per second against the node count, per operation."""
+    counts = peers["counts"]
+    operations = list(dict.fromkeys(e["operation"] for e in peers["results"]))
+    figure, axes = plt.subplots(1, len(operations), figsize=(6 * len(operations), 5),
+                                layout="constrained", squeeze=False)
+    for axis, operation in zip(axes[0], operations):
+        series = _series(peers["results"], "client", "nodes", counts, "ops_per_s",
+                         operation=operation)
+        _line_chart(axis, counts, series, "memcached nodes", "calls per second", operation,
+                    styles)
+    _figure_legend(figure, axes[0][0])
+    _title(figure, f"async: emcache's benchmark, {peers['tasks']} tasks (higher is better)",
+           results, values=f"{peers['value_bytes']}-byte values")
     return figure
 
 
@@ -396,4 +423,8 @@ WRITERS: dict[str, Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
     "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
     "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
     "stampede": stampede_counts,
+}
+#: Figures of a part of a scenario: (scenario, part) -> its writer.
+PART_WRITERS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
+    ("async", "emcache"): emcache_throughput,
 }

@@ -121,6 +121,9 @@ def async_text(scenario: dict[str, Any]) -> str:
                 for e in latency]
         text += ("\n\nget_many one call at a time: sync against native aget_many\n\n"
                  + table(["client", "nodes", "keys", "sync median", "async median", "async/sync"], rows))
+    peers = scenario.get("emcache") or {}
+    if peers.get("results"):
+        text += "\n\n" + emcache_text(peers)
     mysql = scenario.get("mysql") or {}
     if mysql.get("results"):
         lines = [[e["client"], e["operation"], e["coroutines"], f"{e['ops_per_s']:,.0f}",
@@ -133,6 +136,29 @@ def async_text(scenario: dict[str, Any]) -> str:
         text += ("\n\nkv-mysql native's throughput over\n\n"
                  + table(["operation", "coroutines", "versus", "speed-up"], speedups))
     return text
+
+
+def emcache_text(peers: dict[str, Any]) -> str:
+    """emcache's benchmark: calls per second (and CPU per call) per client and node count,
+    then ours against emcache at the targets."""
+    counts = peers["counts"]
+    by_key = {(e["client"], e["operation"], e["nodes"]): e for e in peers["results"]}
+    rows = []
+    for client, operation in dict.fromkeys((e["client"], e["operation"]) for e in peers["results"]):
+        cells = []
+        for n in counts:
+            entry = by_key.get((client, operation, n))
+            cells.append(f"{entry['ops_per_s']:,.0f} ({micros(entry['cpu_us'])})" if entry else "-")
+        rows.append([client, operation, *cells])
+    text = (f"emcache's benchmark: {peers['tasks']} tasks, {peers['value_bytes']}-byte values, "
+            f"sets then gets, {peers['seconds']} s per figure, median of {peers['rounds']} "
+            "interleaved rounds; calls per second (CPU per call)\n\n"
+            + table(["client", "operation", *(f"{n} node(s)" for n in counts)], rows))
+    ratio_rows = [[e["operation"], e["nodes"], e["versus"], f"{e['ratio']:.2f}x",
+                   f"{e['target']:.1f}x", "met" if e["met"] else "NOT MET"]
+                  for e in peers["ratios"]]
+    return text + ("\n\nkv-memcached (default OPTIONS) against emcache\n\n"
+                   + table(["operation", "nodes", "versus", "ratio", "target", ""], ratio_rows))
 
 
 def concurrency_text(concurrency: dict[str, Any]) -> str:

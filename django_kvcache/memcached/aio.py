@@ -23,7 +23,7 @@ import ssl
 import time
 from typing import Any, Callable, Sequence
 
-from django_kvcache.loops import LoopPool, PerLoop
+from django_kvcache.loops import PerLoop
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
     RECV_SIZE,
@@ -34,7 +34,9 @@ from django_kvcache.memcached.connection import (
     deadline_after,
     set_io_timeout,
 )
+from django_kvcache.memcached.pool import exhausted
 from django_kvcache.memcached.routing import NodeAddress
+from django_kvcache.pool import LoopPool
 
 
 class _Stream(asyncio.Protocol):
@@ -192,8 +194,13 @@ class AsyncConnection:
 
     def close(self) -> None:
         stream, self.stream = self.stream, None
-        if stream is not None and stream.transport is not None:
+        if stream is None or stream.transport is None:
+            return
+        try:
             stream.transport.abort()  # never waits: a failed server may not read anything
+        except RuntimeError:  # its loop was closed (without shutting down): hang up at
+            if self.sock is not None:  # least; the socket object closes when collected
+                self.sock.shutdown(socket.SHUT_RDWR)
 
 
 async def settle(late: LateWrite, deadline: float | None) -> None:
@@ -269,11 +276,7 @@ class AsyncPool(LoopPool[AsyncConnection]):
         return AsyncConnection(self.address, self.settings)
 
     def exhausted(self) -> PoolExhausted:
-        return PoolExhausted(
-            self.address.name,
-            f"all {self.settings.max_size} connections busy for "
-            f"{self.settings.pool_timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)",
-        )
+        return exhausted(self.address, self.settings)
 
 
 class LoopState:
@@ -308,7 +311,7 @@ def pool_of(node: Any) -> AsyncPool:
     return pool
 
 
-def pool_figures(node: Any) -> dict[str, int]:
+def pool_figures(node: Any) -> dict[str, float]:
     """The asyncio pools' figures for ``node``, summed over the process's event loops:
     connections open (idle or in use), idle, and coroutines waiting for one. Read from
     any thread: each figure is one read of a loop's own counters (monitoring, not exact)."""
@@ -317,9 +320,11 @@ def pool_figures(node: Any) -> dict[str, int]:
         "async_loops": len(pools),
         "async_pool_size": sum(pool.size for pool in pools),
         "async_pool_idle": sum(len(pool.idle) for pool in pools),
-        "async_pool_waiters": sum(len(pool.waiting) for pool in pools),
+        "async_pool_waiters": sum(len(pool.line) for pool in pools),
         "async_pool_waits": sum(pool.waits for pool in pools),
+        "async_pool_wait_seconds": sum(pool.wait_time for pool in pools),
         "async_pool_connects": sum(pool.connects for pool in pools),
+        "async_pool_reuses": sum(pool.reuses for pool in pools),
     }
 
 

@@ -11,13 +11,12 @@ marks the key outdated on the nodes that may still hold an older copy.
 """
 from __future__ import annotations
 
-import os
 import ssl
-import threading
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_kvcache.forks import Registry
 from django_kvcache.health import health_for
 from django_kvcache.memcached import MemcachedError, NodeDown
 from django_kvcache.memcached.node import Node
@@ -115,16 +114,7 @@ class Cluster:
                     home(key).outdated.add((key,))
 
 
-_clusters: dict[tuple, Cluster] = {}
-_clusters_lock = threading.Lock()
-
-
-def _new_lock_after_fork() -> None:
-    global _clusters_lock
-    _clusters_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+_clusters: Registry[tuple, Cluster] = Registry()
 
 
 def connection_settings(options: Mapping[str, Any]) -> ConnectionSettings:
@@ -149,16 +139,15 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
         tuple(a.name for a in addresses), scheme, tuple(weights), settings,
         threshold, retry_timeout,
     )
-    cluster = _clusters.get(identity)
-    if cluster is not None:
-        return cluster
-    nodes = [
-        Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
-        for a in addresses
-    ]
-    with _clusters_lock:
-        cluster = Cluster(nodes, make_router(scheme, addresses, weights))
-        return _clusters.setdefault(identity, cluster)
+
+    def make() -> Cluster:
+        nodes = [
+            Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
+            for a in addresses
+        ]
+        return Cluster(nodes, make_router(scheme, addresses, weights))
+
+    return _clusters.get(identity, make)
 
 
 def tls_context(value: Any) -> ssl.SSLContext | None:

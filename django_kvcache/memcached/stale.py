@@ -17,11 +17,9 @@ are the outdated copies deleted and the node used again.
 """
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 
-from django_kvcache import outdated
+from django_kvcache import forks, outdated
 from django_kvcache.memcached import wire
 from django_kvcache.memcached.connection import LateWrite
 
@@ -53,7 +51,7 @@ class LateWrites:
         #: Held while a thread settles and cleans up, so no other thread cleans up before
         #: the writes that thread took have landed.
         self.repairing = threading.Lock()
-        _all.add(self)
+        forks.register(self)
 
     def add(self, late: LateWrite) -> None:
         with self.lock:
@@ -71,18 +69,8 @@ class LateWrites:
             self.connections[:0] = connections
             self.pending = True
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         # The sockets are the parent's, which settles them: forget them, keep them open.
         self.connections, self.pending, self.timeouts = [], False, 0
         self.lock, self.repairing = threading.Lock(), threading.Lock()
 
-
-_all: weakref.WeakSet[LateWrites] = weakref.WeakSet()
-
-
-def _new_locks_after_fork() -> None:
-    for record in list(_all):
-        record._after_fork()
-
-
-os.register_at_fork(after_in_child=_new_locks_after_fork)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Collection, Generator, Iterator, Mapping
 
 from django.db import connections
 
+from django_kvcache.forks import Registry
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql.config import router_model
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, like_prefix
@@ -121,23 +122,19 @@ class MissedWrites(OutdatedCopies):
         with self.lock:
             return sorted(self.keys)[:count]
 
-    def _after_fork(self) -> None:
-        super()._after_fork()
+    def after_fork(self) -> None:
+        super().after_fork()
         self.cleaning = threading.Lock()
 
 
 #: (table, primary alias, the cache's own-keys pattern) -> its record, process-wide.
-_missed_writes: dict[tuple[str, str, str | None], MissedWrites] = {}
+_missed_writes: Registry[tuple[str, str, str | None], MissedWrites] = Registry()
 
 
 def missed_writes(table: str, alias: str, scope: str | None) -> MissedWrites:
     """The record of a cache (``scope``: the LIKE pattern of its own keys, which a flush
     deletes; ``None``: the whole table) on one shard's primary."""
-    key = (table, alias, scope)
-    record = _missed_writes.get(key)
-    if record is None:
-        record = _missed_writes.setdefault(key, MissedWrites())
-    return record
+    return _missed_writes.get((table, alias, scope), MissedWrites)
 
 
 def own_keys_pattern(key_prefix: str, default_key_function: bool) -> str | None:
@@ -288,19 +285,13 @@ class Cluster:
                 yield shard, shard.replica
 
 
-_clusters: dict[tuple, Cluster] = {}
-_clusters_lock = threading.Lock()
+_clusters: Registry[tuple, Cluster] = Registry()
 
 
 def cluster_for(table: str, options: Mapping[str, Any], scope: str | None) -> Cluster:
     """The process-wide cluster of this table, OPTIONS and key scope."""
     identity = (table, scope, _frozen(options))
-    cluster = _clusters.get(identity)
-    if cluster is None:
-        cluster = Cluster(table, options, scope)  # checks the OPTIONS (may raise)
-        with _clusters_lock:
-            cluster = _clusters.setdefault(identity, cluster)
-    return cluster
+    return _clusters.get(identity, lambda: Cluster(table, options, scope))  # checks OPTIONS
 
 
 def _frozen(value: Any) -> Any:

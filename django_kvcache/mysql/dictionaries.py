@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,9 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from django.db import DatabaseError, connections
 
+from django_kvcache import forks
 from django_kvcache.failure_log import FailureLog
+from django_kvcache.forks import Registry
 from django_kvcache.mysql.config import check_table, router_model
 from django_kvcache.mysql.sql import now_ms
 from django_kvcache.mysql.shards import Shard, make_shards
@@ -104,6 +105,10 @@ class TableDictionaries:
         self.missing: dict[int, float] = {}  # id -> monotonic time it was not found
         self.newest: Dictionary | None = None
         self.checked = -float("inf")  # monotonic time of the last check for a newer one
+        forks.register(self)
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork
 
     # --- the DictionarySource of the cache's ZstdCompressor ----------------------------
 
@@ -272,9 +277,26 @@ def query(alias: str, statement: str, params: tuple[Any, ...] | None) -> list[tu
         return list(cursor.fetchall()) if cursor.description else []
 
 
-#: Runs dictionary queries for code inside an event loop (one thread, made at first use).
-_worker: ThreadPoolExecutor | None = None
-_worker_lock = threading.Lock()
+class LoopWorker:
+    """The thread that runs dictionary queries for code inside an event loop, made at first
+    use; a forked child has none of its parent's threads, so it makes its own."""
+
+    def __init__(self) -> None:
+        self.after_fork()
+        forks.register(self)
+
+    def get(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self.executor is None:
+                self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvcache-dictionaries")
+            return self.executor
+
+    def after_fork(self) -> None:
+        self.executor: ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
+
+
+_worker = LoopWorker()
 
 
 def outside_event_loop(call: Callable[[], T]) -> T:
@@ -286,10 +308,6 @@ def outside_event_loop(call: Callable[[], T]) -> T:
         asyncio.get_running_loop()
     except RuntimeError:
         return call()
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(1, thread_name_prefix="kvcache-dictionaries")
 
     def call_and_close() -> T:
         try:
@@ -297,12 +315,11 @@ def outside_event_loop(call: Callable[[], T]) -> T:
         finally:
             connections.close_all()
 
-    return _worker.submit(call_and_close).result()
+    return _worker.get().submit(call_and_close).result()
 
 
 #: (table, DATABASE, DATABASES) -> the table's dictionaries, process-wide.
-_tables: dict[tuple[Any, ...], TableDictionaries] = {}
-_tables_lock = threading.Lock()
+_tables: Registry[tuple[Any, ...], TableDictionaries] = Registry()
 
 
 def table_dictionaries(location: str, options: Mapping[str, Any]) -> TableDictionaries:
@@ -311,21 +328,6 @@ def table_dictionaries(location: str, options: Mapping[str, Any]) -> TableDictio
     table = check_table(location)
     databases = options.get("DATABASES")
     key = (table, options.get("DATABASE"), None if databases is None else tuple(databases))
-    with _tables_lock:
-        found = _tables.get(key)
-        if found is None:
-            shards, _ = make_shards(options, router_model(table))
-            found = _tables[key] = TableDictionaries(table, shards)
-        return found
-
-
-def _reset_after_fork() -> None:
-    """A forked child has none of its parent's threads: a lock another thread held at the
-    fork would never be released, and the worker thread is gone."""
-    global _worker, _worker_lock, _tables_lock
-    _worker, _worker_lock, _tables_lock = None, threading.Lock(), threading.Lock()
-    for dictionaries in _tables.values():
-        dictionaries.lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
+    return _tables.get(
+        key, lambda: TableDictionaries(table, make_shards(options, router_model(table))[0])
+    )

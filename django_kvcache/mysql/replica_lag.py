@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any, Callable, Sequence
 
+from django_kvcache import forks
 from django_kvcache.failure_log import FailureLog
+from django_kvcache.forks import Registry
 from django_kvcache.mysql.query import ROWS, Query, Reply
 from django_kvcache.mysql.server import known_server
 
@@ -96,6 +97,7 @@ class LagMonitor:
         self.answered_at: float | None = None
         self._claimed_at: float | None = None
         self._lock = threading.Lock()
+        forks.register(self)
 
     def claim(self) -> bool:
         """True for the one caller per ``interval`` that should ask the server now (the
@@ -121,39 +123,20 @@ class LagMonitor:
         self.seconds, self.answered_at = INFINITE, self.clock()
         failures.failed(self.alias, f"{type(error).__name__}: {error}")
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._claimed_at = None  # its question is not the child's
 
 
-_monitors: dict[str, LagMonitor] = {}
-_monitors_lock = threading.Lock()
+_monitors: Registry[str, LagMonitor] = Registry()
 
 
 def monitor(alias: str, interval: float | None = None) -> LagMonitor:
     """The process's monitor of replica ``alias`` (its interval is the first caller's,
     else :data:`DEFAULT_INTERVAL`). Called on every routed read: no lock once it exists."""
-    lag_monitor = _monitors.get(alias)
-    if lag_monitor is not None:
-        return lag_monitor
-    with _monitors_lock:
-        lag_monitor = _monitors.get(alias)
-        if lag_monitor is None:
-            lag_monitor = _monitors[alias] = LagMonitor(alias, interval)
-        return lag_monitor
+    return _monitors.get(alias, lambda: LagMonitor(alias, interval))
 
 
 def forget(alias: str) -> None:
     """Drop ``alias``'s monitor (its DATABASES entry changed): the next call asks anew."""
-    with _monitors_lock:
-        _monitors.pop(alias, None)
-
-
-def _new_locks_after_fork() -> None:
-    global _monitors_lock
-    _monitors_lock = threading.Lock()
-    for lag_monitor in list(_monitors.values()):
-        lag_monitor._after_fork()
-
-
-os.register_at_fork(after_in_child=_new_locks_after_fork)
+    _monitors.pop(alias)
