@@ -38,7 +38,7 @@ BENCH_COMMANDS = ("kvcache_benchmark",)
 PACKAGE_ROOTS = {"django_kvcache": "django_kvcache", "kvcache_bench": "benchmark_app/kvcache_bench"}
 # Paths inside the package, and inside the sdist's top folder.
 PACKAGE_FILES = ("py.typed", *(f"management/commands/{c}.py" for c in COMMANDS))
-SDIST_FILES = ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
+SDIST_FILES = ("LICENSE", "README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
 
 # Run by the fresh venv's interpreter, in an empty directory, so nothing comes from the checkout.
 INSTALLED_CHECK = f"""
@@ -149,7 +149,9 @@ def check_wheel(wheel: Path, source: Path) -> None:
     if strays:
         raise PackageError(f"{wheel.name} installs more than {sorted(PACKAGE_ROOTS)}: {strays}")
     metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
-    check_classifiers(zipfile.ZipFile(wheel).read(metadata_name).decode())
+    metadata = zipfile.ZipFile(wheel).read(metadata_name).decode()
+    check_classifiers(metadata)
+    check_changelog(metadata)
 
 
 def check_classifiers(metadata: str) -> None:
@@ -160,6 +162,13 @@ def check_classifiers(metadata: str) -> None:
     missing = [v for v in tested if f"Classifier: Framework :: Django :: {v}" not in metadata]
     if not tested or missing:
         raise PackageError(f"classifiers lack the Django versions tox tests: {missing or 'none found'}")
+
+
+def check_changelog(metadata: str) -> None:
+    """The long description (the package's page) ends with the changelog, whole."""
+    changelog = (PROJECT / "CHANGELOG.md").read_text().strip()
+    if changelog.splitlines()[0] not in metadata or "## Unreleased" not in metadata:
+        raise PackageError("the long description lacks CHANGELOG.md (setup.cfg long_description)")
 
 
 def check_sdist(sdist: Path) -> None:
