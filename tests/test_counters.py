@@ -113,7 +113,7 @@ def test_counting_goes_on_from_a_negative_value(counters):
 # --- results out of range: OverflowError, value unchanged ---------------------------------
 
 
-def test_memcached_wraps_of_issue_9_raise_instead(counters):
+def test_the_wraps_of_memcached_s_own_incr_raise_instead(counters):
     counters.set("n", INT64_MAX)
     with pytest.raises(OverflowError):
         counters.incr("n", 2**63)  # memcached's incr gave 2**64 - 1 ...
