@@ -34,6 +34,12 @@ LAYOUTS = {
         "longtext NOT NULL, expires datetime(6) NOT NULL)",
         "Django's DatabaseCache table (columns cache_key, value, expires)",
     ),
+    # a cache table, of some other layout (an older one, say)
+    "cache-like": (
+        f"CREATE TABLE `{TABLE}` (cache_key varchar(250) NOT NULL PRIMARY KEY, value "
+        "longblob NOT NULL, flags int unsigned NOT NULL)",
+        "a cache table of another layout (columns cache_key, value, flags)",
+    ),
     "other": (
         f"CREATE TABLE `{TABLE}` (id int NOT NULL PRIMARY KEY, name varchar(20))",
         "not a cache table (columns id, name)",
