@@ -34,13 +34,14 @@ package: $(STAMP)
 	$(VENV)/bin/python scripts/check_package.py
 
 # Servers up, tox, servers down again whatever tox's result; servers that do not start
-# fail it (as for test-galera), and so does any of them missing when the tests start.
+# fail it (as for test-galera), and so does any group services.py started (the shard
+# servers and the replica unless their ports are set empty) missing when tests start.
 tox:
 	@test -n "$(ENVS)"
 	env="$$($(VENV)/bin/python scripts/services.py up)" || { \
 	    $(VENV)/bin/python scripts/services.py down; exit 1; }; \
 	eval "$$env"; \
-	export KVCACHE_REQUIRE_SERVERS=mysql,shards,replica,memcached; \
+	export KVCACHE_REQUIRE_SERVERS="mysql,memcached$${KVCACHE_MYSQL_SHARD_PORTS:+,shards}$${KVCACHE_MYSQL_REPLICA_PORT:+,replica}"; \
 	rc=0; $(VENV)/bin/tox run -e "$(ENVS),docs" -- $(PYTEST_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
