@@ -34,18 +34,33 @@ ALL = [
 ]
 
 
-def runs(path: str) -> bool:
+def search_path() -> str:
+    """PATH without LINK_DIR: the Makefile puts LINK_DIR first, and an interpreter found
+    through a link there would become a link to itself."""
+    return os.pathsep.join(
+        entry for entry in os.environ.get("PATH", "").split(os.pathsep)
+        if entry and Path(entry).resolve() != LINK_DIR.resolve()
+    )
+
+
+def executable(path: str) -> str | None:
+    """The interpreter that ``path`` runs (a pyenv shim runs another), if it runs."""
     try:
-        return subprocess.run([path, "-c", "pass"], capture_output=True, timeout=30).returncode == 0
+        result = subprocess.run(
+            [path, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True,
+            timeout=30, env={**os.environ, "PATH": search_path()},
+        )
     except OSError:
-        return False
+        return None
+    found = result.stdout.strip()
+    return found if result.returncode == 0 and found else None
 
 
 def find_interpreter(version: str) -> str | None:
-    candidates = [shutil.which(f"python{version}")]
+    candidates = [shutil.which(f"python{version}", path=search_path())]
     pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
     candidates += sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"))
-    return next((path for path in candidates if path and runs(path)), None)
+    return next((found for path in candidates if path and (found := executable(path))), None)
 
 
 def main() -> int:
