@@ -20,10 +20,6 @@ import pytest
 from django.conf import settings
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = (
-    "createcachetable", "kvcache_createtable", "kvcache_cull", "kvcache_migration",
-    "kvcache_stats", "kvcache_train_dictionary",
-)
 
 SITE = r'''
 import json, os, sys, traceback
@@ -99,6 +95,7 @@ def every_command(alias: str) -> list[list[str]]:
         ["createcachetable"], ["kvcache_createtable"], ["kvcache_cull"],
         ["kvcache_migration"], ["kvcache_stats"],
         ["kvcache_train_dictionary", alias, "--output", os.devnull],
+        ["kvcache_rotate_key", alias],
     ]
 
 
@@ -119,6 +116,8 @@ def test_a_memcached_site_never_imports_mysqlclient():
         assert outcome[step] == "ok", (step, outcome[step])
     assert outcome["kvcache_migration"] == (
         "CommandError: No MySQLCache in CACHES: there is no table to create.")
+    assert outcome["kvcache_rotate_key default"] == (
+        "CommandError: Cache 'default' is not a MySQLCache")
     # The shared node may hold enough entries to learn from, or too few: either is fine.
     trained = outcome[f"kvcache_train_dictionary default --output {os.devnull}"]
     assert trained == "ok" or trained.startswith("CommandError: Cache 'default' gave "), trained
@@ -159,6 +158,9 @@ def test_a_mysql_site_never_imports_mmh3(own_database):
         assert outcome[step] == "ok", (step, outcome[step])
     assert outcome[f"kvcache_train_dictionary default --output {os.devnull}"].startswith(
         "CommandError: Cache 'default' gave 0 usable entries")
+    assert outcome["kvcache_rotate_key default"] == (
+        "CommandError: default: the cache has no OPTIONS['ENCRYPTION_KEYS']: nothing to "
+        "re-encrypt")
     assert outcome["attempts"] == []
     assert not [m for m in outcome["modules"] if ".memcached" in m]
 

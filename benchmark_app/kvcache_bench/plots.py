@@ -392,6 +392,31 @@ def codec_tradeoff(codec: dict[str, Any], results: dict[str, Any], styles: Style
     return figure
 
 
+def encryption_ratios(scenario: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
+    """Encrypted over plain, wall time and CPU, per backend and operation (1 is free)."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained", sharey=True)
+    operations = scenario["operations"]
+    caches = list(dict.fromkeys(e["cache"] for e in scenario["results"]))
+    width = 0.8 / max(len(caches), 1)
+    colors = styles.of(caches)
+    for axis, metric, label in ((axes[0], "time_ratio", "wall time"), (axes[1], "cpu_ratio", "CPU")):
+        for index, cache in enumerate(caches):
+            ratios = {e["operation"]: e[metric] for e in scenario["results"] if e["cache"] == cache}
+            axis.bar([n + index * width for n in range(len(operations))],
+                     [ratios.get(op, 0) for op in operations], width, label=cache,
+                     color=colors[cache].color)
+        axis.axhline(1.0, color=REFERENCE, linewidth=0.8)
+        axis.axhline(scenario["target_time_ratio"], color=REFERENCE, linewidth=0.8, linestyle="--")
+        axis.set_xticks([n + width * (len(caches) - 1) / 2 for n in range(len(operations))],
+                        operations)
+        axis.set_xlabel(f"{label}: encrypted / plain")
+    axes[0].set_ylabel("ratio (1 = no cost; dashed: the time target)")
+    _figure_legend(figure, axes[1])
+    _title(figure, "encryption: ENCRYPTION_KEYS against the same cache without (lower is "
+           "better)", results)
+    return figure
+
+
 def stampede_counts(stampede: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
     """Computations per herd, by cache and number of callers (log scale: 1 is the goal).
     Many caches give the very same counts: each is drawn a little to the side of the
@@ -422,7 +447,7 @@ WRITERS: dict[str, Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
     "ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
     "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
     "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
-    "stampede": stampede_counts,
+    "stampede": stampede_counts, "encryption": encryption_ratios,
 }
 #: Figures of a part of a scenario: (scenario, part) -> its writer.
 PART_WRITERS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {

@@ -148,7 +148,9 @@ class MemcachedCache(KVCache):
     )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
-        super().__init__(params)
+        # Every node's entries share one scope: a key may move between nodes (failover,
+        # a node added), never between caches (the stored key carries KEY_PREFIX).
+        super().__init__(params, encryption_scope="memcached")
         self.failover = flag(self.options, "FAILOVER")
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
@@ -300,9 +302,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
-        return self.codec.encode(value)
+    def encode(self, value: Any, key: str) -> tuple[bytes, int]:
+        """A value as stored under the stored key ``key``: ``(data, flags)`` (for the
+        lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value, key)
 
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
@@ -377,7 +380,7 @@ class MemcachedCache(KVCache):
             return self._failed(exc, default)
         if found is None:
             return default
-        value = self.decode(found[0], found[1], key)
+        value = self.decode(found[0], found[1], stored_key)
         return default if value is MISSING else value
 
     def _write(
@@ -407,7 +410,7 @@ class MemcachedCache(KVCache):
             # copies get_or_set keeps, as after delete (and as on MySQL).
             yield from self._delete_entries({stored_key: key}, version)
             return None
-        data, flags, saved = self.codec.encode_measured(value)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
@@ -546,7 +549,7 @@ class MemcachedCache(KVCache):
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
                 raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
-            new_data, new_flags = self.codec.encode(result)
+            new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.exchange(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
@@ -566,10 +569,11 @@ class MemcachedCache(KVCache):
             )
 
     def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
-        """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
+        """A stored integer (read under the stored ``key``); ``TypeError`` naming the
+        ``caller_key`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
             raise TypeError(f"The value of key '{caller_key}' is not an integer")
-        return self.decode(data, flags, caller_key)
+        return self.decode(data, flags, key)
 
     @staticmethod
     def _absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
@@ -595,10 +599,10 @@ class MemcachedCache(KVCache):
             if batch.error is not None:
                 continue
             for key_bytes, (data, flags) in batch.result.items():
-                key = key_map[key_bytes.decode()]
-                value = decode(data, flags, key)
+                stored_key = key_bytes.decode()
+                value = decode(data, flags, stored_key)
                 if value is not MISSING:
-                    found[key] = value
+                    found[key_map[stored_key]] = value
         self._report(placement, batches)
         return found
 
@@ -637,7 +641,7 @@ class MemcachedCache(KVCache):
         encoded = []
         saved = 0
         for key in keys:
-            payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
+            payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
             encoded.append((payload, flags))
             saved += saving
         return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
@@ -760,13 +764,16 @@ class MemcachedCache(KVCache):
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"memcached node {node.name}" for node in self._nodes)
+
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` entries picked at random across the nodes, as stored:
-        ``(bytes, flags)``. For training a compression dictionary
+        ``(stored key, bytes, flags)`` (``codec.opened`` decrypts one). For training a compression dictionary
         (``kvcache_train_dictionary``): it lists every key of every node, so it is no
         request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
         return sampling.sample_entries(self._nodes, count)
