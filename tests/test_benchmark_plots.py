@@ -19,10 +19,12 @@ sys.path.insert(0, str(ROOT / "benchmark_app"))
 from kvcache_bench import plots  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-RUNS = ROOT / "docs" / "_static" / "benchmarks" / "2026-11-25"
+STATIC = ROOT / "docs" / "_static" / "benchmarks"
 RESULTS = {
-    name: json.loads((RUNS / f"benchmark-{name}.json").read_text())
-    for name in ("realistic", "async")
+    name: json.loads((STATIC / folder / f"benchmark-{run}.json").read_text())
+    for name, folder, run in (("realistic", "2026-11-25", "realistic"),
+                              ("async", "2026-11-25", "async"),
+                              ("encryption", "2026-11-27-encryption", "realistic"))
 }
 FIGURES = [(run, scenario) for run, results in RESULTS.items() for scenario in results["scenarios"]]
 
@@ -34,8 +36,13 @@ def figure_of(run: str, scenario: str) -> Any:
 
 
 def series(axis: Any) -> list[tuple[str, str, str]]:
-    """(label, colour, marker) of each labelled line and scatter of ``axis``."""
+    """(label, colour, marker) of each labelled line, scatter and group of bars of
+    ``axis`` (bars have no marker: "bar")."""
     found = []
+    for container in axis.containers:
+        label = container.get_label()
+        if label and not label.startswith("_") and getattr(container, "patches", None):
+            found.append((label, to_hex(container.patches[0].get_facecolor()), "bar"))
     for line in axis.get_lines():
         if not line.get_label().startswith("_"):
             found.append((line.get_label(), to_hex(line.get_color()), str(line.get_marker())))
