@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, replace
 from typing import Any, Iterator, Sequence
 
+from django.db import connections
+
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
@@ -135,6 +137,7 @@ def _clean_up(context: Context) -> None:
     """Drop the run's tables and delete its keys, however the run ended: a second Ctrl-C
     while this runs is ignored (the first one stopped the run and brought it here)."""
     with _sigint_ignored():
+        _close_connections(context)
         for spec in context.caches:
             try:
                 storage.clean_up(spec, context.written)
@@ -145,6 +148,17 @@ def _clean_up(context: Context) -> None:
                 cache.close()
             except Exception as exc:
                 context.notes.append(f"closing {name} failed: {exc!r}")
+
+
+def _close_connections(context: Context) -> None:
+    """This thread's Django connections closed, to be opened afresh: a statement that
+    Ctrl-C cut off leaves its connection out of sync ("Commands out of sync"), and every
+    table dropped through it would stay."""
+    for connection in connections.all(initialized_only=True):
+        try:
+            connection.close()
+        except Exception as exc:  # a broken connection: closing it is all that matters
+            context.notes.append(f"closing database {connection.alias!r} failed: {exc!r}")
 
 
 @contextlib.contextmanager
