@@ -28,7 +28,14 @@ from typing import Any, Iterable, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
 
-from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
+from django_kvcache.base import (
+    MISSING,
+    KVCache,
+    check_delta,
+    counter_overflow,
+    delegate_to_sync,
+    key_not_found,
+)
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
@@ -47,7 +54,7 @@ from django_kvcache.memcached.plans import (
     run,
 )
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.options import flag
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
@@ -107,6 +114,38 @@ class MemcachedCache(KVCache):
             "TLS",
             "AUTOBATCH",
         }
+    )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the socket "
+        "timeouts are CONNECT_TIMEOUT and IO_TIMEOUT",
+        # pymemcache's HashClient (Django's PyMemcacheCache passes OPTIONS to it)
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS, True by default",
+        "no_delay": "pymemcache's option: TCP_NODELAY is always on here",
+        "connect_timeout": "pymemcache's name: here CONNECT_TIMEOUT, in seconds",
+        "timeout": "pymemcache's socket timeout: here IO_TIMEOUT, in seconds; the entries' "
+        f"default expiry is TIMEOUT, at the top level of {THIS_CACHE}",
+        "retry_attempts": "pymemcache's option: here a node is skipped after "
+        "FAILURE_THRESHOLD failures in a row, for RETRY_TIMEOUT seconds",
+        "retry_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "dead_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "use_pooling": "pymemcache's option: connections are always pooled here, see "
+        "MAX_POOL_SIZE and POOL_TIMEOUT",
+        "tls_context": "pymemcache's name: here TLS, an ssl.SSLContext or a dict",
+        "serde": "pymemcache's option: here SERIALIZER",
+        "allow_unicode_keys": "pymemcache's option: keys are always unicode here",
+        "default_noreply": "pymemcache's option: every reply is read here",
+        # pylibmc and django-redis
+        "behaviors": "pylibmc's option: here CONNECT_TIMEOUT, IO_TIMEOUT and HASHING",
+        "socket_timeout": "django-redis's name: here IO_TIMEOUT",
+        "socket_connect_timeout": "django-redis's name: here CONNECT_TIMEOUT",
+    }
+    inapplicable_options = dict.fromkeys(
+        ("MAX_ENTRIES", "CULL_FREQUENCY"),
+        "memcached evicts the least recently used items when its memory (memcached -m) is "
+        "full, so there is no entry count to keep",
     )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
@@ -443,13 +482,13 @@ class MemcachedCache(KVCache):
         written with compare-and-swap, which keeps the item's remaining lifetime.
         """
         check_delta(delta)
-        key = self.make_and_validate_key(key, version=version)
+        caller_key, key = key, self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, io)
+                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta, io)
+                value = yield from self._add_with_cas(node, key, delta, caller_key, io)
         except Refused:
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
@@ -462,11 +501,11 @@ class MemcachedCache(KVCache):
             self._failed(exc)
             value = None
         if value is None:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(caller_key, version)
         return value
 
     def _incr_on_server(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
@@ -486,15 +525,15 @@ class MemcachedCache(KVCache):
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta, io))
+            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
             yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
-        raise self._overflow(key, delta)
+        raise counter_overflow(caller_key, delta)
 
     def _add_with_cas(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
@@ -511,12 +550,12 @@ class MemcachedCache(KVCache):
             if found is None:
                 return None
             data, flags, ttl, cas = found
-            value = self._counter_value(data, flags, key)
+            value = self._counter_value(data, flags, key, caller_key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
-                raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
+                raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
             new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.exchange(
@@ -537,10 +576,11 @@ class MemcachedCache(KVCache):
                 "(meta commands, which keep the entry's expiry time)"
             )
 
-    def _counter_value(self, data: bytes, flags: int, key: str) -> Any:
-        """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
+    def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
+        """A stored integer (read under the stored ``key``); ``TypeError`` naming the
+        ``caller_key`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
-            raise TypeError(f"The value of key '{key}' is not an integer")
+            raise TypeError(f"The value of key '{caller_key}' is not an integer")
         return self.decode(data, flags, key)
 
     @staticmethod
@@ -551,12 +591,6 @@ class MemcachedCache(KVCache):
         if ttl <= THIRTY_DAYS:
             return ttl
         return ttl + (yield from node.exchange(wire.stats(), io))["time"]
-
-    @staticmethod
-    def _overflow(key: str, delta: int) -> OverflowError:
-        return OverflowError(
-            f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-        )
 
     # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 
