@@ -100,3 +100,16 @@ def test_no_two_labels_of_a_plot_overlap(run, scenario):
                        if box_a.overlaps(box_b)]
         assert not overlapping, (axis.get_title(), overlapping[:5])
     plots.plt.close(figure)
+
+
+def test_shards_plot_draws_a_run_whose_one_shard_did_nothing():
+    """A short run on a loaded machine measured 0 calls/s on one shard: the plot drew the
+    ratios to it and failed the run with ZeroDivisionError."""
+    results = json.loads(json.dumps(RESULTS["realistic"]))
+    for entry in results["scenarios"]["shards"]["results"]:
+        if entry.get("shards") == 1 and "ops_per_s" in entry:
+            entry["ops_per_s"] = 0.0
+            entry["rounds_ops_per_s"] = [0.0]
+    styles = plots.Styles.for_results(results)
+    figure = plots.WRITERS["shards"](results["scenarios"]["shards"], results, styles)
+    assert figure.axes

@@ -305,6 +305,8 @@ def shards_scaling(shards: dict[str, Any], results: dict[str, Any], styles: Styl
         color = style[operation].color
         axis.errorbar(xs, ys, yerr=[low, high], marker=style[operation].marker, capsize=3,
                       color=color, label=operation.removeprefix("throughput "))
+        if not ys[0]:  # nothing done on one shard in the time given: no ratio to show
+            continue
         for x, y in list(zip(xs, ys))[1:]:
             axis.annotate(f"{y / ys[0]:.2f}x", (x, y), textcoords="offset points",
                           xytext=(6, -10), fontsize=8, color=color)
