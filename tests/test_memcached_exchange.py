@@ -359,14 +359,14 @@ def test_a_cancelled_write_lands_before_a_later_write(proxy, api):
         cancel_after(api, 0.2, lambda: cache.set("key", "old"))
     else:
         cancel_after(api, 0.2, lambda: cache.aset("key", "old"))
-    kept_to_settle = node.late.pending  # like a timed-out write's connection
+    kept_to_settle = node.unsettled.pending  # like a timed-out write's connection
     held = proxy.release(0.3)  # "old" reaches the server 0.3 s from now
     assert held, "the write was not held by the proxy"
     api.cache(cache).set("key", "new")  # settles "old" first, then writes
     for link in held:
         assert link.answered.wait(5)
     assert api.cache(cache).get("key") == "new"
-    assert kept_to_settle and not node.late.pending
+    assert kept_to_settle and not node.unsettled.pending
     assert cache.metrics()[proxy.address]["errors"] == 0  # cancelled: not the node's fault
 
 
@@ -382,7 +382,7 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
     proxy.hold()
     commands = b"\r\nset victim 0 0 1\r\nV\r\n" * (16 * 1024 * 1024 // 24)
     cache.set("key", commands)  # the send times out, most of it unsent
-    (late,) = node.late.connections
+    (late,) = node.unsettled.connections
     unsent = bytes(late.unsent)
     assert unsent, "the whole value was sent"
     for link in proxy.links:  # let some of it through, then hold again
@@ -394,13 +394,13 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
         cancel_after(api, 0.1, lambda: cache.get("other"))  # settles until cancelled
     else:
         cancel_after(api, 0.1, lambda: cache.aget("other"))
-    (late,) = node.late.connections
+    (late,) = node.unsettled.connections
     assert len(late.unsent) < len(unsent)  # what the cancelled settle sent is not sent again
     held = proxy.release(0)
     assert api.cache(cache).get("other") is None  # settled: the rest, then the fence
     for link in held:
         assert link.answered.wait(5)
-    assert not node.late.pending
+    assert not node.unsettled.pending
     client = raw(proxy.upstream[0] + ":" + str(proxy.upstream[1]))
     try:
         assert client.get("victim") is None  # no byte of the value ran as a command

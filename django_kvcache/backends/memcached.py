@@ -13,9 +13,15 @@ instances (pools, node health, counters, routing) lives in a process-wide
 :class:`~django_kvcache.memcached.cluster.Cluster`, found again by every instance built
 with the same settings.
 
-Each operation is written once, as a plan (:mod:`django_kvcache.memcached.plans`):
-``get`` runs it on blocking sockets, ``aget`` on the event loop's own connections —
-native asyncio, no thread (docs/async.rst).
+Each operation is written once, as a plan (:mod:`django_kvcache.steps`) that yields the
+IO it needs and is told its driver's transport: ``get`` runs ``self._get(..., BLOCKING)``
+with ``run`` on blocking sockets, ``aget`` runs ``self._get(..., ASYNCIO)`` with ``arun``
+on the event loop's own connections — native asyncio, no thread (docs/async.rst). Inside
+a plan a request goes through the node's exchange in the plan's own driver, one way:
+``yield from node.request(op, io)``, or for many nodes at once ``yield from
+fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
+clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
+apart.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ import random
 import time
 from typing import Any, Iterable, Mapping
 
-from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
+from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
@@ -35,19 +42,11 @@ from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolEx
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
-from django_kvcache.memcached.plans import (
-    ASYNCIO,
-    BLOCKING,
-    Fanout,
-    Plan,
-    Sleep,
-    Transport,
-    arun,
-    run,
-)
+from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.options import flag
 from django_kvcache.signals import node_up
+from django_kvcache.steps import Plan, Sleep, arun, run
 
 MAX_KEY_BYTES = 250
 THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
@@ -176,26 +175,26 @@ class MemcachedCache(KVCache):
         return await self.aincr(key, -delta, version=version)
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
-        return run(self._get_many(keys, version))
+        return run(self._get_many(keys, version, BLOCKING))
 
     async def aget_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
-        return await arun(self._get_many(keys, version))
+        return await arun(self._get_many(keys, version, ASYNCIO))
 
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> list[Any]:
-        return run(self._set_many(data, timeout, version))
+        return run(self._set_many(data, timeout, version, BLOCKING))
 
     async def aset_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> list[Any]:
-        return await arun(self._set_many(data, timeout, version))
+        return await arun(self._set_many(data, timeout, version, ASYNCIO))
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        run(self._delete_many(keys, version))
+        run(self._delete_many(keys, version, BLOCKING))
 
     async def adelete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        await arun(self._delete_many(keys, version))
+        await arun(self._delete_many(keys, version, ASYNCIO))
 
     async def _aget_or_set_unprotected(
         self, key: Any, default: Any, timeout: Any, version: Any
@@ -214,13 +213,34 @@ class MemcachedCache(KVCache):
         # Read again: another caller may have added a value between our get and add.
         return await self.aget(key, default, version=version)
 
-    def _lease_store(self, key: Any, timeout: Any, version: Any) -> Any:
-        """get_or_set's herd protection on the meta commands (``memcached.lease``); on a
-        node without them it falls back to the shared add-based store."""
+    def get_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """Django's ``get_or_set``; with LEASE_TIMEOUT herd-proof (docs/stampede.rst)."""
+        store = self._lease_store(key, timeout, version, BLOCKING)
+        if store is None:
+            return BaseCache.get_or_set(self, key, default, timeout=timeout, version=version)
+        return stampede.run(self.stampede, store, default)  # type: ignore[arg-type]
+
+    async def aget_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """``get_or_set`` on the loop; a coroutine function as ``default`` is awaited."""
+        store = self._lease_store(key, timeout, version, ASYNCIO)
+        if store is None:
+            return await self._aget_or_set_unprotected(key, default, timeout, version)
+        return await stampede.arun(self.stampede, store, default)  # type: ignore[arg-type]
+
+    def _lease_store(
+        self, key: Any, timeout: Any, version: Any, io: Transport = BLOCKING
+    ) -> Any:
+        """get_or_set's herd protection on the meta commands (``memcached.lease``), for
+        the driver of ``io``; on a node without them it falls back to leases by ``add``."""
         if not self._protects(timeout):
             return None
         return lease.MetaLeaseStore(
-            self, self.stampede, key, timeout, version, node_for=self._node, failed=self._failed
+            self, self.stampede, key, timeout, version, node_for=self._node,
+            failed=self._failed, io=io,
         )
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
@@ -229,16 +249,16 @@ class MemcachedCache(KVCache):
         stale copy of it. Needs memcached >= 1.6.6 (``mg <key> t``): on an older node it
         raises ``MetaCommandsMissing`` (a ``NotImplementedError``), whatever
         IGNORE_EXCEPTIONS says."""
-        return run(self._ttl(key, version))
+        return run(self._ttl(key, version, BLOCKING))
 
     async def attl(self, key: Any, version: int | None = None) -> float | None:
-        return await arun(self._ttl(key, version))
+        return await arun(self._ttl(key, version, ASYNCIO))
 
     def clear(self) -> None:
-        run(self._clear())
+        run(self._clear(BLOCKING))
 
     async def aclear(self) -> None:
-        await arun(self._clear())
+        await arun(self._clear(ASYNCIO))
 
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: the pooled connections stay open."""
@@ -347,7 +367,7 @@ class MemcachedCache(KVCache):
         """A single-key write on the key's node (or its failover node), which is credited
         with ``sent`` and ``saved`` bytes."""
         try:
-            return (yield from self._node(key).exchange(op, io, sent, saved))
+            return (yield from self._node(key).request(op, io, sent, saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
@@ -366,7 +386,7 @@ class MemcachedCache(KVCache):
         if expire < 0 and self._stale_copies and name == b"set":
             # Nothing to cache (a timeout of 0): the entry goes, and with it the stale
             # copies get_or_set keeps, as after delete (and as on MySQL).
-            yield from self._delete_entries({stored_key: key}, version)
+            yield from self._delete_entries({stored_key: key}, version, io)
             return None
         data, flags, saved = self.codec.encode_measured(value)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
@@ -400,7 +420,7 @@ class MemcachedCache(KVCache):
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
         if self._stale_copies:
             stored_key = self.make_and_validate_key(key, version=version)
-            deleted, _ = yield from self._delete_entries({stored_key: key}, version)
+            deleted, _ = yield from self._delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
@@ -408,10 +428,10 @@ class MemcachedCache(KVCache):
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def _ttl(self, key: Any, version: int | None) -> Plan:
+    def _ttl(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return (yield from lease.ttl(self._node(key), key))
+            return (yield from lease.ttl(self._node(key), key, io))
         except lease.MetaCommandsMissing:
             raise  # the server's version, not a failure: IGNORE_EXCEPTIONS does not hide it
         except MemcachedError as exc:
@@ -470,7 +490,7 @@ class MemcachedCache(KVCache):
         (docs/guarantees.rst, Counters).
         """
         try:
-            value = yield from node.exchange(wire.incr(key.encode(), delta), io)
+            value = yield from node.request(wire.incr(key.encode(), delta), io)
         except Refused as exc:
             if not exc.client_error:
                 raise
@@ -479,7 +499,7 @@ class MemcachedCache(KVCache):
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
+            yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
         raise self._overflow(key, delta)
 
     def _add_with_cas(
@@ -496,7 +516,7 @@ class MemcachedCache(KVCache):
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = yield from node.exchange(wire.meta_get(encoded_key), io)
+            found = yield from node.request(wire.meta_get(encoded_key), io)
             if found is None:
                 return None
             data, flags, ttl, cas = found
@@ -508,7 +528,7 @@ class MemcachedCache(KVCache):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
             new_data, new_flags = self.codec.encode(result)
-            swapped = yield from node.exchange(
+            swapped = yield from node.request(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
             if swapped:
@@ -519,7 +539,7 @@ class MemcachedCache(KVCache):
     def _require_meta(self, node: Node, io: Transport) -> Plan:
         """Make sure ``node`` speaks the meta commands (asked once per node)."""
         if node.meta is None:
-            node.meta = yield from node.exchange(wire.meta_probe(), io)
+            node.meta = yield from node.request(wire.meta_probe(), io)
         if not node.meta:
             raise MemcachedError(
                 node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
@@ -539,7 +559,7 @@ class MemcachedCache(KVCache):
         at every update)."""
         if ttl <= THIRTY_DAYS:
             return ttl
-        return ttl + (yield from node.exchange(wire.stats(), io))["time"]
+        return ttl + (yield from node.request(wire.stats(), io))["time"]
 
     @staticmethod
     def _overflow(key: str, delta: int) -> OverflowError:
@@ -549,13 +569,13 @@ class MemcachedCache(KVCache):
 
     # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 
-    def _get_many(self, keys: Iterable[Any], version: int | None) -> Plan:
+    def _get_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
         placement = self._place(key_map)
         batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
         found: dict[Any, Any] = {}
         decode = self.decode
         for batch in batches:
@@ -569,7 +589,9 @@ class MemcachedCache(KVCache):
         self._report(placement, batches)
         return found
 
-    def _set_many(self, data: Mapping[Any, Any], timeout: Any, version: int | None) -> Plan:
+    def _set_many(
+        self, data: Mapping[Any, Any], timeout: Any, version: int | None, io: Transport
+    ) -> Plan:
         """One pipelined run of ``set`` per node, all nodes at once. The keys returned are
         those not stored: their node failed or was down, or it refused the value (too
         large, out of memory; logged, and its older value deleted, as ``set`` does)."""
@@ -577,17 +599,17 @@ class MemcachedCache(KVCache):
         if not key_map:
             return []
         if self._stale_copies and self.expire_time(timeout) < 0:  # as set's
-            _, failed = yield from self._delete_entries(key_map, version)
+            _, failed = yield from self._delete_entries(key_map, version, io)
             return [key_map[key] for key in failed]
         placement = self._place(key_map)
         batches = [
             self._set_batch(node, node_keys, key_map, data, timeout)
             for node, node_keys in placement.groups.items()
         ]
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
         refused = self._refused_keys(batches, key_map)
         if refused:
-            yield from self._delete_keys(refused)  # a refused value leaves no older one
+            yield from self._delete_keys(refused, io)  # a refused value leaves no older one
         self.cluster.missed_batch_writes(placement, batches)
         self._report(placement, batches)
         failed = list(placement.stranded)
@@ -624,14 +646,16 @@ class MemcachedCache(KVCache):
                     refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
         return refused
 
-    def _delete_many(self, keys: Iterable[Any], version: int | None) -> Plan:
+    def _delete_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
         if self._stale_copies:
-            yield from self._delete_entries(key_map, version)
+            yield from self._delete_entries(key_map, version, io)
         else:
-            yield from self._delete_keys(list(key_map), report=True)
+            yield from self._delete_keys(list(key_map), io, report=True)
 
-    def _delete_entries(self, key_map: dict[str, Any], version: int | None) -> Plan:
+    def _delete_entries(
+        self, key_map: dict[str, Any], version: int | None, io: Transport
+    ) -> Plan:
         """``delete``/``delete_many`` with STALE_TIMEOUT: each entry and the stale copy
         ``get_or_set`` may keep of it (docs/stampede.rst), which must not outlive it, in
         one round. The meta store's copy lives on the entry's node: its delete goes in the
@@ -674,7 +698,7 @@ class MemcachedCache(KVCache):
             batch = fanout.delete_batch(node, keys)
             batch.ops = sum(key in key_map for key in keys)  # the caller's deletes only
             batches.append(batch)
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
         self.cluster.missed_batch_writes(placement, batches, riders)
         deleted = set()
         for batch in batches:
@@ -686,7 +710,7 @@ class MemcachedCache(KVCache):
         self._report(placement, batches)
         return deleted, failed
 
-    def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
+    def _delete_keys(self, keys: list[str], io: Transport, report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,
         else (a clean-up after refused writes) logged; either way the keys that were not
         deleted are remembered as outdated."""
@@ -694,7 +718,7 @@ class MemcachedCache(KVCache):
             return
         placement = self._place(keys)
         batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
         self.cluster.missed_batch_writes(placement, batches)
         if report:
             self._report(placement, batches)
@@ -707,7 +731,7 @@ class MemcachedCache(KVCache):
                 "their node answers again: %s", undeleted, "; ".join(map(str, errors)),
             )
 
-    def _clear(self) -> Plan:
+    def _clear(self, io: Transport) -> Plan:
         """Flush every node (memcached has no per-prefix delete).
 
         A node that misses the flush (down, or failing now) is flushed when it returns,
@@ -715,7 +739,7 @@ class MemcachedCache(KVCache):
         """
         reachable = [node for node in self._nodes if node.health.may_try()]
         batches = [fanout.flush_batch(node) for node in reachable]
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
         errors: list[MemcachedError] = [b.error for b in batches if b.error is not None]
         for node in self._nodes:
             if node not in reachable:

@@ -1,33 +1,22 @@
-"""Multi-key operations on many nodes: a batch per node, every request sent before any
+"""The batches of multi-key operations: one per node, every request sent before any
 reply is read.
 
 Each node gets one pipelined request (``get k1 k2 …``, or a run of ``set``/``delete``
 commands) on a pooled connection; only when all of them are on the wire are the replies
 read, so the nodes work in parallel and a call costs one round trip per node, all at the
-same time, whatever the number of keys. The exchange (``exchange``) does it for both
-drivers: :func:`run` on blocking sockets, :func:`arun` on the running loop, where a
-node's share of a get may also join the gets other coroutines are sending it
+same time, whatever the number of keys. The exchange does that, for both drivers
+(``yield from exchange.fan_out(batches, io)``); where the event loop is already busy
+with a node, its share of a get may also join the gets other coroutines are sending it
 (``autobatch``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-from django_kvcache import steps
 from django_kvcache.memcached import wire
-from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Batch, exchange
+from django_kvcache.memcached.exchange import Batch
 
-__all__ = ["Batch", "arun", "delete_batch", "flush_batch", "get_batch", "run", "set_batch"]
-
-
-def run(batches: Sequence[Batch]) -> None:
-    """Every batch on blocking sockets; fills ``result``/``error``."""
-    steps.run(exchange(batches, BLOCKING))
-
-
-async def arun(batches: Sequence[Batch]) -> None:
-    """``run`` on the event loop (where get batches may join other coroutines' gets)."""
-    await steps.arun(exchange(batches, ASYNCIO))
+__all__ = ["Batch", "delete_batch", "flush_batch", "get_batch", "set_batch"]
 
 
 # --- the batches ----------------------------------------------------------------------

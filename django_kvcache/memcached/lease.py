@@ -41,6 +41,7 @@ from typing import Any, Callable, Protocol
 
 from django_kvcache import steps, stampede
 from django_kvcache.memcached import MemcachedError, Refused, wire
+from django_kvcache.memcached.exchange import Transport
 from django_kvcache.memcached.node import Node
 from django_kvcache.stampede import MISSING, CacheCall, Read
 
@@ -64,22 +65,22 @@ def other_dialect(exc: MemcachedError) -> bool:
     return False
 
 
-def speaks_meta(node: Node) -> steps.Plan:
+def speaks_meta(node: Node, io: Transport) -> steps.Plan:
     """Whether ``node`` speaks the meta commands; asked once per node (``mn``)."""
     if node.meta is None:
-        node.meta = yield from node.call_plan(wire.meta_probe())
+        node.meta = yield from node.request(wire.meta_probe(), io)
     return node.meta
 
 
-def ttl(node: Node, key: str) -> steps.Plan:
+def ttl(node: Node, key: str, io: Transport) -> steps.Plan:
     """Seconds ``key`` has left on ``node`` (django-redis's meaning: None never expires,
     0 missing). ``MetaCommandsMissing`` on a server without meta commands: the classic
     protocol has no way to read an expiry time."""
     missing = "ttl() needs memcached >= 1.6.6 (meta commands: mg <key> t)"
-    if not (yield from speaks_meta(node)):
+    if not (yield from speaks_meta(node, io)):
         raise MetaCommandsMissing(node.name, missing)
     try:
-        remaining = yield from node.call_plan(wire.meta_ttl(key.encode()))
+        remaining = yield from node.request(wire.meta_ttl(key.encode()), io)
     except MemcachedError as exc:
         if not other_dialect(exc):
             raise
@@ -129,7 +130,8 @@ class MetaLeaseStore:
 
     ``node_for`` picks the node of a key now (routing, health, FAILOVER) and may raise;
     ``failed`` raises a ``MemcachedError`` or, under IGNORE_EXCEPTIONS, logs it — then
-    the caller computes without protection, as it would without a cache.
+    the caller computes without protection, as it would without a cache. ``io``: the
+    transport of the driver that runs the store's plans (``BLOCKING``, ``ASYNCIO``).
     """
 
     def __init__(
@@ -141,8 +143,10 @@ class MetaLeaseStore:
         version: Any,
         node_for: Callable[[str], Node],
         failed: Callable[[MemcachedError], Any],
+        io: Transport,
     ) -> None:
         self.host = host
+        self.io = io
         self.policy = policy
         self.caller_key, self.timeout, self.version = key, timeout, version
         self.node_for = node_for
@@ -182,14 +186,14 @@ class MetaLeaseStore:
         self.node = None
         try:
             node = self.node = self.node_for(self.key)
-            if not (yield from speaks_meta(node)):
+            if not (yield from speaks_meta(node, self.io)):
                 self.fallback = ClassicLeaseStore(
                     self.host, self.policy, self.caller_key, self.timeout, self.version,
-                    self.node_for,
+                    self.node_for, self.io,
                 )
                 return (yield from self.fallback.read())
             found = node.count_get(
-                (yield from node.call_plan(wire.meta_get_fresh(self.encoded, self.recache)))
+                (yield from node.request(wire.meta_get_fresh(self.encoded, self.recache), self.io))
             )
             if found is not None:
                 value = self.host.decode(found[0], found[1], self.caller_key)
@@ -201,7 +205,9 @@ class MetaLeaseStore:
                     # the new value is in waits for it instead of computing too.
                     won = yield from self.take_lease(node)
                     return Read(value, True, won)
-            replies = yield from node.call_plan(wire.meta_sequence(self.lease_request(), True))
+            replies = yield from node.request(
+                wire.meta_sequence(self.lease_request(), True), self.io
+            )
         except MemcachedError as exc:
             if self.node is not None and other_dialect(exc):
                 self.node.meta = False  # from now on, the add-based store on this node
@@ -222,7 +228,7 @@ class MetaLeaseStore:
             commands.append(self.release_command())
         if commands and self.node is not None:
             try:
-                yield from self.node.call_plan(wire.meta_sequence(commands, True))
+                yield from self.node.request(wire.meta_sequence(commands, True), self.io)
             except MemcachedError as exc:
                 self.failed(exc)
 
@@ -232,7 +238,9 @@ class MetaLeaseStore:
         if self.cas is None or self.node is None:
             return
         try:
-            yield from self.node.call_plan(wire.meta_sequence([self.release_command()], True))
+            yield from self.node.request(
+                wire.meta_sequence([self.release_command()], True), self.io
+            )
         except MemcachedError as exc:  # not raised: it would hide the computation's error
             logger.warning("Could not release the lease of %r (it expires by itself): %s",
                            self.caller_key, exc)
@@ -255,7 +263,9 @@ class MetaLeaseStore:
         """Whether this caller took the lease (an early recomputation's); a refusal or a
         failure means no: the entry is fresh, nobody needs to wait."""
         try:
-            (lease,) = yield from node.call_plan(wire.meta_sequence([self.lease_command()], True))
+            (lease,) = yield from node.request(
+                wire.meta_sequence([self.lease_command()], True), self.io
+            )
         except MemcachedError as exc:
             self.failed(exc)
             return False
@@ -344,22 +354,24 @@ class ClassicLeaseStore(stampede.AddLeaseStore):
         timeout: Any,
         version: Any,
         node_for: Callable[[str], Node],
+        io: Transport,
     ) -> None:
         super().__init__(host, policy, key, timeout, version)
         self.host = host
         self.node_for = node_for
+        self.io = io
 
     def release(self) -> steps.Plan:
         key = self.host.make_and_validate_key(self.lease_key, version=self.version)
         try:
             node = self.node_for(key)
-            found = yield from node.call_plan(wire.gets_one(key.encode()))
+            found = yield from node.request(wire.gets_one(key.encode()), self.io)
             if found is None:
                 return
             data, flags, cas = found
             if self.host.decode(data, flags, self.lease_key) != self.token:
                 return  # not ours: a successor's, after ours expired
-            yield from node.call_plan(wire.cas(key.encode(), b"", 0, -1, cas))
+            yield from node.request(wire.cas(key.encode(), b"", 0, -1, cas), self.io)
         except MemcachedError as exc:  # not raised: it would hide the computation's error
             logger.warning("Could not release the lease of %r (it expires by itself): %s",
                            self.key, exc)
