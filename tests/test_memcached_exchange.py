@@ -406,3 +406,130 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
         assert client.get("victim") is None  # no byte of the value ran as a command
     finally:
         client.close()
+
+
+# --- waiting for a node's repair: never forever, never for itself -----------------------------
+
+
+def cut_short_then_repairing(
+    cache: MemcachedCache, proxy: DelayingProxy, how: str
+) -> Callable[[], Any]:
+    """On the running loop: an ``aset`` cut short while the proxy holds its bytes —
+    ``"timed out"`` (IO_TIMEOUT: the key is outdated too) or ``"cancelled"`` (an ASGI
+    disconnect) — whose connection is kept to settle; then an ``aget`` that repairs the
+    node: it settles that write and waits for its fence's reply, which the proxy holds
+    too. Returns the repairing task once it holds the node's repair."""
+
+    async def start() -> Any:
+        proxy.hold()
+        if how == "cancelled":
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(cache.aset("key", "cut short"), 0.2)
+        else:
+            with pytest.raises(NodeError, match="timed out"):
+                await cache.aset("key", "cut short")
+        assert cache._nodes[0].unsettled.pending
+        repairing = asyncio.ensure_future(cache.aget("other", "missing"))
+        await asyncio.sleep(0.2)  # sent the rest and the fence; awaits the fence's reply
+        assert not repairing.done()
+        return repairing
+
+    return start
+
+
+def on_a_thread_of_its_own(scenario: Callable[[], Any], seconds: float) -> dict[str, Any]:
+    """``scenario()`` (a coroutine) on a loop in a daemon thread; fails if it does not
+    end within ``seconds`` (a hung thread is left behind, harmless)."""
+    outcome: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            outcome["value"] = asyncio.run(scenario())
+        except BaseException as exc:  # shown by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call never returned"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.mark.parametrize("how", ["timed out", "cancelled"])
+@pytest.mark.parametrize("ignore_exceptions", [True, False])
+def test_a_sync_call_on_the_loop_thread_never_waits_for_a_coroutine_repairing_the_node(
+    proxy, ignore_exceptions, how
+):
+    """A coroutine repairs a node (it settles a write that timed out, or that an ASGI
+    disconnect cut short) and waits for the node's answer; a sync call on the loop's own
+    thread (a ``{% cache %}`` tag in an async view) needs the same node. Waiting for the
+    repair would wait for a coroutine that cannot run until the call returns: the thread,
+    and every request on the loop, would hang for good. Going round the repair would let
+    its request overtake the write being settled. The call fails at once instead, as the
+    node's unavailability (a miss under IGNORE_EXCEPTIONS), and the node is not blamed."""
+    cache = build([proxy.address], IO_TIMEOUT=1.0, FAILURE_THRESHOLD=100)
+    cache.set("key", "first")
+    start = cut_short_then_repairing(cache, proxy, how)
+    # Another instance of the same cache (the same nodes): only IGNORE_EXCEPTIONS differs.
+    calling = MemcachedCache([proxy.address], {"OPTIONS": {
+        **cache.options, "IGNORE_EXCEPTIONS": ignore_exceptions}})
+    assert calling._nodes[0] is cache._nodes[0]
+
+    async def scenario() -> tuple[Any, float, Any]:
+        repairing = await start()
+        began = time.monotonic()
+        try:
+            answer = calling.get("key", "default")  # blocking, on the loop's thread
+        except NodeError as exc:
+            answer = exc
+        waited = time.monotonic() - began
+        proxy.release(0)
+        return answer, waited, await repairing
+
+    answer, waited, repaired = on_a_thread_of_its_own(scenario, 10)
+    if ignore_exceptions:
+        assert answer == "default"
+    else:
+        assert isinstance(answer, NodeError) and "coroutine" in str(answer), answer
+    assert waited < 0.2
+    assert repaired == "missing"  # the repair went on, and its own call with it
+    # Settled, then (timed out: the key is outdated) cleaned up.
+    assert cache.get("key") == ("cut short" if how == "cancelled" else None)
+    assert cache.metrics()[proxy.address]["errors"] == (how == "timed out")
+
+
+def test_a_thread_waits_for_a_coroutine_repairing_the_node_at_most_an_io_timeout(proxy):
+    """A thread whose node is being repaired by a coroutine waits for it — but the loop
+    may be busy (blocked by a long sync call), so the coroutine cannot go on: the thread
+    waits at most IO_TIMEOUT, not as long as the loop is blocked."""
+    cache = build([proxy.address], IO_TIMEOUT=IO_TIMEOUT, FAILURE_THRESHOLD=100)
+    cache.set("key", "first")
+    start = cut_short_then_repairing(cache, proxy, "timed out")
+    holding = threading.Event()
+    waited: list[float] = []
+
+    def thread_call() -> None:
+        holding.wait(10)
+        began = time.monotonic()
+        with pytest.raises(NodeError, match="timed out"):
+            cache.get("key")
+        waited.append(time.monotonic() - began)
+
+    caller = threading.Thread(target=thread_call, daemon=True)
+    caller.start()
+
+    async def scenario() -> Any:
+        repairing = await start()
+        holding.set()
+        time.sleep(3)  # the loop is blocked: the repairing coroutine cannot go on
+        proxy.release(0)
+        try:
+            return await repairing
+        except NodeError:  # its settle timed out meanwhile (the loop ran late)
+            return None
+
+    on_a_thread_of_its_own(scenario, 15)
+    caller.join(10)
+    assert waited and waited[0] < IO_TIMEOUT + MARGIN

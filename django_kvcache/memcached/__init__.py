@@ -34,6 +34,13 @@ class NodeDown(NodeError):
     """The node failed too often and is skipped until its retry time has passed."""
 
 
+class NodeBusy(NodeError):
+    """The node is being repaired (writes cut short settled, outdated copies deleted) by
+    another caller, and this call cannot wait for it: the repair is a coroutine of this
+    very thread (a sync call made on the event loop's thread), or it did not end within
+    IO_TIMEOUT. Not the node's failure: it is not counted."""
+
+
 class PoolExhausted(MemcachedError):
     """Every pooled connection of a node stayed busy for POOL_TIMEOUT seconds."""
 

@@ -189,7 +189,7 @@ class Ready:
 
 
 class TakeTurn:
-    """Hold the node's repair turn."""
+    """Hold the node's repair turn, waiting for it by ``deadline`` (``NodeBusy``)."""
 
     __slots__ = ("turn", "deadline")
 

@@ -15,7 +15,7 @@ The drivers only move bytes; everything else is decided here, once:
   writes every node's request before it reads any reply.
 * **Which deadline applies.** IO_TIMEOUT, counted from the moment the requests start
   going out until every reply is complete: one deadline for a whole round of a fan-out,
-  not one per read. Each settle has its own.
+  not one per read. Each settle has its own; waiting for another caller's repair too.
 * **What goes out together.** On the event loop, with AUTOBATCH, a get for a node the
   loop is already busy with joins that node's pending gets (``autobatch``) instead of
   going out alone; its share of their reply is its result.
@@ -34,6 +34,9 @@ The drivers only move bytes; everything else is decided here, once:
   - a failure (refused, reset, timeout, a reply we cannot read): the node's failure,
     counted by its health; the connection is closed — except a write whose request may
     have left and whose reply did not come: its socket is kept to be settled;
+  - a node another caller is repairing, which this call cannot wait for
+    (:class:`~django_kvcache.memcached.NodeBusy`): the batch's error, not counted; the
+    connection, never used, goes back;
   - a cancellation (``CancelledError``, a ``KeyboardInterrupt``, anything else raised
     through the exchange): handled as a timeout is — a write in flight is kept to be
     settled, a read is closed, an unused connection goes back — but the node is not
@@ -47,6 +50,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from django_kvcache.memcached import (
     MemcachedError,
+    NodeBusy,
     NodeError,
     Refused,
     aio,
@@ -331,6 +335,10 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
         batch.error = Refused(node.name, str(exc), client_error=exc.client_error)
         batch.error.__cause__ = exc
         return True
+    if isinstance(exc, NodeBusy):
+        attempt.give_back()  # nothing of this batch's was sent on it
+        batch.error = exc
+        return True
     if not isinstance(exc, NODE_FAILURES):
         return False
     if retry and attempt.found_stale(exc):
@@ -384,7 +392,8 @@ def _ready(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport)
 
 def _repair(batch: Batch) -> Plan:
     """Settle the node's writes cut short, then delete its outdated copies (on the
-    batch's connection), holding the node's repair turn (``stale.RepairTurn``). A caller that queued behind a settle that timed out fails at
+    batch's connection), holding the node's repair turn (``stale.RepairTurn``), waited
+    for at most IO_TIMEOUT. A caller that queued behind a settle that timed out fails at
     once (each waiting its own IO_TIMEOUT would make the k-th caller wait k timeouts on a
     node that still sleeps)."""
     node = batch.node

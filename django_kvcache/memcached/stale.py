@@ -16,15 +16,17 @@ after a later write. So its socket is kept (:class:`UnsettledSockets`) and settl
 — the rest of its request and a fence are sent, and the fence's reply read — and only
 then are the outdated copies deleted and the node used again.
 
-One caller repairs a node at a time (:class:`RepairTurn`).
+One caller repairs a node at a time (:class:`RepairTurn`): a thread, or a coroutine on
+some thread's event loop, holding its turn across the repair's IO; the others wait for it.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from django_kvcache import forks, outdated
-from django_kvcache.memcached import wire
+from django_kvcache.memcached import NodeBusy, wire
 from django_kvcache.memcached.connection import UnsettledSocket
 
 
@@ -42,7 +44,11 @@ class OutdatedCopies(outdated.OutdatedCopies):
 
 class UnsettledSockets:
     """The node's sockets whose write was cut short (timed out or cancelled), each with
-    the part of its request that was never sent: settled before the node serves again."""
+    the part of its request that was never sent: settled before the node serves again.
+
+    ``pending`` stays set from the first one kept until a repair has settled them all —
+    also while a caller has taken them to settle — so that no request goes out ahead of
+    a write that may still land."""
 
     def __init__(self) -> None:
         self.connections: list[UnsettledSocket] = []
@@ -60,9 +66,10 @@ class UnsettledSockets:
             self.pending = True
 
     def take(self) -> list[UnsettledSocket]:
-        """Every unsettled socket, now owned by the caller (``put_back`` the rest)."""
+        """Every unsettled socket, now owned by the caller: ``done`` once all are
+        settled, ``put_back`` the rest otherwise."""
         with self.lock:
-            taken, self.connections, self.pending = self.connections, [], False
+            taken, self.connections = self.connections, []
         return taken
 
     def put_back(self, connections: list[UnsettledSocket]) -> None:
@@ -71,7 +78,9 @@ class UnsettledSockets:
             self.pending = True
 
     def done(self) -> None:
-        """Everything taken is settled."""
+        """Everything taken is settled: nothing pending unless more was kept meanwhile."""
+        with self.lock:
+            self.pending = bool(self.connections)
 
     def after_fork(self) -> None:
         # The sockets are the parent's, which settles them: forget them, keep them open.
@@ -81,23 +90,74 @@ class UnsettledSockets:
 
 class RepairTurn:
     """Who repairs the node now. One caller at a time: another must not clean up while
-    writes that this one took to settle can still land after its clean-up. A thread's
-    lock, held across the repair: a thread waits for it, a coroutine polls it."""
+    writes that this one took to settle can still land after its clean-up.
+
+    The holder keeps its turn across the repair's IO, so nothing a thread can wait for is
+    ever a lock held there: the lock here guards who holds the turn, for a few
+    instructions. Waiting for a turn is bounded, in both worlds:
+
+    * a thread waits at most until ``deadline`` — the holder may be a coroutine on a
+      loop that is busy, and cannot go on — and never for a coroutine of its own
+      thread: that coroutine cannot run until the thread's call returns, so the call
+      would wait for itself (a sync cache call on the event loop's thread). Either way
+      it gets ``NodeBusy``;
+    * a coroutine waits on its loop, never blocking it, until ``deadline`` too.
+    """
+
+    #: How often a coroutine looks again (a thread is woken when the turn is given back).
+    POLL = 0.001
 
     def __init__(self, node: str) -> None:
         self.node = node
         self.lock = threading.Lock()
+        self.given_back = threading.Condition(self.lock)
+        self.holder: int | None = None  # the thread holding the turn (or running its loop)
+        self.held_by_coroutine = False
         forks.register(self)
 
     def take(self, deadline: float | None) -> None:
-        self.lock.acquire()
+        """Hold the turn (this thread, blocking), waiting for it until ``deadline``."""
+        me = threading.get_ident()
+        with self.lock:
+            while self.holder is not None:
+                if self.holder == me:
+                    raise NodeBusy(self.node, self._busy_here())
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise NodeBusy(self.node, self._still_busy())
+                self.given_back.wait(left)
+            self.holder, self.held_by_coroutine = me, False
 
     async def atake(self, deadline: float | None) -> None:
-        while not self.lock.acquire(blocking=False):  # a thread holds it: let it finish
-            await asyncio.sleep(0.001)
+        """Hold the turn (a coroutine of the running loop), waiting for it on the loop."""
+        me = threading.get_ident()
+        while True:
+            with self.lock:
+                if self.holder is None:
+                    self.holder, self.held_by_coroutine = me, True
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NodeBusy(self.node, self._still_busy())
+            await asyncio.sleep(self.POLL)
 
     def give_back(self) -> None:
-        self.lock.release()
+        with self.lock:
+            self.holder = None
+            self.given_back.notify()
+
+    def _busy_here(self) -> str:
+        who = "a coroutine of this thread's event loop" if self.held_by_coroutine else \
+            "this thread"
+        return (f"being repaired by {who} (settling writes cut short): a blocking call "
+                "here cannot wait for it")
+
+    @staticmethod
+    def _still_busy() -> str:
+        return ("timed out waiting for another caller's repair (settling writes cut "
+                "short) to end: IO_TIMEOUT passed")
 
     def after_fork(self) -> None:
+        # The holder, if any, was another thread of the parent: gone in the child.
         self.lock = threading.Lock()
+        self.given_back = threading.Condition(self.lock)
+        self.holder, self.held_by_coroutine = None, False
