@@ -276,6 +276,47 @@ def test_a_garbled_reply_is_a_node_failure(garbling_server, api, ignore_exceptio
     assert pool.size == len(pool.idle) == 0  # each garbled connection was closed
 
 
+@pytest.fixture
+def wrong_key_server() -> Iterator[ScriptedServer]:
+    """Answers every get with a value for a key that was not asked (a server or proxy
+    out of step, or one whose replies are crossed)."""
+
+    def answer(line: bytes) -> bytes | None:
+        if not line.startswith(b"get "):
+            return b"ERROR\r\n"
+        return b"VALUE :1:intruder 0 5\r\nwrong\r\nEND\r\n"
+
+    server = ScriptedServer(answer)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("autobatch", [True, False])
+@pytest.mark.parametrize("ignore_exceptions", [False, True])
+def test_a_value_for_a_key_not_asked_is_a_protocol_error(
+    wrong_key_server, api, ignore_exceptions, autobatch
+):
+    """A reply that does not match its request is no answer to it: never the value of
+    the key asked (``get``), never a ``KeyError`` out of ``get_many`` — whatever
+    IGNORE_EXCEPTIONS says. The connection is closed and the call fails as the node's
+    failure (a miss under IGNORE_EXCEPTIONS)."""
+    cache = build([wrong_key_server.address], FAILURE_THRESHOLD=100,
+                  IGNORE_EXCEPTIONS=ignore_exceptions, AUTOBATCH=autobatch)
+    styled = api.cache(cache)
+    if ignore_exceptions:
+        assert styled.get("k", "default") == "default"
+        assert styled.get_many(["a", "b"]) == {}
+    else:
+        with pytest.raises(NodeError, match="not asked"):
+            styled.get("k")
+        with pytest.raises(NodeError, match="not asked"):
+            styled.get_many(["a", "b"])
+    metrics = cache.metrics()[wrong_key_server.address]
+    assert metrics["errors"] == 2
+    pool = api.pool(cache._nodes[0])
+    assert pool.size == len(pool.idle) == 0  # each crossed connection was closed
+
+
 # --- deadlines ---------------------------------------------------------------------------
 
 

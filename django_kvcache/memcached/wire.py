@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from functools import partial
+from typing import Any, Callable, Collection, Iterable
 from urllib.parse import unquote
 
 #: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
@@ -135,12 +136,15 @@ class Values:
     """A ``get``/``gets`` reply: ``VALUE`` blocks up to ``ends`` ``END`` lines.
 
     ``result``: ``{key bytes: (data, flags)}``, or ``(data, flags, cas)`` for ``gets``.
+    A value for a key that is not one of ``keys`` (those asked) answers another request:
+    a :class:`ProtocolError`, never a value.
     """
 
-    __slots__ = ("ends", "cas", "result", "header")
+    __slots__ = ("keys", "ends", "cas", "result", "header")
     in_step = True
 
-    def __init__(self, ends: int = 1, cas: bool = False) -> None:
+    def __init__(self, keys: Collection[bytes], ends: int = 1, cas: bool = False) -> None:
+        self.keys = keys
         self.ends = ends
         self.cas = cas
         self.result: dict[bytes, tuple] = {}
@@ -164,6 +168,8 @@ class Values:
                 parts = line.split(b" ")
                 if len(parts) != (5 if self.cas else 4):
                     raise ProtocolError(f"unexpected VALUE line: {line[:80]!r}")
+                if parts[1] not in self.keys:
+                    raise ProtocolError(f"a value for a key not asked: {line[:80]!r}")
                 cas = number(parts[4], "a cas") if self.cas else 0
                 length = number(parts[3], "a value's length")
                 if length < 0:
@@ -179,13 +185,15 @@ class OneValue:
 
     A reply that arrived whole and alone (the usual case: one ``VALUE`` or none, and
     ``END``) is read in one go, without the line-by-line bookkeeping — the ``get`` hot
-    path; one that comes in pieces is read by :class:`Values`.
+    path; one that comes in pieces is read by :class:`Values`. A value for another key
+    than ``key`` is a :class:`ProtocolError`.
     """
 
-    __slots__ = ("result", "values")
+    __slots__ = ("key", "result", "values")
     in_step = True
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes) -> None:
+        self.key = key
         self.result: tuple[bytes, int] | None = None
         self.values: Values | None = None
 
@@ -195,7 +203,7 @@ class OneValue:
                 return True
             if not len(buffer):  # nothing yet (the asyncio path looks before data arrives)
                 return False
-            self.values = Values()
+            self.values = Values((self.key,))
         if not self.values.parse(buffer):
             return False
         self.result = next(iter(self.values.result.values()), None)
@@ -211,17 +219,19 @@ class OneValue:
                 return False
             buffer.pos = 5
             return True
+        if header[1] != self.key:
+            return False  # the line parser says what is wrong with it
         start = header.end()
-        end = start + int(header[2])
+        end = start + int(header[3])
         if len(data) != end + 7 or not data.endswith(b"\r\nEND\r\n"):
             return False
-        self.result = (data[start:end], int(header[1]))
+        self.result = (data[start:end], int(header[2]))
         buffer.pos = end + 7
         return True
 
 
 #: A ``VALUE <key> <flags> <length>`` line (``OneValue``'s shortcut).
-_VALUE_LINE = re.compile(rb"VALUE [^ \r\n]+ (\d+) (\d+)\r\n")
+_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) (\d+) (\d+)\r\n")
 
 
 class Lines:
@@ -490,13 +500,14 @@ class Op:
 
 def get_one(key: bytes) -> Op:
     """``(data, flags)`` or None."""
-    return Op(b"get %b\r\n" % key, OneValue, False)
+    return Op(b"get %b\r\n" % key, partial(OneValue, key), False)
 
 
 def get_many(keys: list[bytes]) -> Op:
     """``{key: (data, flags)}`` for the keys found."""
     ends = get_lines(len(keys))
-    return Op(get_request(keys), lambda: Values(ends), False)
+    asked = frozenset(keys)
+    return Op(get_request(keys), lambda: Values(asked, ends), False)
 
 
 def gets_one(key: bytes) -> Op:
@@ -504,7 +515,7 @@ def gets_one(key: bytes) -> Op:
     def finish(found: dict[bytes, tuple]) -> tuple[bytes, int, int] | None:
         return next(iter(found.values()), None)
 
-    return Op(get_request([key], b"gets"), lambda: Values(cas=True), False, finish)
+    return Op(get_request([key], b"gets"), lambda: Values((key,), cas=True), False, finish)
 
 
 STORE_REPLIES = (b"STORED", b"NOT_STORED", b"EXISTS", b"NOT_FOUND")
