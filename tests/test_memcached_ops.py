@@ -22,6 +22,7 @@ from django_kvcache.backends.memcached import MemcachedCache, refusals
 from django_kvcache.base import unreadable_entries
 from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
 from django_kvcache.memcached import wire
+from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.zstd import FLAG_ZSTD
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -128,8 +129,8 @@ def test_expire_times_follow_memcached_rules(make_cache):
     cache = make_cache(TIMEOUT=300)
     assert cache.expire_time() == 300
     assert cache.expire_time(None) == 0
-    assert cache.expire_time(0) == -1
-    assert cache.expire_time(-20) == -1
+    assert cache.expire_time(0) == EXPIRED  # a past Unix time: twemproxy refuses -1
+    assert cache.expire_time(-20) == EXPIRED
     assert cache.expire_time(0.4) == 1  # rounds up: a positive timeout is never "expired"
     assert cache.expire_time(100.2) == 101
     assert cache.expire_time(THIRTY_DAYS) == THIRTY_DAYS

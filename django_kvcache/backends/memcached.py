@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import random
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
@@ -44,17 +43,12 @@ from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
+from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
 from django_kvcache.options import flag
 from django_kvcache.signals import node_up
 from django_kvcache.steps import Plan, Sleep, arun, run
 
 MAX_KEY_BYTES = 250
-THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
-#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
-#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
-#: it refuses the command line without reading the value (whose bytes are then read as
-#: commands). Longer timeouts are clamped to it.
-LATEST_EXPIRY = 2**31 - 1
 CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
 #: Failures where the node did not answer (IGNORE_EXCEPTIONS turns them into misses).
 UNREACHABLE = (NodeError, PoolExhausted)
@@ -87,6 +81,24 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 
 
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
+
+
+class Written(NamedTuple):
+    """What a store round did, by stored key."""
+
+    stored: list[str]
+    refused: list[str]  # the value refused by its node (too large, out of memory)
+    failed: list[str]  # the node failed or was down
+
+
+class Round(NamedTuple):
+    """One round of requests: where its keys went, and each node's batch."""
+
+    placement: Placement
+    batches: list[fanout.Batch]
+
+
+NO_ROUND = Round(Placement({}, [], []), [])
 
 
 class MemcachedCache(KVCache):
@@ -305,19 +317,10 @@ class MemcachedCache(KVCache):
             )
 
     def expire_time(self, timeout: Any = DEFAULT_TIMEOUT) -> int:
-        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days,
-        at most ``LATEST_EXPIRY``.
-
-        Fractions of a second round up, so a positive timeout never means "expired".
-        """
-        seconds = self.timeout_seconds(timeout)
-        if seconds is None:
-            return 0
-        if seconds <= 0:
-            return -1
-        if seconds <= THIRTY_DAYS:
-            return math.ceil(seconds)
-        return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
+        """memcached's exptime for Django's ``timeout`` (``wire.exptime``): 0 forever, a
+        past Unix time for 0 and below, whole seconds rounded up, a Unix time past 30
+        days, at most ``LATEST_EXPIRY``."""
+        return wire.exptime(self.timeout_seconds(timeout))
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
@@ -342,9 +345,17 @@ class MemcachedCache(KVCache):
             node.ignored += 1
         return fallback
 
-    def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
-        """After a multi-key call: raise (or log) what went wrong, once every node is done."""
-        for error in placement.errors + [b.error for b in batches if b.error is not None]:
+    def _report(
+        self, placement: Placement, batches: list[fanout.Batch], after: Round | None = None
+    ) -> None:
+        """After a multi-key call (and the round ``after`` it): raise (or log) what went
+        wrong, once every node is done, and a node that was down once only."""
+        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        if after is not None:
+            reported = {error.node for error in placement.errors}
+            errors += [e for e in after.placement.errors if e.node not in reported]
+            errors += [b.error for b in after.batches if b.error is not None]
+        for error in errors:
             self._failed(error)
 
     # --- plans: single keys -----------------------------------------------------------
@@ -362,16 +373,20 @@ class MemcachedCache(KVCache):
         return default if value is MISSING else value
 
     def _write(
-        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0
+        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
+        riders: tuple[str, ...] = (),
     ) -> Plan:
         """A single-key write on the key's node (or its failover node), which is credited
-        with ``sent`` and ``saved`` bytes."""
+        with ``sent`` and ``saved`` bytes. A write that fails or is skipped is remembered
+        as missed, with the ``riders`` (side keys written in the same request)."""
         try:
             return (yield from self._node(key).request(op, io, sent, saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
+            if riders:
+                self._home(key).outdated.add(riders)
             raise
 
     def _store(
@@ -383,11 +398,17 @@ class MemcachedCache(KVCache):
         returns, ``add`` returns False and leaves the entry that is there."""
         stored_key = self.make_and_validate_key(key, version=version)
         expire = self.expire_time(timeout)
-        if expire < 0 and self._stale_copies and name == b"set":
-            # Nothing to cache (a timeout of 0): the entry goes, and with it the stale
-            # copies get_or_set keeps, as after delete (and as on MySQL).
-            yield from self._delete_entries({stored_key: key}, version, io)
-            return None
+        if self._stale_copies and not stampede.is_side_key(key):
+            # get_or_set's stale copies of the entry go with it (docs/stampede.rst).
+            if expire == EXPIRED and name == b"set":
+                # Nothing to cache (a timeout of 0): the entry goes, and with it the
+                # stale copies, as after delete (and as on MySQL).
+                yield from self._delete_entries({stored_key: key}, version, io)
+                return None
+            written = yield from self._store_entries(
+                name, {stored_key: key}, {key: value}, timeout, version, io
+            )
+            return stored_key in written.stored if name == b"add" else None
         data, flags, saved = self.codec.encode_measured(value)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
@@ -400,6 +421,38 @@ class MemcachedCache(KVCache):
         except MemcachedError as exc:
             return self._failed(exc, False if name == b"add" else None)
         return bool(stored) if name == b"add" else None
+
+    def store_entry(
+        self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport,
+        copy: tuple[bytes, float | None] | None = None, after: list[wire.Op] | None = None,
+    ) -> Plan:
+        """get_or_set's winner stores its value (``memcached.lease``): a ``set`` of the
+        entry that leaves its stale copies alone (they are the winner's to write, not to
+        delete, unlike a plain ``set``'s). With ``copy`` (the meta store's copy: its key
+        and lifetime), the copy first, the entry, then ``after``, in one request on the
+        entry's node. A refused value and a failure are handled as ``set``'s."""
+        stored_key = self.make_and_validate_key(key, version=version)
+        data, flags, saved = self.codec.encode_measured(value)
+        ops = []
+        riders: tuple[str, ...] = ()
+        if copy is not None:
+            ops.append(wire.meta_store(copy[0], data, flags, wire.exptime(copy[1])))
+            riders = (copy[0].decode(),)
+        entry = len(ops)
+        ops.append(wire.store(b"set", stored_key.encode(), data, flags,
+                              self.expire_time(timeout)))
+        ops.extend(after or ())
+        sent = len(stored_key) + len(data)
+        try:
+            replies = yield from self._write(stored_key, wire.pipeline(ops), io, sent, saved,
+                                             riders)
+        except MemcachedError as exc:
+            self._failed(exc)
+            return
+        refused = replies[entry]
+        if isinstance(refused, wire.ErrorReply):
+            refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}")
+            yield from self._forget(stored_key, key, io)
 
     def _forget(self, stored_key: str, key: Any, io: Transport) -> Plan:
         """Delete a key whose new value was refused, so the old one is never read again."""
@@ -418,7 +471,7 @@ class MemcachedCache(KVCache):
             return self._failed(exc, False)
 
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
-        if self._stale_copies:
+        if self._stale_copies and not stampede.is_side_key(key):
             stored_key = self.make_and_validate_key(key, version=version)
             deleted, _ = yield from self._delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
@@ -592,59 +645,77 @@ class MemcachedCache(KVCache):
     def _set_many(
         self, data: Mapping[Any, Any], timeout: Any, version: int | None, io: Transport
     ) -> Plan:
-        """One pipelined run of ``set`` per node, all nodes at once. The keys returned are
-        those not stored: their node failed or was down, or it refused the value (too
-        large, out of memory; logged, and its older value deleted, as ``set`` does)."""
+        """The keys returned are those not stored: their node failed or was down, or it
+        refused the value (too large, out of memory; logged, and its older value deleted,
+        as ``set`` does)."""
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
-        if self._stale_copies and self.expire_time(timeout) < 0:  # as set's
+        if self._stale_copies and self.expire_time(timeout) == EXPIRED:  # as set's
             _, failed = yield from self._delete_entries(key_map, version, io)
             return [key_map[key] for key in failed]
+        written = yield from self._store_entries(b"set", key_map, data, timeout, version, io)
+        return [key_map[key] for key in written.failed + written.refused]
+
+    def _store_entries(
+        self, name: bytes, key_map: dict[str, Any], data: Mapping[Any, Any], timeout: Any,
+        version: int | None, io: Transport,
+    ) -> Plan:
+        """``set`` (or ``add``) of the entries: one pipelined request per node, all nodes
+        at once. With STALE_TIMEOUT, the stale copies ``get_or_set`` keeps of them are
+        deleted after them (:meth:`_stale_copies_of`), so that none is ever older than
+        the last value written. A value a node refused is logged, and after ``set`` its
+        older value deleted; failures are raised, or logged under IGNORE_EXCEPTIONS, once
+        every node is done, and what they leave behind is remembered as outdated.
+        Returns what was stored, what failed and what was refused (stored keys)."""
         placement = self._place(key_map)
+        copies = self._stale_copies_of(placement, key_map, version)
         batches = [
-            self._set_batch(node, node_keys, key_map, data, timeout)
-            for node, node_keys in placement.groups.items()
+            self._store_batch(name, node, keys, key_map, data, timeout, copies)
+            for node, keys in placement.groups.items()
         ]
         yield from fan_out(batches, io)
-        refused = self._refused_keys(batches, key_map)
-        if refused:
-            yield from self._delete_keys(refused, io)  # a refused value leaves no older one
-        self.cluster.missed_batch_writes(placement, batches)
-        self._report(placement, batches)
-        failed = list(placement.stranded)
-        for batch in batches:
-            if batch.error is not None:
-                failed.extend(batch.keys)
-        return [key_map[key] for key in failed + refused]
+        apart = yield from self._delete_round(copies.apart if copies else [], io)
+        written = self._written(batches, key_map)
+        failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        self._missed(placement, batches, copies, apart)
+        if written.refused and name == b"set":  # a refused value leaves no older one
+            yield from self._delete_keys(written.refused, io)
+        self._report(placement, batches, apart)
+        return written._replace(failed=failed)
 
-    def _set_batch(
-        self, node: Node, keys: list[str], key_map: dict[str, Any], data: Mapping[Any, Any],
-        timeout: Any,
+    def _store_batch(
+        self, name: bytes, node: Node, keys: list[str], key_map: dict[str, Any],
+        data: Mapping[Any, Any], timeout: Any, copies: lease.StaleCopies | None,
     ) -> fanout.Batch:
-        """``keys``' values encoded, as one node's share of ``set_many``."""
+        """``keys``' values encoded, as one node's share of a store; the stale copies
+        that ride on the node deleted after them, in the same request."""
         encoded = []
         saved = 0
         for key in keys:
             payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
             encoded.append((payload, flags))
             saved += saving
-        return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
+        riding = copies.riding.get(node) if copies else None
+        return fanout.store_batch(node, name, keys, encoded, self.expire_time(timeout), saved,
+                                  riding)
 
     @staticmethod
-    def _refused_keys(batches: list[fanout.Batch], key_map: dict[str, Any]) -> list[str]:
-        """The keys whose value a node that answered refused, each logged with the
-        caller's key."""
-        refused = []
+    def _written(batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
+        """What the nodes that answered did with each value: stored, not stored (``add``
+        over an entry), or refused (each refusal logged with the caller's key)."""
+        written = Written([], [], [])
         for batch in batches:
             if batch.error is not None:
                 continue
             for key, line in zip(batch.keys, batch.result):
-                if line != b"STORED":
-                    refused.append(key)
+                if line == b"STORED":
+                    written.stored.append(key)
+                elif line != b"NOT_STORED":
+                    written.refused.append(key)
                     reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
                     refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
-        return refused
+        return written
 
     def _delete_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
@@ -656,69 +727,68 @@ class MemcachedCache(KVCache):
     def _delete_entries(
         self, key_map: dict[str, Any], version: int | None, io: Transport
     ) -> Plan:
-        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry and the stale copy
-        ``get_or_set`` may keep of it (docs/stampede.rst), which must not outlive it, in
-        one round. The meta store's copy lives on the entry's node: its delete goes in the
-        entry's request. The add-based store's (a node not known to speak the meta
-        commands) is a key of its own: its delete goes to its node, in the same round.
-        A delete that fails or is skipped is raised or logged like any, and the copies it
-        leaves are remembered as outdated, as the entry is. Returns the stored keys of
-        the entries deleted, and of those whose delete failed or was skipped."""
+        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry, then the stale copies
+        ``get_or_set`` may keep of it (:meth:`_stale_copies_of`), which must not outlive
+        it. A delete that fails or is skipped is raised or logged like any, and what it
+        leaves is remembered as outdated. Returns the stored keys of the entries deleted,
+        and of those whose delete failed or was skipped."""
         if not key_map:
             return set(), []
         placement = self._place(key_map)
-        riders: dict[str, str] = {}  # each meta stale copy: its entry's key
-        classic: list[str] = []
-
-        def copies(keys: list[str], node: Node | None) -> list[str]:
-            """The keys' meta stale copies (also noting their add-based ones where the
-            node is not known to speak meta: ``node``, or the key's home if skipped)."""
-            found = []
-            for key in keys:
-                copy = lease.meta_stale_key(key)
-                riders[copy] = key
-                found.append(copy)
-                if (self._home(key) if node is None else node).meta is not True:
-                    classic.append(lease.classic_stale_key(self, key_map[key], version))
-            return found
-
-        for node, keys in placement.groups.items():
-            keys.extend(copies(keys, node))
-        failed = list(placement.stranded)
-        placement.stranded.extend(copies(failed, None))
-        if classic:
-            own = self._place(classic)
-            for node, keys in own.groups.items():
-                placement.groups.setdefault(node, []).extend(keys)
-            placement.stranded.extend(own.stranded)
-            reported = {error.node for error in placement.errors}
-            placement.errors.extend(e for e in own.errors if e.node not in reported)
-        batches = []
-        for node, keys in placement.groups.items():
-            batch = fanout.delete_batch(node, keys)
-            batch.ops = sum(key in key_map for key in keys)  # the caller's deletes only
-            batches.append(batch)
+        copies = self._stale_copies_of(placement, key_map, version)
+        batches = [
+            fanout.delete_batch(node, keys, copies.riding.get(node) if copies else None)
+            for node, keys in placement.groups.items()
+        ]
         yield from fan_out(batches, io)
-        self.cluster.missed_batch_writes(placement, batches, riders)
-        deleted = set()
-        for batch in batches:
-            if batch.error is not None:
-                failed.extend(key for key in batch.keys if key in key_map)
-                continue
-            deleted.update(key for key, line in zip(batch.keys, batch.result)
-                           if line == b"DELETED" and key in key_map)
-        self._report(placement, batches)
+        apart = yield from self._delete_round(copies.apart if copies else [], io)
+        deleted = {key for batch in batches if batch.error is None
+                   for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
+        failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        self._missed(placement, batches, copies, apart)
+        self._report(placement, batches, apart)
         return deleted, failed
+
+    def _stale_copies_of(
+        self, placement: Placement, key_map: dict[str, Any], version: int | None
+    ) -> lease.StaleCopies | None:
+        """With STALE_TIMEOUT, where the stale copies ``get_or_set`` keeps of the placed
+        entries are deleted when the entries are written or deleted: the meta store's in
+        the entry's own request, after it; the add-based store's (a key of its own) in a
+        round after the entries'. Entry first, copy after: a winner of ``get_or_set``
+        writes the copy first (``lease``), so no interleaving leaves a copy older than
+        the entry's last value, or a deleted value as the copy. None without."""
+        if not self._stale_copies:
+            return None
+        return lease.stale_copies(self, placement.groups, placement.stranded, key_map,
+                                  version, self._home)
+
+    def _missed(
+        self, placement: Placement, batches: list[fanout.Batch],
+        copies: lease.StaleCopies | None, apart: Round,
+    ) -> None:
+        """What a write round and its copies' round left undone, remembered as outdated:
+        the keys of failed batches (their riding copies with them) and skipped keys."""
+        if copies is not None:
+            placement.stranded.extend(copies.stranded)
+        self.cluster.missed_batch_writes(placement, batches, copies.entry_of if copies else None)
+        self.cluster.missed_batch_writes(apart.placement, apart.batches)
+
+    def _delete_round(self, keys: list[str], io: Transport) -> Plan:
+        """One delete request per node, all at once: a :class:`Round`, nothing raised."""
+        if not keys:
+            return NO_ROUND
+        placement = self._place(keys)
+        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
+        yield from fan_out(batches, io)
+        return Round(placement, batches)
 
     def _delete_keys(self, keys: list[str], io: Transport, report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,
         else (a clean-up after refused writes) logged; either way the keys that were not
         deleted are remembered as outdated."""
-        if not keys:
-            return
-        placement = self._place(keys)
-        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        yield from fan_out(batches, io)
+        deletes = yield from self._delete_round(keys, io)
+        placement, batches = deletes
         self.cluster.missed_batch_writes(placement, batches)
         if report:
             self._report(placement, batches)

@@ -102,6 +102,8 @@ class Batch:
     ``ops`` is counted once, whatever is retried; ``sent`` and ``saved`` bytes are
     credited once the node answered, and with ``count_received`` the reply's bytes too.
     ``on_result`` bumps the node's counters with the result (hits and misses).
+    ``keys``: the keys the op is about; ``side_keys``: keys it writes besides (stale
+    copies), missed with them if the batch fails.
     ``gets``: a get's keys, which may go out with other gets (AUTOBATCH); ``one``: it is a
     single-key get, whose result is ``(data, flags)`` or None, not a dict. ``attempt``:
     the connection it holds meanwhile (:class:`Attempt`), if any.
@@ -110,6 +112,7 @@ class Batch:
     # Optional fields as class attributes: a single-key call (the hot path) builds its
     # batch from two or four arguments (a keyword-rich constructor costs twice as much).
     keys: Sequence[str] = ()
+    side_keys: Sequence[str] = ()
     ops = 1
     sent = 0
     saved = 0

@@ -16,7 +16,7 @@ from typing import Any
 from django_kvcache.memcached import wire
 from django_kvcache.memcached.exchange import Batch
 
-__all__ = ["Batch", "delete_batch", "flush_batch", "get_batch", "set_batch"]
+__all__ = ["Batch", "delete_batch", "flush_batch", "get_batch", "store_batch"]
 
 
 # --- the batches ----------------------------------------------------------------------
@@ -36,20 +36,29 @@ def get_batch(node: Any, keys: list[str]) -> Batch:
     return batch
 
 
-def set_batch(
-    node: Any, keys: list[str], encoded: list[tuple[bytes, int]], expire: int, saved: int
+def store_batch(
+    node: Any, name: bytes, keys: list[str], encoded: list[tuple[bytes, int]], expire: int,
+    saved: int, deletes: list[str] | None = None,
 ) -> Batch:
-    """``result``: one reply line per key (``STORED`` or the server's refusal). ``saved``:
-    the bytes compression saved, credited to the node once it answered."""
+    """``set`` (``add``) of ``keys``' encoded values, then ``delete`` of ``deletes`` (side
+    keys: stale copies) in the same request. ``result``: one reply line per command, the
+    stores' first (``STORED``, ``NOT_STORED`` or the server's refusal). ``saved``: the
+    bytes compression saved, credited to the node once it answered."""
     items = [(key.encode(), data, flags) for key, (data, flags) in zip(keys, encoded)]
-    batch = _many(node, keys, wire.store_many(items, expire))
+    side = deletes or []
+    batch = _many(node, keys, wire.store_many(items, expire, name,
+                                              [key.encode() for key in side]))
     batch.saved = saved
+    batch.side_keys = side
     return batch
 
 
-def delete_batch(node: Any, keys: list[str]) -> Batch:
-    """``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
-    return _many(node, keys, wire.delete_many(key.encode() for key in keys))
+def delete_batch(node: Any, keys: list[str], side: list[str] | None = None) -> Batch:
+    """``delete`` of ``keys``, then of ``side`` (side keys: stale copies, not counted as
+    operations). ``result``: one reply line per key (``DELETED`` or ``NOT_FOUND``)."""
+    batch = _many(node, keys, wire.delete_many(key.encode() for key in [*keys, *(side or ())]))
+    batch.side_keys = side or []
+    return batch
 
 
 def flush_batch(node: Any) -> Batch:

@@ -22,7 +22,9 @@ Two dialects:
 """
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Collection, Iterable
@@ -433,6 +435,35 @@ class Meta:
         return True
 
 
+# --- expiry times -----------------------------------------------------------------------
+
+#: memcached reads an exptime up to this many seconds as relative, a larger one as a Unix time.
+THIRTY_DAYS = 60 * 60 * 24 * 30
+#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
+#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
+#: it refuses the command line without reading the value (whose bytes are then read as
+#: commands). Longer lifetimes are clamped to it.
+LATEST_EXPIRY = 2**31 - 1
+#: "Already expired": a Unix time long past (1970-01-31). memcached takes a negative
+#: exptime too, but twemproxy closes the connection on one; a past time works everywhere.
+EXPIRED = THIRTY_DAYS + 1
+
+
+def exptime(seconds: float | None) -> int:
+    """memcached's exptime for an item that lives ``seconds`` from now (None: forever) —
+    the one conversion of every lifetime sent (``set``, ``touch``, a lease's ``N``, a
+    stale copy's ``T``): 0 for forever, :data:`EXPIRED` for none (0 or less), whole
+    seconds rounded up (a positive lifetime never means "expired") up to 30 days, then an
+    absolute Unix time, at most :data:`LATEST_EXPIRY`."""
+    if seconds is None:
+        return 0
+    if seconds <= 0:
+        return EXPIRED
+    if seconds <= THIRTY_DAYS:
+        return math.ceil(seconds)
+    return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
+
+
 # --- requests -------------------------------------------------------------------------
 
 #: Answered after everything sent before it on the connection, whatever memcached version.
@@ -531,17 +562,26 @@ def store(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> Op:
 
 def cas(key: bytes, data: bytes, flags: int, expire: int, token: int) -> Op:
     """``cas``: store only if the item's compare token is still ``token``; whether it
-    was. With ``expire`` -1 a conditional delete (the item is replaced, expired)."""
+    was. With ``expire`` :data:`EXPIRED` a conditional delete (the item is replaced by an
+    expired one)."""
     request = b"cas %b %d %d %d %d\r\n%b\r\n" % (key, flags, expire, len(data), token, data)
     return Op(request, lambda: Line("cas", carries_data=True), True,
               _answer(b"STORED", STORE_REPLIES, "cas"))
 
 
-def store_many(items: list[tuple[bytes, bytes, int]], expire: int) -> Op:
-    """``set`` of ``(key, data, flags)`` items: one status line per item (``STORED`` or
-    the server's refusal, kept as it is)."""
-    request = b"".join(store_command(b"set", k, d, f, expire) for k, d, f in items)
-    return Op(request, lambda: Lines(len(items), STORE_REPLIES, carries_data=True), True)
+def store_many(
+    items: list[tuple[bytes, bytes, int]], expire: int, name: bytes = b"set",
+    deletes: list[bytes] | None = None,
+) -> Op:
+    """``set`` (or ``add``) of ``(key, data, flags)`` items, then ``delete`` of
+    ``deletes``, in one request: one status line per command (``STORED``… or the
+    server's refusal, kept as it is)."""
+    request = b"".join(store_command(name, k, d, f, expire) for k, d, f in items)
+    if deletes:
+        request += b"".join(map(delete_command, deletes))
+    count = len(items) + len(deletes or ())
+    return Op(request, lambda: Lines(count, STORE_REPLIES + DELETE_REPLIES, carries_data=True),
+              True)
 
 
 def touch(key: bytes, expire: int) -> Op:
@@ -672,6 +712,60 @@ class MetaSequence:
             if len(self.result) < len(self.carries_data):
                 self.current = Meta(self.carries_data[len(self.result)])
         return True
+
+
+class Replies:
+    """The replies to several ops sent in one request (:func:`pipeline`), in order, each
+    read by its own parser; ``result``: each parser, or the :class:`ErrorReply` its
+    command got (the replies after it are still read). The connection is out of step
+    after them if it is after any of them."""
+
+    __slots__ = ("parsers", "result", "in_step")
+
+    def __init__(self, parsers: list[Any]) -> None:
+        self.parsers = parsers
+        self.result: list[Any] = []
+        self.in_step = True
+
+    def parse(self, buffer: Buffer) -> bool:
+        while len(self.result) < len(self.parsers):
+            parser = self.parsers[len(self.result)]
+            try:
+                if not parser.parse(buffer):
+                    return False
+                self.result.append(parser)
+                self.in_step = self.in_step and parser.in_step
+            except ErrorReply as exc:
+                self.result.append(exc)
+                self.in_step = self.in_step and exc.in_step
+        return True
+
+
+def pipeline(ops: list[Op]) -> Op:
+    """``ops`` in one request: a list of what each makes of its reply, or the
+    :class:`ErrorReply` its command got."""
+    def finish(parsed: list[Any]) -> list[Any]:
+        return [item if isinstance(item, ErrorReply) else op.result(item)
+                for op, item in zip(ops, parsed)]
+
+    return Op(b"".join(op.request for op in ops),
+              lambda: Replies([op.make_reply() for op in ops]),
+              any(op.writes for op in ops), finish)
+
+
+def meta_store(key: bytes, data: bytes, flags: int, expire: int) -> Op:
+    """``ms``: store ``data`` under ``key`` for ``expire`` (an exptime): the reply's code."""
+    request = meta_command(b"ms", key, b"T%d" % expire, b"F%d" % flags, data=data)
+    return Op(request, lambda: Meta(carries_data=True), True, _code)
+
+
+def meta_delete(key: bytes, cas: int) -> Op:
+    """``md`` of ``key`` only if its CAS is still ``cas``: the reply's code."""
+    return Op(meta_command(b"md", key, b"C%d" % cas), Meta, True, _code)
+
+
+def _code(reply: MetaReply) -> bytes:
+    return reply.code
 
 
 def meta_sequence(commands: list[bytes], writes: bool) -> Op:
