@@ -524,3 +524,26 @@ def test_clear_flushes_every_node(cache):
     cache.set_many({f"key-{i}": i for i in range(30)})
     cache.clear()
     assert cache.get_many([f"key-{i}" for i in range(30)]) == {}
+
+
+def test_incr_on_an_unreachable_node_as_documented():
+    """docs/memcached.rst, "incr and decr": ours raises ValueError under IGNORE_EXCEPTIONS
+    (Django's contract: the new value or ValueError); Django's PyMemcacheCache returns
+    False with ignore_exc, and without it raises the connection error once, then returns
+    False while pymemcache keeps the node out — never ValueError."""
+    from django.core.cache.backends.memcached import PyMemcacheCache
+
+    from tests.servers import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    ours = MemcachedCache(dead, {"OPTIONS": {"IGNORE_EXCEPTIONS": True}})
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            ours.incr("n")
+    ignoring = PyMemcacheCache(dead, {"OPTIONS": {"ignore_exc": True}})
+    assert [ignoring.incr("n") for _ in range(3)] == [False] * 3
+    assert [ignoring.decr("n") for _ in range(3)] == [False] * 3
+    strict = PyMemcacheCache(dead, {})
+    with pytest.raises(ConnectionRefusedError):
+        strict.incr("n")
+    assert strict.incr("n") is False

@@ -117,7 +117,6 @@ def test_unknown_command_and_garbage_are_protocol_errors():
         (lambda: wire.Line("set"), b"ERROR\r\n"),
         (lambda: wire.Lines(1), b"ERROR\r\n"),
         (lambda: wire.Values({b"a"}), b"STORED\r\n"),
-        (lambda: wire.Values({b"a"}), b"SERVER_ERROR busy\r\n"),
         (lambda: wire.Values({b"a"}), b"VALUE a 0\r\n"),
         (lambda: wire.Values({b"a"}), b"VALUE a 0 3\r\nabcd\r\n"),  # longer than announced
         (lambda: wire.Values({b"a"}), b"VALUE b 0 1\r\nb\r\nEND\r\n"),  # not asked
@@ -129,6 +128,38 @@ def test_unknown_command_and_garbage_are_protocol_errors():
         buffer.feed(data)
         with pytest.raises(wire.ProtocolError):
             make_reply().parse(buffer)
+
+
+def test_a_server_error_to_a_get_is_that_request_s_failure():
+    """A proxy answers ``SERVER_ERROR`` to a get whose server it cannot reach: the
+    request's failure, the connection in step after it (when it ends the reply)."""
+    for make_reply, in_step in [(lambda: wire.Values({b"a"}), True),
+                                (lambda: wire.OneValue(b"a"), True),
+                                (lambda: wire.Values({b"a"}, ends=2), False)]:
+        buffer = wire.Buffer()
+        buffer.feed(b"SERVER_ERROR Connection refused\r\n")
+        with pytest.raises(wire.ErrorReply) as refused:
+            make_reply().parse(buffer)
+        assert refused.value.in_step is in_step
+        assert not refused.value.client_error and not refused.value.refuses_value
+    for line, refuses in [(b"SERVER_ERROR object too large for cache", True),
+                          (b"SERVER_ERROR out of memory storing object", True),
+                          (b"SERVER_ERROR Connection refused", False),
+                          (b"CLIENT_ERROR bad data chunk", False)]:
+        assert wire.refuses_value(line) is refuses
+
+
+def test_gets_one_by_one_fail_one_by_one():
+    op = wire.get_each([b"a", b"b", b"c"])
+    assert op.request == b"get a\r\nget b\r\nget c\r\n"
+    reply = b"VALUE a 0 1\r\n1\r\nEND\r\nSERVER_ERROR Connection refused\r\nEND\r\n"
+    for result in feed_split(reply, op.make_reply):
+        assert result  # the parsers, in order
+    parser = op.make_reply()
+    buffer = wire.Buffer()
+    buffer.feed(reply)
+    assert parser.parse(buffer) and parser.in_step
+    assert op.result(parser) == ({b"a": (b"1", 0)}, [b"b"])
 
 
 def test_fence_skips_everything_before_the_version_reply():

@@ -37,7 +37,15 @@ from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
+from django_kvcache.memcached import (
+    MemcachedError,
+    NodeDown,
+    NodeError,
+    PoolExhausted,
+    Refused,
+    ServerError,
+    Unsupported,
+)
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
@@ -83,12 +91,18 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
 
 
+def _unserved(line: bytes) -> bool:
+    """A reply line that says the server could not serve the command (``SERVER_ERROR``
+    other than a refused value: a proxy whose server for the key is down)."""
+    return line.startswith(b"SERVER_ERROR") and not wire.refuses_value(line)
+
+
 class Written(NamedTuple):
     """What a store round did, by stored key."""
 
     stored: list[str]
     refused: list[str]  # the value refused by its node (too large, out of memory)
-    failed: list[str]  # the node failed or was down
+    failed: list[str]  # the node failed, was down, or could not serve the key
 
 
 class Round(NamedTuple):
@@ -346,16 +360,18 @@ class MemcachedCache(KVCache):
         return fallback
 
     def _report(
-        self, placement: Placement, batches: list[fanout.Batch], after: Round | None = None
+        self, placement: Placement, batches: list[fanout.Batch], after: Round | None = None,
+        more: list[MemcachedError] | None = None,
     ) -> None:
         """After a multi-key call (and the round ``after`` it): raise (or log) what went
-        wrong, once every node is done, and a node that was down once only."""
+        wrong, once every node is done, and a node that was down once only; ``more``:
+        errors found in the replies (keys a proxy could not serve)."""
         errors = placement.errors + [b.error for b in batches if b.error is not None]
         if after is not None:
             reported = {error.node for error in placement.errors}
             errors += [e for e in after.placement.errors if e.node not in reported]
             errors += [b.error for b in after.batches if b.error is not None]
-        for error in errors:
+        for error in errors + (more or []):
             self._failed(error)
 
     # --- plans: single keys -----------------------------------------------------------
@@ -485,7 +501,7 @@ class MemcachedCache(KVCache):
         key = self.make_and_validate_key(key, version=version)
         try:
             return (yield from lease.ttl(self._node(key), key, io))
-        except lease.MetaCommandsMissing:
+        except Unsupported:
             raise  # the server's version, not a failure: IGNORE_EXCEPTIONS does not hide it
         except MemcachedError as exc:
             return self._failed(exc, 0)
@@ -502,7 +518,9 @@ class MemcachedCache(KVCache):
 
         A value >= 0 plus 0 <= delta <= INT64_MAX is one server ``incr``. Everything
         else (negative deltas and values, deltas beyond 64 bits) is computed here and
-        written with compare-and-swap, which keeps the item's remaining lifetime.
+        written with compare-and-swap, which keeps the item's remaining lifetime — on a
+        node without the meta commands, what the classic protocol can do instead
+        (:meth:`_incr_classic`).
         """
         check_delta(delta)
         caller_key, key = key, self.make_and_validate_key(key, version=version)
@@ -511,16 +529,18 @@ class MemcachedCache(KVCache):
             if 0 <= delta <= INT64_MAX:
                 value = yield from self._incr_on_server(node, key, delta, caller_key, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta, caller_key, io)
-        except Refused:
+                value = yield from self._incr_here(node, key, delta, caller_key, io)
+        except (Refused, Unsupported):
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
             if not isinstance(exc, UNREACHABLE):
                 raise  # the node answered (no meta commands, a key that kept changing)
             # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted) the
-            # answer for a missing key, as Django's memcached backends give when their
-            # client ignores errors — what rate limiters built on add + incr expect.
+            # answer for a missing key: Django's contract has incr return the new value or
+            # raise ValueError, which callers handle (django-ratelimit counts from its
+            # initial value then). Django's PyMemcacheCache with ignore_exc returns False
+            # instead — neither a count nor a miss (docs/memcached.rst, incr and decr).
             self._failed(exc)
             value = None
         if value is None:
@@ -548,12 +568,53 @@ class MemcachedCache(KVCache):
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+            return (yield from self._incr_here(node, key, delta, caller_key, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
             yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
         raise self._overflow(key, delta)
+
+    def _incr_here(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
+        """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond
+        64 bits): compare-and-swap on the meta commands, or without them (memcached
+        before 1.6.6, a proxy such as twemproxy) what the classic protocol can do."""
+        if (yield from node.speaks_meta(io)):
+            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+        return (yield from self._incr_classic(node, key, delta, caller_key, io))
+
+    def _incr_classic(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
+        """Without the meta commands: a decrement is memcached's own ``decr`` — atomic,
+        the lifetime kept, and like it (and Django's ``PyMemcacheCache``) it stops at 0,
+        never below. Anything else (a negative stored value, a delta beyond 64 bits)
+        would have to rewrite the counter without its lifetime, which the classic
+        protocol cannot read: ``MetaCommandsMissing``, the counter unchanged — after the
+        answers that need no write: a missing key (None), a value that is not an integer
+        (``TypeError``), a result beyond 64 bits (``OverflowError``)."""
+        encoded_key = key.encode()
+        if -INT64_MAX <= delta < 0:
+            try:
+                return (yield from node.request(wire.decr(encoded_key, -delta), io))
+            except Refused as exc:
+                if not exc.client_error:
+                    raise  # "non-numeric value": read it to say which
+        found = yield from node.request(wire.get_one(encoded_key), io)
+        if found is None:
+            return None
+        value = self._counter_value(found[0], found[1], key, caller_key)
+        if value is MISSING:
+            return None
+        if not INT64_MIN <= value + delta <= INT64_MAX:
+            raise self._overflow(key, delta)
+        raise lease.MetaCommandsMissing(
+            node.name, f"incr/decr of {key!r} (from {value}, by {delta}) needs the meta "
+            "commands (memcached >= 1.6.6; proxies such as twemproxy do not forward them): "
+            "the classic protocol cannot keep the entry's lifetime; unchanged"
+        )
 
     def _add_with_cas(
         self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
@@ -565,7 +626,6 @@ class MemcachedCache(KVCache):
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
-        yield from self._require_meta(node, io)
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
@@ -588,16 +648,6 @@ class MemcachedCache(KVCache):
                 return result
             yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
-
-    def _require_meta(self, node: Node, io: Transport) -> Plan:
-        """Make sure ``node`` speaks the meta commands (asked once per node)."""
-        if node.meta is None:
-            node.meta = yield from node.request(wire.meta_probe(), io)
-        if not node.meta:
-            raise MemcachedError(
-                node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
-                "(meta commands, which keep the entry's expiry time)"
-            )
 
     def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
         """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
@@ -629,18 +679,41 @@ class MemcachedCache(KVCache):
         placement = self._place(key_map)
         batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
         yield from fan_out(batches, io)
+        # A proxy answers SERVER_ERROR for a whole get when one of its servers is down:
+        # those keys are asked one by one, so that only that server's keys miss.
+        retried = [fanout.get_each_batch(batch.node, list(batch.keys)) for batch in batches
+                   if isinstance(batch.error, ServerError) and len(batch.keys) > 1]
+        if retried:
+            yield from fan_out(retried, io)
+            batches = [batch for batch in batches if batch.node not in
+                       {retry.node for retry in retried}]
         found: dict[Any, Any] = {}
-        decode = self.decode
         for batch in batches:
-            if batch.error is not None:
-                continue
-            for key_bytes, (data, flags) in batch.result.items():
-                key = key_map[key_bytes.decode()]
-                value = decode(data, flags, key)
-                if value is not MISSING:
-                    found[key] = value
-        self._report(placement, batches)
+            if batch.error is None:
+                self._decoded(batch.result, key_map, found)
+        for batch in retried:
+            if batch.error is None:
+                values, failed = batch.result
+                self._decoded(values, key_map, found)
+                if failed:
+                    batch.error = ServerError(
+                        batch.node.name, f"SERVER_ERROR for {len(failed)} of "
+                        f"{len(batch.keys)} key(s) asked one by one (a proxy's server down?)"
+                    )
+        self._report(placement, batches + retried)
         return found
+
+    def _decoded(
+        self, values: dict[bytes, tuple[bytes, int]], key_map: dict[str, Any],
+        found: dict[Any, Any],
+    ) -> None:
+        """The values read, decoded into ``found`` under the caller's keys (a corrupt one
+        is a logged miss)."""
+        for key_bytes, (data, flags) in values.items():
+            key = key_map[key_bytes.decode()]
+            value = self.decode(data, flags, key)
+            if value is not MISSING:
+                found[key] = value
 
     def _set_many(
         self, data: Mapping[Any, Any], timeout: Any, version: int | None, io: Transport
@@ -679,10 +752,11 @@ class MemcachedCache(KVCache):
         written = self._written(batches, key_map)
         failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
         self._missed(placement, batches, copies, apart)
+        unserved = self._unserved(batches + apart.batches)
         if written.refused and name == b"set":  # a refused value leaves no older one
             yield from self._delete_keys(written.refused, io)
-        self._report(placement, batches, apart)
-        return written._replace(failed=failed)
+        self._report(placement, batches, apart, unserved)
+        return written._replace(failed=failed + written.failed)
 
     def _store_batch(
         self, name: bytes, node: Node, keys: list[str], key_map: dict[str, Any],
@@ -703,7 +777,8 @@ class MemcachedCache(KVCache):
     @staticmethod
     def _written(batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
         """What the nodes that answered did with each value: stored, not stored (``add``
-        over an entry), or refused (each refusal logged with the caller's key)."""
+        over an entry), refused (each refusal logged with the caller's key), or not
+        served (``SERVER_ERROR``: behind a proxy, the key's server is down: failed)."""
         written = Written([], [], [])
         for batch in batches:
             if batch.error is not None:
@@ -711,11 +786,33 @@ class MemcachedCache(KVCache):
             for key, line in zip(batch.keys, batch.result):
                 if line == b"STORED":
                     written.stored.append(key)
+                elif _unserved(line):
+                    written.failed.append(key)
                 elif line != b"NOT_STORED":
                     written.refused.append(key)
                     reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
                     refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
         return written
+
+    @staticmethod
+    def _unserved(batches: list[fanout.Batch]) -> list[MemcachedError]:
+        """The keys of answered pipelined writes that the server could not serve
+        (``SERVER_ERROR`` other than a refused value: behind a proxy, their server is
+        down): missed writes, remembered as outdated on their node; a ``ServerError`` per
+        node, to report."""
+        errors: list[MemcachedError] = []
+        for batch in batches:
+            if batch.error is not None or not isinstance(batch.result, list):
+                continue
+            lines = zip([*batch.keys, *batch.side_keys], batch.result)
+            missed = [key for key, line in lines if _unserved(line)]
+            if missed:
+                batch.node.outdated.add(missed)
+                errors.append(ServerError(
+                    batch.node.name, f"SERVER_ERROR for {len(missed)} key(s), remembered as "
+                    "missed (a proxy whose server for them is down?)"
+                ))
+        return errors
 
     def _delete_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
@@ -746,7 +843,7 @@ class MemcachedCache(KVCache):
                    for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
         failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
         self._missed(placement, batches, copies, apart)
-        self._report(placement, batches, apart)
+        self._report(placement, batches, apart, self._unserved(batches + apart.batches))
         return deleted, failed
 
     def _stale_copies_of(
@@ -790,10 +887,11 @@ class MemcachedCache(KVCache):
         deletes = yield from self._delete_round(keys, io)
         placement, batches = deletes
         self.cluster.missed_batch_writes(placement, batches)
+        unserved = self._unserved(batches)
         if report:
-            self._report(placement, batches)
+            self._report(placement, batches, None, unserved)
             return
-        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        errors = placement.errors + [b.error for b in batches if b.error is not None] + unserved
         if errors:  # a clean-up delete (set_many): the keys are remembered as outdated
             undeleted = len(placement.stranded) + sum(len(b.keys) for b in batches if b.error)
             logger.warning(
@@ -805,19 +903,51 @@ class MemcachedCache(KVCache):
         """Flush every node (memcached has no per-prefix delete).
 
         A node that misses the flush (down, or failing now) is flushed when it returns,
-        before it serves anything.
+        before it serves anything. A node that does not forward ``flush_all`` — a proxy
+        such as twemproxy, known by its first refusal — cannot be flushed: the others
+        are, then ``Unsupported`` is raised, whatever IGNORE_EXCEPTIONS says, and nothing
+        is left pending there (later calls are not affected).
         """
-        reachable = [node for node in self._nodes if node.health.may_try()]
+        refusing = [node for node in self._nodes if node.flushes is False]
+        reachable = [node for node in self._nodes
+                     if node.flushes is not False and node.health.may_try()]
         batches = [fanout.flush_batch(node) for node in reachable]
         yield from fan_out(batches, io)
-        errors: list[MemcachedError] = [b.error for b in batches if b.error is not None]
+        errors: list[MemcachedError] = []
+        for batch in batches:
+            if isinstance(batch.error, Unsupported):  # it closed the connection on it
+                try:  # still answering: it is flush_all that it refuses, not a failure
+                    yield from batch.node.request(wire.fence(), io)
+                except MemcachedError as exc:
+                    errors.append(exc)  # it fails now: as any node that missed the flush
+                    continue
+                self._refuses_flush(batch.node)
+                refusing.append(batch.node)
+            elif batch.error is not None:
+                errors.append(batch.error)
+            else:
+                batch.node.flushes = True
         for node in self._nodes:
-            if node not in reachable:
+            if node not in reachable and node not in refusing:
                 errors.append(NodeDown(node.name, "marked down: flushed when it returns"))
         for error in errors:
             self.cluster.by_name[error.node].outdated.add_everything()
         for error in errors:
             self._failed(error)
+        if refusing:
+            names = ", ".join(node.name for node in refusing)
+            raise Unsupported(names, "clear() cannot empty it: it does not forward flush_all "
+                              "(a proxy such as twemproxy); flush the servers behind it")
+
+    @staticmethod
+    def _refuses_flush(node: Node) -> None:
+        """Remember that ``node`` does not forward ``flush_all``, and say so once."""
+        if node.flushes is not False:
+            node.flushes = False
+            logger.warning(
+                "memcached node %s refused flush_all (a proxy such as twemproxy does not "
+                "forward it): clear() cannot empty it, and raises Unsupported", node.name,
+            )
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 

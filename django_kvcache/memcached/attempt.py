@@ -72,6 +72,13 @@ class Attempt:
         return (self.reused and isinstance(exc, CLOSED)
                 and self.connection.received == self.mark)
 
+    def refused_by_closing(self, exc: BaseException) -> bool:
+        """A new connection the server closed on an optional command before answering
+        anything (``wire.Op.optional``): how twemproxy refuses what it does not forward."""
+        return (self.state is State.IN_FLIGHT and self.op is not None and self.op.optional
+                and not self.reused and isinstance(exc, CLOSED)
+                and self.connection.received == self.mark)
+
     def give_back(self) -> None:
         """IDLE → DONE: the connection goes back to its pool — unless the last reply
         put it out of step (an error reply to a command that carried a data block)."""

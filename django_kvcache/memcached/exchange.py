@@ -53,6 +53,8 @@ from django_kvcache.memcached import (
     NodeBusy,
     NodeError,
     Refused,
+    ServerError,
+    Unsupported,
     aio,
     autobatch,
     wire,
@@ -335,7 +337,10 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
         attempt.finished()
         attempt.give_back()
         _answered(node)
-        batch.error = Refused(node.name, str(exc), client_error=exc.client_error)
+        if exc.client_error or exc.refuses_value:
+            batch.error = Refused(node.name, str(exc), client_error=exc.client_error)
+        else:  # the server could not serve this request (a proxy's server is down)
+            batch.error = ServerError(node.name, f"SERVER_ERROR {exc}")
         batch.error.__cause__ = exc
         return True
     if isinstance(exc, NodeBusy):
@@ -349,6 +354,8 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
         attempt.pool.close_idle()  # its neighbours in the pool are just as stale
         stale.append(batch)
         return True
+    if attempt.refused_by_closing(exc):
+        return _refused_by_closing(batch, exc, retry, stale)
     if attempt.state is State.IN_FLIGHT and attempt.op.writes and isinstance(  # type: ignore
         exc, TIMEOUT_ERRORS
     ):
@@ -358,6 +365,32 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
     else:
         attempt.close()
     batch.error = node.failure(exc)
+    return True
+
+
+def _refused_by_closing(
+    batch: Batch, exc: Exception, retry: bool, stale: list[Batch]
+) -> bool:
+    """A new connection closed by the server on an optional command, before any answer:
+    the command's refusal (twemproxy on what it does not forward), not the node's
+    failure. The batch's own command: its error is ``Unsupported``, not counted (the
+    caller may ask the node whether it still answers). The node's clean-up (a flush it
+    cannot forward): the flush is given up and the batch's request goes once more, on a
+    new connection — a pending flush never fails every later request."""
+    node, attempt = batch.node, batch.attempt
+    assert attempt is not None and attempt.op is not None
+    attempt.close()
+    if attempt.op is not batch.op:
+        node.outdated.flush_refused()
+        if retry:
+            stale.append(batch)
+            return True
+    batch.error = Unsupported(
+        node.name, f"it closed the connection on {attempt.op.command} instead of answering: "
+        "it does not support it (a proxy such as twemproxy forwards neither the meta "
+        "commands nor flush_all, stats or lru_crawler)"
+    )
+    batch.error.__cause__ = exc
     return True
 
 
@@ -382,7 +415,7 @@ def _ready(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport)
     ready = []
     for batch in claimed:
         node = batch.node
-        if node.unsettled.pending or node.outdated.pending:
+        if node.unsettled.pending or node.outdated.due():
             try:
                 yield from _repair(batch)
             except Exception as exc:
@@ -409,7 +442,7 @@ def _repair(batch: Batch) -> Plan:
             raise TimeoutError("a write cut short is still not settled (it timed out just now)")
         if unsettled.pending:
             yield from _settle_all(node, io_timeout)
-        if node.outdated.pending:
+        if node.outdated.due():
             yield from _clean_up(batch)
     finally:
         node.repair_turn.give_back()
@@ -452,19 +485,26 @@ def _settle(unsettled: UnsettledSocket, deadline: float | None) -> Plan:
 
 def _clean_up(batch: Batch) -> Plan:
     """Delete the copies the node missed writes to (or flush it), on the batch's
-    connection; put back if that does not complete."""
+    connection; put back if that does not complete. Keys the server could not delete
+    (``SERVER_ERROR``: behind a proxy, their server is down) stay outdated, their clean-up
+    retried after the node's RETRY_TIMEOUT (``stale.OutdatedCopies``)."""
     node, attempt = batch.node, batch.attempt
     assert attempt is not None
     keys, flush = node.outdated.take()
+    listed = [] if flush else list(keys)
+    refused: list[str] = []
     try:
-        if keys or flush:
-            attempt.start(node.outdated.op(keys, flush))
+        if listed or flush:
+            op = node.outdated.op(listed, flush)
+            attempt.start(op)
             yield Transfer(attempt, _deadline(attempt))
             attempt.finished()
+            refused = [key for key, line in zip(listed, op.result(attempt.reply))
+                       if line.startswith(wire.ERROR_REPLIES)]
     except BaseException:
         node.outdated.put_back(keys, flush)
         raise
-    node.outdated.done()
+    node.outdated.done_except(refused, node.health.retry_timeout)
 
 
 # --- the two drivers' sides ---------------------------------------------------------------

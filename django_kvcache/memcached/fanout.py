@@ -36,6 +36,23 @@ def get_batch(node: Any, keys: list[str]) -> Batch:
     return batch
 
 
+def get_each_batch(node: Any, keys: list[str]) -> Batch:
+    """The keys of a multi-key get that the node could not serve whole (a proxy answers
+    ``SERVER_ERROR`` for all of it when one of its servers is down), a ``get`` per key in
+    one request. ``result``: ``({key bytes: (data, flags)}, [key bytes not served])``.
+    Counted with the get it retries: no operation of its own."""
+
+    def count(result: tuple[dict, list]) -> None:
+        found, failed = result
+        node.hits += len(found)
+        node.misses += len(keys) - len(found) - len(failed)
+
+    batch = _many(node, keys, wire.get_each([key.encode() for key in keys]))
+    batch.ops = 0
+    batch.on_result = count
+    return batch
+
+
 def store_batch(
     node: Any, name: bytes, keys: list[str], encoded: list[tuple[bytes, int]], expire: int,
     saved: int, deletes: list[str] | None = None,

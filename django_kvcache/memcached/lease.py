@@ -40,7 +40,7 @@ from functools import cached_property
 from typing import Any, Callable, NamedTuple, Protocol
 
 from django_kvcache import steps, stampede
-from django_kvcache.memcached import MemcachedError, Refused, wire
+from django_kvcache.memcached import MemcachedError, Refused, Unsupported, wire
 from django_kvcache.memcached.exchange import Transport
 from django_kvcache.memcached.node import Node
 from django_kvcache.stampede import EARLY_SHARE, MISSING, Read
@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 REFUSALS = (b"SERVER_ERROR", b"CLIENT_ERROR")
 
 
-class MetaCommandsMissing(MemcachedError, NotImplementedError):
-    """The node does not speak the meta commands (memcached < 1.6.6), which the call needs."""
+class MetaCommandsMissing(Unsupported):
+    """The node does not speak the meta commands (memcached < 1.6.6, or a proxy that does
+    not forward them, such as twemproxy), which the call needs."""
 
 
 def other_dialect(exc: MemcachedError) -> bool:
@@ -65,19 +66,14 @@ def other_dialect(exc: MemcachedError) -> bool:
     return False
 
 
-def speaks_meta(node: Node, io: Transport) -> steps.Plan:
-    """Whether ``node`` speaks the meta commands; asked once per node (``mn``)."""
-    if node.meta is None:
-        node.meta = yield from node.request(wire.meta_probe(), io)
-    return node.meta
-
-
 def ttl(node: Node, key: str, io: Transport) -> steps.Plan:
     """Seconds ``key`` has left on ``node`` (django-redis's meaning: None never expires,
     0 missing). ``MetaCommandsMissing`` on a server without meta commands: the classic
     protocol has no way to read an expiry time."""
-    missing = "ttl() needs memcached >= 1.6.6 (meta commands: mg <key> t)"
-    if not (yield from speaks_meta(node, io)):
+    missing = ("ttl() cannot know: the classic protocol has no way to read an expiry time, "
+               "and this server does not speak the meta commands (mg <key> t; memcached "
+               ">= 1.6.6, not forwarded by proxies such as twemproxy)")
+    if not (yield from node.speaks_meta(io)):
         raise MetaCommandsMissing(node.name, missing)
     try:
         remaining = yield from node.request(wire.meta_ttl(key.encode()), io)
@@ -230,7 +226,7 @@ class MetaLeaseStore:
         self.node = None
         try:
             node = self.node = self.node_for(self.key)
-            if not (yield from speaks_meta(node, self.io)):
+            if not (yield from node.speaks_meta(self.io)):
                 self.fallback = ClassicLeaseStore(
                     self.host, self.policy, self.caller_key, self.timeout, self.version,
                     self.node_for, self.io,

@@ -16,7 +16,7 @@ from typing import Any
 
 from django_kvcache import steps
 from django_kvcache.health import NodeHealth
-from django_kvcache.memcached import NodeDown, NodeError, aio, wire
+from django_kvcache.memcached import NodeDown, NodeError, Unsupported, aio, wire
 from django_kvcache.memcached.connection import TIMEOUTS
 from django_kvcache.memcached.exchange import (
     ASYNCIO,
@@ -45,10 +45,11 @@ class Node:
         self.name = address.name
         self.pool = pool
         self.health = health
-        self.outdated = OutdatedCopies()
+        self.outdated = OutdatedCopies(self.name)
         self.unsettled = UnsettledSockets()
         self.repair_turn = RepairTurn(self.name)
-        self.meta: bool | None = None  # speaks the meta commands? asked once (wire.meta_probe)
+        self.meta: bool | None = None  # speaks the meta commands? asked once (speaks_meta)
+        self.flushes: bool | None = None  # forwards flush_all? learned at the first clear()
         self.ops = self.hits = self.misses = self.errors = self.timeouts = self.ignored = 0
         self.bytes_sent = self.bytes_received = self.bytes_saved = 0
 
@@ -72,6 +73,24 @@ class Node:
         batch = Batch(self, wire.get_one(key))
         batch.gets, batch.one, batch.on_result = [key], True, self.count_get
         return request(batch, io)
+
+    def speaks_meta(self, io: Transport) -> steps.Plan:
+        """Whether the server speaks the meta commands: asked once (``mn``), remembered
+        for the process. memcached before 1.6.6 answers ``ERROR``; a proxy that does not
+        forward them (twemproxy) closes the connection — a refusal once the node answers
+        a ``version`` (a node that fails it raises, counted as any failure)."""
+        if self.meta is None:
+            self.meta = yield from self.supports(wire.meta_probe(), io)
+        return self.meta
+
+    def supports(self, op: wire.Op, io: Transport) -> steps.Plan:
+        """What the optional ``op`` makes of its reply, or False when the server closed
+        the connection on it and still answers a ``version``: it does not support it."""
+        try:
+            return (yield from self.request(op, io))
+        except Unsupported:
+            yield from self.request(wire.fence(), io)  # the node answers: the command it is
+            return False
 
     def call(self, op: wire.Op, ops: int = 1) -> Any:
         """``request`` outside a plan, on blocking sockets; counted as ``ops``

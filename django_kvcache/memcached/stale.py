@@ -22,24 +22,74 @@ some thread's event loop, holding its turn across the repair's IO; the others wa
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from typing import Iterable
 
 from django_kvcache import forks, outdated
 from django_kvcache.memcached import NodeBusy, wire
 from django_kvcache.memcached.connection import UnsettledSocket
 
+logger = logging.getLogger("django_kvcache.backends.memcached")
+
 
 class OutdatedCopies(outdated.OutdatedCopies):
     """The shared record (:mod:`django_kvcache.outdated`, which flushes the node past
-    its ``LIMIT`` keys) with memcached's clean-up."""
+    its ``LIMIT`` keys) with memcached's clean-up.
+
+    Behind a proxy, the server of some keys may be down while the node (the proxy)
+    answers: their deletes get ``SERVER_ERROR``. Those keys stay outdated, and their next
+    clean-up waits ``retry_after`` (the node's RETRY_TIMEOUT) instead of costing every
+    request a round trip meanwhile — unless a new missed write comes first. A proxy that
+    does not forward ``flush_all`` (twemproxy) cannot be flushed: a flush pending there
+    is given up, said once."""
+
+    def __init__(self, node: str = "") -> None:
+        super().__init__()
+        self.node = node
+        self.not_before = 0.0  # monotonic time before which no clean-up is due
+        self.flush_refusals = 0
 
     @staticmethod
-    def op(keys: set[str], flush: bool) -> wire.Op:
+    def op(keys: list[str], flush: bool) -> wire.Op:
         """The pipelined commands that clean up."""
         if flush:
             return wire.flush_all()
         return wire.delete_many(key.encode() for key in keys)
+
+    def due(self) -> bool:
+        """Whether a clean-up is pending and may run now."""
+        return self.pending and (not self.not_before or time.monotonic() >= self.not_before)
+
+    def add(self, keys: Iterable[str]) -> None:
+        super().add(keys)
+        self.not_before = 0.0  # a new missed write is cleaned up at once
+
+    def done_except(self, refused: list[str], retry_after: float) -> None:
+        """The clean-up landed, but the server could not delete ``refused``: they stay
+        outdated, cleaned up again from ``retry_after`` seconds on."""
+        if not refused:
+            self.done()
+            return
+        with self.lock:
+            if not self.flush:
+                self.keys.update(refused)
+            self.pending = True
+        self.not_before = time.monotonic() + retry_after
+
+    def flush_refused(self) -> None:
+        """The node refused the ``flush_all`` of a clean-up: given up (a warning, once)."""
+        with self.lock:
+            self.flush = False
+            self.pending = bool(self.keys)
+        self.flush_refusals += 1
+        if self.flush_refusals == 1:
+            logger.warning(
+                "memcached node %s closed the connection on flush_all (a proxy that does not "
+                "forward it, such as twemproxy): the writes it missed before cannot be "
+                "flushed away; the keys listed are still deleted", self.node,
+            )
 
 
 class UnsettledSockets:

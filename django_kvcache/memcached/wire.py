@@ -39,16 +39,34 @@ class ProtocolError(Exception):
 
 
 class ErrorReply(Exception):
-    """``SERVER_ERROR``/``CLIENT_ERROR``: the server refused one request (too large,
-    out of memory, not a number). ``in_step``: whether the connection may carry another
-    request — not after a refused command that carried a data block, which the server
-    may have left unread (then its bytes would be read as commands)."""
+    """``SERVER_ERROR``/``CLIENT_ERROR``: the server refused one request. ``in_step``:
+    whether the connection may carry another request — not after a refused command that
+    carried a data block, which the server may have left unread (then its bytes would be
+    read as commands).
+
+    What was refused: ``client_error``, the request itself (a counter that is not a
+    number, a bad command line); ``refuses_value``, the value it carried (too large, out
+    of memory: :func:`refuses_value`); else the server could not serve it — a proxy
+    answers so for a key whose server it cannot reach (twemproxy: ``SERVER_ERROR
+    Connection refused``): that key's failure, not the connection's."""
 
     def __init__(self, line: bytes, in_step: bool = True) -> None:
         kind, _, message = line.partition(b" ")
         super().__init__(message.decode(errors="replace") or kind.decode())
         self.client_error = kind == b"CLIENT_ERROR"
+        self.refuses_value = refuses_value(line)
         self.in_step = in_step
+
+
+#: What memcached says when it will not store a value (``SERVER_ERROR object too large
+#: for cache``, ``SERVER_ERROR out of memory storing object``).
+VALUE_REFUSALS = (b"too large", b"out of memory")
+
+
+def refuses_value(line: bytes) -> bool:
+    """Whether the error reply ``line`` refuses the value a command carried (rather than
+    the command, or the service: a proxy's server that is down)."""
+    return line.startswith(b"SERVER_ERROR") and any(words in line for words in VALUE_REFUSALS)
 
 
 class Buffer:
@@ -166,6 +184,11 @@ class Values:
                 return False
             if line == b"END":
                 self.ends -= 1
+            elif line.startswith(b"SERVER_ERROR"):
+                # The server could not answer (a proxy whose server for the key is down):
+                # this request's failure; the connection is in step once this get line's
+                # reply has ended, which the error line does if it is the last one.
+                raise ErrorReply(line, in_step=self.ends == 1)
             elif line[:6] == b"VALUE ":
                 parts = line.split(b" ")
                 if len(parts) != (5 if self.cas else 4):
@@ -177,7 +200,7 @@ class Values:
                 if length < 0:
                     raise ProtocolError(f"negative value length: {line[:80]!r}")
                 self.header = (parts[1], number(parts[2], "flags"), length, cas)
-            else:  # even SERVER_ERROR: a get the server cannot answer leaves us lost
+            else:
                 raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
         return True
 
@@ -509,9 +532,13 @@ class Op:
     """One request and how to read its reply. ``make_reply`` builds a fresh parser for
     each attempt (a retry on a new connection starts over); ``finish`` turns the parsed
     reply into what the caller gets. ``writes``: a write that timed out may still be
-    applied by the server, so its connection is settled rather than closed."""
+    applied by the server, so its connection is settled rather than closed. ``optional``:
+    a command some servers lack (the meta commands before memcached 1.6.6) or a proxy
+    does not forward (twemproxy: meta commands, ``flush_all``, ``stats``,
+    ``lru_crawler``) — twemproxy closes the connection on one, which for such a command
+    is its refusal rather than the node's failure."""
 
-    __slots__ = ("request", "make_reply", "writes", "finish")
+    __slots__ = ("request", "make_reply", "writes", "finish", "optional")
 
     def __init__(
         self,
@@ -519,11 +546,18 @@ class Op:
         make_reply: Callable[[], Any],
         writes: bool,
         finish: Callable[[Any], Any] | None = None,
+        optional: bool = False,
     ) -> None:
         self.request = request
         self.make_reply = make_reply
         self.writes = writes
         self.finish = finish
+        self.optional = optional
+
+    @property
+    def command(self) -> str:
+        """The command's name (its request's first word), for messages."""
+        return self.request.split(b" ", 1)[0].split(b"\r", 1)[0].decode(errors="replace")
 
     def result(self, reply: Any) -> Any:
         return reply.result if self.finish is None else self.finish(reply.result)
@@ -539,6 +573,25 @@ def get_many(keys: list[bytes]) -> Op:
     ends = get_lines(len(keys))
     asked = frozenset(keys)
     return Op(get_request(keys), lambda: Values(asked, ends), False)
+
+
+def get_each(keys: list[bytes]) -> Op:
+    """A ``get`` per key, pipelined: ``(found, failed)`` — ``{key: (data, flags)}`` for the
+    keys found, and the keys the server could not serve (``SERVER_ERROR``: behind a proxy,
+    their server is down), each failing alone where one multi-key ``get`` fails whole."""
+    ops = [get_one(key) for key in keys]
+
+    def finish(parsed: list[Any]) -> tuple[dict[bytes, tuple[bytes, int]], list[bytes]]:
+        found, failed = {}, []
+        for key, op, item in zip(keys, ops, parsed):
+            if isinstance(item, ErrorReply):
+                failed.append(key)
+            elif (value := op.result(item)) is not None:
+                found[key] = value
+        return found, failed
+
+    return Op(b"".join(op.request for op in ops),
+              lambda: Replies([op.make_reply() for op in ops]), False, finish)
 
 
 def gets_one(key: bytes) -> Op:
@@ -604,7 +657,7 @@ def delete_many(keys: Iterable[bytes]) -> Op:
 
 
 def flush_all() -> Op:
-    return Op(b"flush_all\r\n", lambda: Lines(1, (b"OK",)), True)
+    return Op(b"flush_all\r\n", lambda: Lines(1, (b"OK",)), True, optional=True)
 
 
 def incr(key: bytes, delta: int) -> Op:
@@ -613,11 +666,16 @@ def incr(key: bytes, delta: int) -> Op:
     return Op(b"incr %b %d\r\n" % (key, delta), lambda: Line("incr"), True, _counter)
 
 
+def decr(key: bytes, delta: int) -> Op:
+    """``incr``'s twin: memcached's ``decr``, which stops at 0."""
+    return Op(b"decr %b %d\r\n" % (key, delta), lambda: Line("decr"), True, _counter)
+
+
 def _counter(line: bytes) -> int | None:
     if line == b"NOT_FOUND":
         return None
     if not line.isdigit():
-        raise ProtocolError(f"unexpected reply to incr: {line[:80]!r}")
+        raise ProtocolError(f"unexpected reply to incr or decr: {line[:80]!r}")
     return int(line)
 
 
@@ -638,18 +696,19 @@ def fence() -> Op:
 
 
 def stats() -> Op:
-    return Op(b"stats\r\n", Stats, False)
+    return Op(b"stats\r\n", Stats, False, optional=True)
 
 
 def key_dump(on_key: Callable[[str], None]) -> Op:
     """Every key of the node (memcached >= 1.4.31), each handed to ``on_key``."""
-    return Op(b"lru_crawler metadump all\r\n", lambda: KeyDump(on_key), False)
+    return Op(b"lru_crawler metadump all\r\n", lambda: KeyDump(on_key), False, optional=True)
 
 
 def meta_probe() -> Op:
     """Whether the server speaks the meta commands: ``mn`` answers ``MN`` (1.6.6+),
     older servers say ``ERROR``."""
-    return Op(b"mn\r\n", lambda: Line("mn", check=False), False, lambda line: line == b"MN")
+    return Op(b"mn\r\n", lambda: Line("mn", check=False), False, lambda line: line == b"MN",
+              optional=True)
 
 
 def meta_get(key: bytes) -> Op:
