@@ -54,7 +54,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/services.py
 	$(PYTHON) scripts/services.py deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[mysql,memcached,zstd,bench,prometheus,dev,docs]'
+	$(VENV)/bin/python -m pip install -q -e '.[mysql,memcached,zstd,bench,prometheus,encrypt,dev,docs]'
 	touch $@
 
 services-up: $(STAMP)

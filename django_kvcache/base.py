@@ -134,6 +134,7 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             "STALE_TIMEOUT",
             "EARLY_RECOMPUTE",
             "SIGNING_KEY",
+            "ENCRYPTION_KEYS",
         }
     )
     backend_options: frozenset[str] = frozenset()
@@ -142,10 +143,15 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
 
     def __init__(
-        self, params: Mapping[str, Any], stored_dictionaries: StoredDictionaries | None = None
+        self,
+        params: Mapping[str, Any],
+        stored_dictionaries: StoredDictionaries | None = None,
+        encryption_scope: str = "",
     ) -> None:
         """``stored_dictionaries``: a backend keeping zstd dictionaries itself gives their
-        source, for ``COMPRESS_DICTIONARY: "auto"``."""
+        source, for ``COMPRESS_DICTIONARY: "auto"``. ``encryption_scope``: where the
+        entries live (a table, memcached), bound into each one with ENCRYPTION_KEYS, so
+        an entry copied from elsewhere does not decrypt here."""
         options = params.get("OPTIONS") or {}
         self.check_options(options)
         options = read_number_options(options)
@@ -154,7 +160,8 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         super().__init__(params)
         self.options: dict[str, Any] = options
         self.codec = Codec.from_options(
-            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries
+            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries,
+            encryption_scope=encryption_scope,
         )
         self.stampede = stampede.Policy.from_options(options)
 
@@ -194,11 +201,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         return {self.make_and_validate_key(key, version=version): key for key in keys}
 
     def decode(self, data: bytes, flags: int, key: str) -> Any:
-        """The stored value, or ``MISSING`` (with a rate-limited warning) when the entry is
-        corrupt, or written with a compressor this process lacks (zstd where it is not
-        installed: the entry is fine, only unreadable here)."""
+        """The value stored under ``key`` (the stored key), or ``MISSING`` (with a
+        rate-limited warning) when the entry is corrupt, fails authentication
+        (ENCRYPTION_KEYS), or was written with a compressor this process lacks (zstd where
+        it is not installed: the entry is fine, only unreadable here)."""
         try:
-            return self.codec.decode(data, flags)
+            return self.codec.decode(data, flags, key)
         except CorruptValue as exc:
             if flags & FLAG_ZSTD and FLAG_ZSTD not in self.codec.decompressors:
                 message = f"cache entry {key!r} read as missing, unreadable here: {exc}"
@@ -271,6 +279,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             return False
         seconds = self.timeout_seconds(timeout)
         return seconds is None or seconds > 0
+
+    def storage(self) -> frozenset[str]:
+        """Where the entries live, one name per place (a table in a database, a node):
+        caches whose places meet share their entries' storage (the ``kvcache.W011``
+        check compares their ENCRYPTION_KEYS)."""
+        return frozenset()
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires, with django-redis's meaning: ``None`` for an

@@ -30,7 +30,7 @@ from django_kvcache.base import KVCache
 COUNTERS = frozenset({
     "ops", "hits", "misses", "errors", "timeouts", "ignored", "skipped", "reruns",
     "bytes_sent", "bytes_received", "bytes_saved", "bytes_encoded", "values_encoded",
-    "pool_waits", "pool_connects", "async_pool_waits", "async_pool_connects",
+    "pool_waits", "pool_wait_seconds", "pool_connects", "pool_reuses",
 })
 #: What each known figure means (the collector's HELP, the table's order).
 MEANINGS = {
@@ -58,14 +58,20 @@ MEANINGS = {
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",
+    "pool_waiters": "threads waiting for a blocking connection now",
     "pool_waits": "times a thread waited for a blocking connection",
+    "pool_wait_seconds": "seconds threads waited for a blocking connection, in all",
     "pool_connects": "blocking connections opened",
+    "pool_reuses": "calls served by an idle blocking connection",
     "async_loops": "event loops with a pool for this node",
     "async_pool_size": "open asyncio connections",
     "async_pool_idle": "idle asyncio connections",
     "async_pool_waiters": "coroutines waiting for an asyncio connection now",
-    "async_pool_waits": "times a coroutine waited for an asyncio connection",
-    "async_pool_connects": "asyncio connections opened",
+    "async_pool_waits": "times a coroutine waited for an asyncio connection (open loops)",
+    "async_pool_wait_seconds": "seconds coroutines waited for an asyncio connection, in all "
+                               "(open loops)",
+    "async_pool_connects": "asyncio connections opened (open loops)",
+    "async_pool_reuses": "calls served by an idle asyncio connection (open loops)",
 }
 #: memcached ``stats`` worth showing, in order.
 MEMCACHED_SERVER_STATS = (

@@ -29,7 +29,8 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 EXTRAS = "mysql,memcached"
-COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_stats")
+COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_rotate_key",
+            "kvcache_stats")
 BENCH_COMMANDS = ("kvcache_benchmark",)
 # Where each top-level package of the wheel lives in the tree (setup.cfg's package_dir).
 PACKAGE_ROOTS = {"django_kvcache": "django_kvcache", "kvcache_bench": "benchmark_app/kvcache_bench"}

@@ -41,7 +41,8 @@ ROWS = (100, 300)
 NODES = (1, 2)
 WORKERS = (1, 2)
 MIXES = ("realistic", "random")
-SCENARIOS = ["ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec"]
+SCENARIOS = ["ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec",
+             "encryption"]
 STORAGE_ENTRIES = 60
 CAPACITY_MB, CAPACITY_FILL = 16, 2.5
 OPERATIONS = {"set", "set large", "set_many", "get hit", "get miss", "get large", "get_many hit",
@@ -104,7 +105,7 @@ def test_every_requested_cache_ran_and_nothing_else(data: dict[str, Any]) -> Non
 
 def test_each_mix_reruns_the_scenarios_that_depend_on_the_values(runs: dict[str, dict[str, Any]]) -> None:
     random_run = runs["random"]
-    assert random_run["scenarios_run"] == ["ops", "storage", "capacity", "codec"]
+    assert random_run["scenarios_run"] == ["ops", "storage", "capacity", "codec", "encryption"]
     assert random_run["failures"] == []
     for mix, results in runs.items():
         assert results["values"]["name"] == results["parameters"]["values"] == mix
@@ -171,9 +172,36 @@ def test_nodes_compares_both_clients_with_the_bare_floor(data: dict[str, Any]) -
     found = {(e["client"], e["nodes"], e["operation"]) for e in nodes["results"]}
     clients = {(client, n, op) for client in ("kv-memcached", "pymemcache")
                for n in NODES for op in ("get", "get_many")}
-    floor = {("bare pymemcache Client", 1, op) for op in ("get", "get_many")}
+    floor = {(client, 1, op) for op in ("get", "get_many")
+             for client in ("bare pymemcache Client", "meta-memcache CacheClient")}
     assert found == clients | floor
     assert all(e["median_us"] > 0 for e in nodes["results"])
+    assert set(nodes["single_node"]) == {"bare pymemcache Client", "meta-memcache CacheClient"}
+
+
+def test_emcache_s_benchmark_measures_every_client_and_the_targets(tmp_path: Path) -> None:
+    """emcache's method, shortened: every client, operation and node count measured, with
+    CPU per call, the ratios at the targets, a table and a plot."""
+    from kvcache_bench import plots, report
+    from kvcache_bench.scenarios import async_peers
+
+    nodes = os.environ["KVCACHE_MEMCACHED"].split(",")[:2]
+    peers = async_peers.measure(nodes, [1, 2], "test", seconds=0.05, rounds=1)
+    clients = {async_peers.EMCACHE, async_peers.EMCACHE_BATCHING, async_peers.OURS,
+               async_peers.OURS_UNBATCHED}
+    operations = {"set", "get", f"get_many({async_peers.BATCH})"}
+    found = {(e["client"], e["operation"], e["nodes"]) for e in peers["results"]}
+    assert found == {(c, o, n) for c in clients for o in operations for n in (1, 2)}
+    assert all(e["ops_per_s"] > 0 and e["cpu_us"] > 0 for e in peers["results"])
+    assert {(r["operation"], r["versus"]) for r in peers["ratios"]} == {
+        (operation, versus) for _, operation, versus, _ in async_peers.TARGETS}
+    text = report.emcache_text(peers)
+    assert "kv-memcached (default OPTIONS) against emcache" in text
+    results = {"machine": {"cpu": "cpu", "cores": 2, "date_utc": "now"},
+               "values": {"name": "realistic", "label": "realistic"},
+               "scenarios": {"async": {"results": [], "emcache": peers}}}
+    assert [path.name for path in plots.write_all(results, tmp_path)] == [
+        "benchmark-realistic-async-emcache.png"]
 
 
 def test_concurrency_counts_throughput_and_races(data: dict[str, Any]) -> None:
@@ -207,9 +235,10 @@ def test_text_table_and_plots_are_written(run: tuple[subprocess.CompletedProcess
         assert f"ops, {mix} values: median per call" in completed.stdout
         assert f"capacity, {mix} values: entries still readable" in completed.stdout
         assert f"codec, {mix} values: CPU per value" in completed.stdout
+        assert f"encryption, {mix} values: ENCRYPTION_KEYS against" in completed.stdout
     pngs = {(mix, name): results / f"benchmark-{mix}-{name}.png"
             for mix in MIXES for name in SCENARIOS
-            if mix == MIXES[0] or name in ("ops", "storage", "capacity", "codec")}
+            if mix == MIXES[0] or name in ("ops", "storage", "capacity", "codec", "encryption")}
     assert sorted(results.glob("*.png")) == sorted(pngs.values())
     for png in pngs.values():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -482,3 +511,22 @@ def test_stampede_computes_once_with_protection_and_once_per_caller_without(
         else:  # Django's and django-mysql's get_or_set: every caller computes
             assert entry["computations"] == entry["callers"], entry
 
+
+
+def test_encryption_times_both_backends_with_and_without_keys_and_counts_the_bytes(
+        runs: dict[str, dict[str, Any]]) -> None:
+    for mix, results in runs.items():
+        scenario = results["scenarios"]["encryption"]
+        measured = {(e["cache"], e["operation"]) for e in scenario["results"]}
+        assert measured == {(cache, operation) for cache in ("kv-mysql-innodb", "kv-memcached-1")
+                            for operation in ("get hit", "get_many hit", "set", "set_many")}
+        for entry in scenario["results"]:
+            assert entry["samples"] == ROUNDS * CALLS
+            assert entry["plain_cpu_us"] > 0 and entry["encrypted_cpu_us"] > 0
+            assert entry["time_ratio"] == round(
+                entry["encrypted_median_us"] / entry["plain_median_us"], 3)
+        for sizes in scenario["bytes"]:
+            # Every value but the mix's integers carries a 12-byte nonce and a 16-byte tag.
+            assert 0 < sizes["extra_bytes_per_entry"] <= 28
+            if mix == "random":
+                assert sizes["extra_bytes_per_entry"] == 28

@@ -43,7 +43,7 @@ def assert_no_connection_checked_out(cache: MemcachedCache, styled: Any = None) 
     """Every pool idle: the blocking ones, and the loop's when ``styled`` is an AsyncAPI."""
     for node in cache._nodes:
         assert node.pool.size == len(node.pool.idle), node.name
-        assert not node.pool.queue, node.name
+        assert not node.pool.line, node.name
     loop = getattr(styled, "loop", None)
     if loop is None:
         return
@@ -52,7 +52,7 @@ def assert_no_connection_checked_out(cache: MemcachedCache, styled: Any = None) 
         return [aio.pool_of(node) for node in cache._nodes]
 
     for pool in loop.run_until_complete(the_loop_s_pools()):
-        assert pool.size == len(pool.idle) and not pool.waiting
+        assert pool.size == len(pool.idle) and not pool.line
 
 
 # --- the pool hands a returned connection to a thread that just queued ------------------------
@@ -108,11 +108,11 @@ def test_a_thread_queueing_while_a_connection_is_checked_in_gets_it(memcached_no
     (empty) queue, then a thread finds no idle connection and queues, then the connection
     is appended to ``idle``. The waiter must get it, not PoolExhausted after POOL_TIMEOUT."""
     pool, held, waiter, outcome = single_slot_pool(memcached_node_factory)
-    pool.queue = WaitQueue()
+    pool.line.waiters = WaitQueue()
 
     def a_thread_queues() -> None:
         waiter.start()
-        assert pool.queue.joined.wait(5), "the waiter never queued"
+        assert pool.line.waiters.joined.wait(5), "the waiter never queued"
 
     pool.idle = IdleList(a_thread_queues)
     started = time.monotonic()
@@ -120,7 +120,7 @@ def test_a_thread_queueing_while_a_connection_is_checked_in_gets_it(memcached_no
     waiter.join(10)
     assert outcome == [held]
     assert time.monotonic() - started < 1.0  # handed over, not found after a timeout
-    assert pool.size == 1 and not pool.queue and not pool.idle
+    assert pool.size == 1 and not pool.line and not pool.idle
 
 
 # --- signal receivers cannot leak connections or escape IGNORE_EXCEPTIONS --------------------
@@ -459,22 +459,22 @@ def test_closing_idle_connections_hands_the_freed_slot_to_a_waiter(memcached_nod
     connection back and before it looked at the queue: the closed connection's slot must
     go to the waiting thread, not vanish while it sleeps to POOL_TIMEOUT."""
     pool, held, waiter, outcome = single_slot_pool(memcached_node_factory)
-    pool.queue = WaitQueue()
+    pool.line.waiters = WaitQueue()
     waiter.start()
-    assert pool.queue.joined.wait(5)
+    assert pool.line.waiters.joined.wait(5)
 
     class ClosingQueue(WaitQueue):
         fired = False
 
-        def __bool__(self) -> bool:  # checkin's look at the queue, after its append
+        def __len__(self) -> int:  # checkin's look at the line, after its append
             if not ClosingQueue.fired:
                 ClosingQueue.fired = True
                 pool.close_idle()
-            return len(self) > 0
+            return super().__len__()
 
     queued = ClosingQueue()
-    queued.extend(pool.queue)
-    pool.queue = queued
+    queued.extend(pool.line.waiters)
+    pool.line.waiters = queued
     started = time.monotonic()
     pool.checkin(held)
     waiter.join(10)

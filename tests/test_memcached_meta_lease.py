@@ -622,3 +622,18 @@ def test_early_recomputation_never_starts_before_three_quarters_of_the_lifetime(
         time.sleep(0.02)
     assert found.fresh, "expired without an early winner"
     assert read_at - stored >= 0.75 * 8 - 0.02
+
+
+@pytest.mark.parametrize("kind", ["meta", "classic"])
+def test_an_encrypted_stale_copy_is_sealed_under_its_own_key(nodes, classic_only, kind):
+    """With ENCRYPTION_KEYS every item is bound to its key: the winner's stale copy, written
+    in the entry's request, is sealed under the copy's key, and served once the entry
+    expired."""
+    location = locations(kind, nodes, classic_only)
+    options = {**LEASE, "STALE_TIMEOUT": 30, "ENCRYPTION_KEYS": ["a stale-copy test key 0123456"]}
+    cache = build(location, **options)
+    cache.clear()
+    assert cache.get_or_set("k", "stale one", timeout=1) == "stale one"
+    time.sleep(2.1)  # expired; the copy lives on
+    waiter = build(location, **options)
+    assert while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60)) == "stale one"

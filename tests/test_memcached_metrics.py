@@ -34,7 +34,7 @@ def test_metrics_lists_every_node_with_every_counter(cache, nodes):
         assert set(counters) >= {
             "ops", "hits", "misses", "errors", "timeouts", "ignored", "bytes_sent",
             "bytes_received", "bytes_saved", "pool_size", "pool_idle", "pool_waits",
-            "pool_connects", "down", "consecutive_failures", "outdated_keys", "flush_pending",
+            "pool_wait_seconds", "pool_connects", "pool_reuses", "down", "consecutive_failures", "outdated_keys", "flush_pending",
         }
         counted = {name: value for name, value in counters.items() if type(value) is int and value}
         assert not counted, counted  # nodes this process never used: nothing counted yet

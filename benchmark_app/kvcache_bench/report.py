@@ -21,6 +21,7 @@ IDENTITY = {
     "stampede": ("cache", "callers", "state"),
     "shards": ("operation", "shards"),
     "async": ("client", "operation", "setting"),
+    "encryption": ("cache", "operation"),
 }
 
 
@@ -121,6 +122,9 @@ def async_text(scenario: dict[str, Any]) -> str:
                 for e in latency]
         text += ("\n\nget_many one call at a time: sync against native aget_many\n\n"
                  + table(["client", "nodes", "keys", "sync median", "async median", "async/sync"], rows))
+    peers = scenario.get("emcache") or {}
+    if peers.get("results"):
+        text += "\n\n" + emcache_text(peers)
     mysql = scenario.get("mysql") or {}
     if mysql.get("results"):
         lines = [[e["client"], e["operation"], e["coroutines"], f"{e['ops_per_s']:,.0f}",
@@ -133,6 +137,29 @@ def async_text(scenario: dict[str, Any]) -> str:
         text += ("\n\nkv-mysql native's throughput over\n\n"
                  + table(["operation", "coroutines", "versus", "speed-up"], speedups))
     return text
+
+
+def emcache_text(peers: dict[str, Any]) -> str:
+    """emcache's benchmark: calls per second (and CPU per call) per client and node count,
+    then ours against emcache at the targets."""
+    counts = peers["counts"]
+    by_key = {(e["client"], e["operation"], e["nodes"]): e for e in peers["results"]}
+    rows = []
+    for client, operation in dict.fromkeys((e["client"], e["operation"]) for e in peers["results"]):
+        cells = []
+        for n in counts:
+            entry = by_key.get((client, operation, n))
+            cells.append(f"{entry['ops_per_s']:,.0f} ({micros(entry['cpu_us'])})" if entry else "-")
+        rows.append([client, operation, *cells])
+    text = (f"emcache's benchmark: {peers['tasks']} tasks, {peers['value_bytes']}-byte values, "
+            f"sets then gets, {peers['seconds']} s per figure, median of {peers['rounds']} "
+            "interleaved rounds; calls per second (CPU per call)\n\n"
+            + table(["client", "operation", *(f"{n} node(s)" for n in counts)], rows))
+    ratio_rows = [[e["operation"], e["nodes"], e["versus"], f"{e['ratio']:.2f}x",
+                   f"{e['target']:.1f}x", "met" if e["met"] else "NOT MET"]
+                  for e in peers["ratios"]]
+    return text + ("\n\nkv-memcached (default OPTIONS) against emcache\n\n"
+                   + table(["operation", "nodes", "versus", "ratio", "target", ""], ratio_rows))
 
 
 def concurrency_text(concurrency: dict[str, Any]) -> str:
@@ -176,6 +203,24 @@ def codec_text(codec: dict[str, Any], mix: str = "") -> str:
     return (f"codec, {mix} values: CPU per value (best of {codec['passes']} passes) and bytes "
             f"stored for {codec['values']} values ({codec['payload_bytes'] / codec['values']:,.0f} B "
             "serialized on average), no server\n\n" + table(header, lines))
+
+
+def encryption_text(scenario: dict[str, Any], mix: str = "") -> str:
+    lines = [[e["cache"], e["operation"], micros(e["plain_median_us"]),
+              micros(e["encrypted_median_us"]), _ratio(e["time_ratio"]),
+              micros(e["plain_cpu_us"]), micros(e["encrypted_cpu_us"]), _ratio(e["cpu_ratio"]),
+              f"{e['cpu_added_us']:+.1f}"] for e in scenario["results"]]
+    header = ["cache", "operation", "plain", "encrypted", "x time", "plain CPU", "encrypted CPU",
+              "x CPU", "CPU added µs"]
+    sizes = [[e["cache"], f"{e['plain_bytes_per_entry']:,.1f}",
+              f"{e['encrypted_bytes_per_entry']:,.1f}", f"{e['extra_bytes_per_entry']:+.1f}"]
+             for e in scenario["bytes"]]
+    return (f"encryption, {mix} values: ENCRYPTION_KEYS against the same cache without, median "
+            f"wall time and process CPU per call (target: at most "
+            f"{scenario['target_time_ratio']:.2f}x the time)\n\n" + table(header, lines)
+            + f"\n\nvalue bytes as stored per entry (target: at most "
+            f"+{scenario['target_extra_bytes']})\n\n"
+            + table(["cache", "plain", "encrypted", "added"], sizes))
 
 
 def shards_text(shards: dict[str, Any]) -> str:
@@ -265,9 +310,10 @@ def stampede_text(stampede: dict[str, Any]) -> str:
 
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
-        "shards": shards_text, "async": async_text, "stampede": stampede_text}
+        "shards": shards_text, "async": async_text, "stampede": stampede_text,
+        "encryption": encryption_text}
 #: The scenarios whose text names the value mix (the others use random filler).
-MIX_TEXT = {"ops", "storage", "capacity", "codec"}
+MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
 def text(results: dict[str, Any]) -> str:

@@ -11,10 +11,11 @@ from typing import Any, Iterator, Sequence
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
-SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec")
+SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec",
+             "encryption")
 #: The scenarios whose figures depend on the values: run once per value mix. The others
 #: use small random filler and run with the first mix only.
-MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
+MIX_SCENARIOS = ("ops", "storage", "capacity", "codec", "encryption")
 #: Run only when named with --scenario: they need servers beyond the default ones.
 ON_REQUEST_SCENARIOS = ("shards", "async")
 #: What runs on a site's own caches: nodes, storage, capacity, shards and async start

@@ -134,7 +134,9 @@ class MemcachedCache(KVCache):
     )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
-        super().__init__(params)
+        # Every node's entries share one scope: a key may move between nodes (failover,
+        # a node added), never between caches (the stored key carries KEY_PREFIX).
+        super().__init__(params, encryption_scope="memcached")
         self.failover = flag(self.options, "FAILOVER")
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
@@ -307,9 +309,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
-        return self.codec.encode(value)
+    def encode(self, value: Any, key: str) -> tuple[bytes, int]:
+        """A value as stored under the stored key ``key``: ``(data, flags)`` (for the
+        lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value, key)
 
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
@@ -385,7 +388,7 @@ class MemcachedCache(KVCache):
             return self._failed(exc, default)
         if found is None:
             return default
-        value = self.decode(found[0], found[1], key)
+        value = self.decode(found[0], found[1], stored_key)
         return default if value is MISSING else value
 
     def _write(
@@ -425,7 +428,7 @@ class MemcachedCache(KVCache):
                 name, {stored_key: key}, {key: value}, timeout, version, io
             )
             return stored_key in written.stored if name == b"add" else None
-        data, flags, saved = self.codec.encode_measured(value)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
@@ -448,12 +451,16 @@ class MemcachedCache(KVCache):
         and lifetime), the copy first, the entry, then ``after``, in one request on the
         entry's node. A refused value and a failure are handled as ``set``'s."""
         stored_key = self.make_and_validate_key(key, version=version)
-        data, flags, saved = self.codec.encode_measured(value)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
         ops = []
         riders: tuple[str, ...] = ()
         if copy is not None:
-            ops.append(wire.meta_store(copy[0], data, flags, wire.exptime(copy[1])))
-            riders = (copy[0].decode(),)
+            copy_key = copy[0].decode()
+            # Encrypted, each item is bound to its own key; else the same bytes serve both.
+            copy_data, copy_flags = (data, flags) if self.codec.encryption is None else \
+                self.codec.encode(value, copy_key)
+            ops.append(wire.meta_store(copy[0], copy_data, copy_flags, wire.exptime(copy[1])))
+            riders = (copy_key,)
         entry = len(ops)
         ops.append(wire.store(b"set", stored_key.encode(), data, flags,
                               self.expire_time(timeout)))
@@ -523,13 +530,13 @@ class MemcachedCache(KVCache):
         (:meth:`_incr_classic`).
         """
         check_delta(delta)
-        caller_key, key = key, self.make_and_validate_key(key, version=version)
+        key = self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
+                value = yield from self._incr_on_server(node, key, delta, io)
             else:
-                value = yield from self._incr_here(node, key, delta, caller_key, io)
+                value = yield from self._incr_here(node, key, delta, io)
         except (Refused, Unsupported):
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
@@ -548,7 +555,7 @@ class MemcachedCache(KVCache):
         return value
 
     def _incr_on_server(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
@@ -568,7 +575,7 @@ class MemcachedCache(KVCache):
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._incr_here(node, key, delta, caller_key, io))
+            return (yield from self._incr_here(node, key, delta, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
@@ -576,17 +583,17 @@ class MemcachedCache(KVCache):
         raise self._overflow(key, delta)
 
     def _incr_here(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond
         64 bits): compare-and-swap on the meta commands, or without them (memcached
         before 1.6.6, a proxy such as twemproxy) what the classic protocol can do."""
         if (yield from node.speaks_meta(io)):
-            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
-        return (yield from self._incr_classic(node, key, delta, caller_key, io))
+            return (yield from self._add_with_cas(node, key, delta, io))
+        return (yield from self._incr_classic(node, key, delta, io))
 
     def _incr_classic(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """Without the meta commands: a decrement is memcached's own ``decr`` — atomic,
         the lifetime kept, and like it (and Django's ``PyMemcacheCache``) it stops at 0,
@@ -605,7 +612,7 @@ class MemcachedCache(KVCache):
         found = yield from node.request(wire.get_one(encoded_key), io)
         if found is None:
             return None
-        value = self._counter_value(found[0], found[1], key, caller_key)
+        value = self._counter_value(found[0], found[1], key)
         if value is MISSING:
             return None
         if not INT64_MIN <= value + delta <= INT64_MAX:
@@ -617,7 +624,7 @@ class MemcachedCache(KVCache):
         )
 
     def _add_with_cas(
-        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, node: Node, key: str, delta: int, io: Transport
     ) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
@@ -633,14 +640,14 @@ class MemcachedCache(KVCache):
             if found is None:
                 return None
             data, flags, ttl, cas = found
-            value = self._counter_value(data, flags, key, caller_key)
+            value = self._counter_value(data, flags, key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
                 raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
-            new_data, new_flags = self.codec.encode(result)
+            new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.request(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
@@ -649,11 +656,11 @@ class MemcachedCache(KVCache):
             yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
-    def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
+    def _counter_value(self, data: bytes, flags: int, key: str) -> Any:
         """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
             raise TypeError(f"The value of key '{key}' is not an integer")
-        return self.decode(data, flags, caller_key)
+        return self.decode(data, flags, key)
 
     @staticmethod
     def _absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
@@ -707,13 +714,13 @@ class MemcachedCache(KVCache):
         self, values: dict[bytes, tuple[bytes, int]], key_map: dict[str, Any],
         found: dict[Any, Any],
     ) -> None:
-        """The values read, decoded into ``found`` under the caller's keys (a corrupt one
-        is a logged miss)."""
+        """The values read, decoded (each under its stored key) into ``found`` under the
+        caller's keys; a corrupt one is a logged miss."""
         for key_bytes, (data, flags) in values.items():
-            key = key_map[key_bytes.decode()]
-            value = self.decode(data, flags, key)
+            stored_key = key_bytes.decode()
+            value = self.decode(data, flags, stored_key)
             if value is not MISSING:
-                found[key] = value
+                found[key_map[stored_key]] = value
 
     def _set_many(
         self, data: Mapping[Any, Any], timeout: Any, version: int | None, io: Transport
@@ -767,7 +774,7 @@ class MemcachedCache(KVCache):
         encoded = []
         saved = 0
         for key in keys:
-            payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
+            payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
             encoded.append((payload, flags))
             saved += saving
         riding = copies.riding.get(node) if copies else None
@@ -951,13 +958,16 @@ class MemcachedCache(KVCache):
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"memcached node {node.name}" for node in self._nodes)
+
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` entries picked at random across the nodes, as stored:
-        ``(bytes, flags)``. For training a compression dictionary
+        ``(stored key, bytes, flags)`` (``codec.opened`` decrypts one). For training a compression dictionary
         (``kvcache_train_dictionary``): it lists every key of every node, so it is no
         request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
         return sampling.sample_entries(self._nodes, count)

@@ -40,6 +40,7 @@ from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.mysql import aio, dictionaries, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
@@ -84,6 +85,25 @@ class TableStats:
 
 _stats: dict[str, TableStats] = {}
 
+#: Rows a batch of ``rotate_encryption_key`` examines (``kvcache_rotate_key --batch-size``).
+ROTATION_BATCH_ROWS = 1000
+
+
+@dataclass
+class Rotation:
+    """What ``rotate_encryption_key`` did: rows examined, re-encrypted, found encrypted
+    with the newest key already, found unreadable (another key, altered: left as they
+    are, misses until they expire); ``resume_after``: the key to continue after, or None
+    when every row was examined."""
+
+    key_id: int
+    examined: int = 0
+    resealed: int = 0
+    current: int = 0
+    unreadable: int = 0
+    batches: int = 0
+    resume_after: str | None = None
+
 
 class MySQLCache(KVCache):
     """Django cache backend storing entries in a MySQL/MariaDB table (LOCATION)."""
@@ -113,7 +133,10 @@ class MySQLCache(KVCache):
 
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
         # COMPRESS_DICTIONARY "auto": zstd dictionaries in a table beside the cache's.
-        super().__init__(params, partial(dictionaries.table_dictionaries, location))
+        super().__init__(
+            params, partial(dictionaries.table_dictionaries, location),
+            encryption_scope=f"mysql table {location}",
+        )
         self.table = check_table(location)
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
         self.cull_probability = fraction(
@@ -288,6 +311,19 @@ class MySQLCache(KVCache):
     async def acull(self, max_batches: int | None = None) -> int:
         return await arun(self._cull(max_batches))  # type: ignore[no-any-return]
 
+    def rotate_encryption_key(
+        self,
+        batch_rows: int = ROTATION_BATCH_ROWS,
+        max_batches: int | None = None,
+        after: str = "",
+    ) -> Rotation:
+        """Re-encrypt with the first of ENCRYPTION_KEYS every live entry of this cache
+        that another of its keys encrypted, in batches of ``batch_rows`` rows in key
+        order on each shard (after the stored key ``after``); stops after ``max_batches``
+        batches, and tells where to resume. A row written or deleted meanwhile is left
+        as it is; running it again skips what is done (``kvcache_rotate_key``)."""
+        return run(self._rotate(batch_rows, max_batches, after))  # type: ignore[no-any-return]
+
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: Django's connections are Django's to close."""
 
@@ -367,7 +403,7 @@ class MySQLCache(KVCache):
         if expires is None:
             yield plans.delete_row(self.session, stored)
             return None
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         too_large = yield plans.set(self.session, stored, data, flags, expires)
         if too_large is not None:
@@ -379,7 +415,7 @@ class MySQLCache(KVCache):
         expires = self._expires(timeout)
         if expires is None:  # nothing is stored; "added" when no live entry was there
             return not (yield plans.live_on_primary(self.session, stored))
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         added = yield plans.add(self.session, stored, data, flags, expires)
         if isinstance(added, plans.TooLarge):
@@ -401,7 +437,7 @@ class MySQLCache(KVCache):
         for key, value in data.items():
             stored = self.make_and_validate_key(key, version)
             callers[stored] = key
-            rows[stored] = self._encode(value)
+            rows[stored] = self._encode(value, stored)
         yield from self._cull_before(list(rows))
         failed: list[Any] = []
         for answer in (yield plans.set_many(self.session, rows, expires)):
@@ -422,19 +458,24 @@ class MySQLCache(KVCache):
 
     def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         check_delta(delta)
-        outcome = yield plans.incr(self.session, self.make_and_validate_key(key, version), delta)
+        stored = self.make_and_validate_key(key, version)
+        outcome = yield plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, delta, outcome)
+            raise self._incr_refused(key, stored, delta, outcome)
         return outcome
 
-    def _incr_refused(self, key: Any, delta: int, refused: plans.Refused) -> Exception:
-        """The exception for an incr that did not apply, naming the caller's key."""
+    def _incr_refused(
+        self, key: Any, stored: str, delta: int, refused: plans.Refused
+    ) -> Exception:
+        """The exception for an incr that did not apply, naming the caller's key (the
+        row, read back, is decoded under its stored key: with ENCRYPTION_KEYS it opens
+        under no other)."""
         if refused.reason == plans.OVERFLOW:
             return OverflowError(
                 f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
             )
         if refused.reason == plans.NOT_INTEGER:
-            value = self.decode(refused.data, refused.flags, self.make_key(key))
+            value = self.decode(refused.data, refused.flags, stored)
             if isinstance(value, int) and not isinstance(value, bool):
                 return TypeError(
                     f"The value of key '{key}' is an int beyond the signed 64-bit range of "
@@ -442,7 +483,6 @@ class MySQLCache(KVCache):
                 )
             return TypeError(f"The value of key '{key}' is not an integer")
         if refused.reason == plans.CORRUPT:
-            stored = self.make_and_validate_key(key)
             self.report_unreadable(
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
@@ -487,8 +527,8 @@ class MySQLCache(KVCache):
         if cull is not None:
             yield cull
 
-    def _encode(self, value: Any) -> tuple[bytes, int]:
-        data, flags, saved = self.codec.encode_measured(value)
+    def _encode(self, value: Any, stored: str) -> tuple[bytes, int]:
+        data, flags, saved = self.codec.encode_measured(value, stored)
         stats = self.stats
         stats.values_encoded += 1
         stats.bytes_encoded += len(data)
@@ -515,6 +555,57 @@ class MySQLCache(KVCache):
 
     def _cull(self, max_batches: int | None) -> Plan:
         return sum((yield plans.cull(self.session, self._culling(), max_batches)))
+
+    def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
+        encryption = self.codec.encryption
+        if encryption is None:
+            raise ValueError(f"{self.backend_name} on table {self.table!r} has no ENCRYPTION_KEYS")
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        done = Rotation(encryption.writer_id)
+        cursors = {shard.index: after for shard in self.shards}  # shards left to scan
+        keep_ms = self._culling().stale_ms
+        while cursors and (max_batches is None or done.batches < max_batches):
+            done.batches += 1
+            scans = yield plans.rotation_scan(
+                self.session, cursors, batch_rows, encryption.writer_id, keep_ms
+            )
+            work: dict[int, list[plans.Resealed]] = {}
+            for index, found in zip(list(cursors), scans):
+                work[index] = self._resealed(found, done)
+                if len(found) < batch_rows:
+                    del cursors[index]
+                else:
+                    cursors[index] = found[-1][0]
+            if any(work.values()):
+                done.resealed += sum((yield plans.reseal(self.session, work)))
+        done.resume_after = min(cursors.values()) if cursors else None
+        return done
+
+    def _resealed(self, found: list[tuple[str, int, Any]], done: Rotation) -> list[plans.Resealed]:
+        """The rows of a scan that need the newest key, encrypted with it."""
+        encryption = self.codec.encryption
+        assert encryption is not None
+        resealed = []
+        for key, flags, data in found:
+            done.examined += 1
+            if not flags & FLAG_ENCRYPTED:
+                continue  # an integer, a lease row, another cache's unencrypted entry
+            if key_id_of(flags) == encryption.writer_id:
+                done.current += 1
+                continue
+            if data is None:
+                continue  # expired: culling deletes it
+            data = bytes(data)
+            try:
+                new = encryption.resealed(data, flags, key)
+            except NotOpened as exc:
+                done.unreadable += 1
+                self.report_unreadable(exc.reason, f"cache entry {key!r} not re-encrypted: {exc}")
+                continue
+            assert new is not None
+            resealed.append(plans.Resealed(key, flags, data[:NONCE_BYTES], *new))
+        return resealed
 
     @property
     def _drops_stale(self) -> bool:
@@ -584,6 +675,10 @@ class MySQLCache(KVCache):
         shard = self.shards[0]
         return shard.primary() if write else self.session.reader(shard)
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"table {self.table!r} in database {alias!r}"
+                         for alias in self.database_aliases())
+
     def database_aliases(self) -> list[str]:
         """Every shard's primary alias, in OPTIONS order (one alias without shards)."""
         return [shard.primary() for shard in self.shards]
@@ -622,9 +717,9 @@ class MySQLCache(KVCache):
                     )
         return {**asdict(self.stats), "shards": shards}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
-        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``,
-        the same share from each shard.
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
+        """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
+        flags)``, the same share from each shard (``codec.opened`` decrypts one).
 
         For training a compression dictionary (``kvcache_train_dictionary``); it scans
         the table, so it is no request-path call.
@@ -632,7 +727,7 @@ class MySQLCache(KVCache):
         per_shard = -(-count // len(self.shards))
         rows = [row for rows in run(self._sample(per_shard)) for row in rows]
         random.shuffle(rows)
-        return [(bytes(data), flags) for data, flags in rows[:count]]
+        return [(key, bytes(data), flags) for key, data, flags in rows[:count]]
 
     def _sample(self, per_shard: int) -> Plan:
         return (yield plans.sample(self.session, per_shard))

@@ -16,9 +16,9 @@ opening a connection (``connect``, up to ``connect_timeout``), sending a stateme
 than the socket's buffer, and reading a reply that has not fully arrived once the first
 bytes have (a large result).
 
-A pool belongs to the loop that made it and is only touched from that loop's thread, so
-it needs no lock; its connections close when the loop shuts down
-(``loop.shutdown_asyncgens()``, which ``asyncio.run``, asgiref and uvicorn call).
+A pool belongs to the loop that made it and is used from that loop's thread; its
+connections close when the loop shuts down (``loop.shutdown_asyncgens()``, which
+``asyncio.run``, asgiref and uvicorn call; :mod:`django_kvcache.loops`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import MySQLdb
 from django.db import OperationalError, connections
 
-from django_kvcache.loops import LoopPool, PerLoop
+from django_kvcache.loops import PerLoop
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.query import Query, Reply
@@ -39,6 +39,7 @@ from django_kvcache.mysql.server import (
     remember_reply,
     statement_bytes,
 )
+from django_kvcache.pool import LoopPool
 
 
 async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
@@ -147,7 +148,7 @@ class AliasPool(LoopPool[OwnConnection]):
     def exhausted(self) -> errors.PoolExhausted:
         return errors.PoolExhausted(
             f"all {self.max_size} connections of this event loop to "
-            f"{self.settings.get('NAME')!r} busy for {self.waiting.timeout} s (MAX_POOL_SIZE, "
+            f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
             "POOL_TIMEOUT)"
         )
 

@@ -40,6 +40,7 @@ from asgiref.sync import sync_to_async
 from kvcache_bench.caches import memcached_families, memcached_spec
 from kvcache_bench.context import Context
 from kvcache_bench.data import filler
+from kvcache_bench.scenarios import async_peers
 from kvcache_bench.timing import summarize
 
 COROUTINES = (1, 16, 64, 256)
@@ -57,7 +58,24 @@ Operation = Callable[[int], Awaitable[Any]]
 
 def run(context: Context) -> dict[str, Any]:
     figures = _memcached(context)
+    figures["emcache"] = _emcache(context)
     figures["mysql"] = _mysql(context)
+    return figures
+
+
+def _emcache(context: Context) -> dict[str, Any]:
+    """emcache's own benchmark, emcache against our MemcachedCache (async_peers)."""
+    if "kv-memcached" not in memcached_families(context.caches):
+        return {"results": [], "ratios": []}
+    missing = async_peers.available()
+    if missing is not None:
+        context.notes.append(f"async: emcache skipped, {missing}")
+        return {"results": [], "ratios": []}
+    available = len(context.memcached_nodes)
+    counts = [n for n in sorted(context.parameters.nodes) if n <= available]
+    with context.progress("async emcache", 1) as bar:
+        figures = async_peers.measure(context.memcached_nodes, counts, context.token)
+        bar.update()
     return figures
 
 

@@ -2,7 +2,9 @@
 
 Our MemcachedCache against Django's PyMemcacheCache (whose HashClient asks the nodes one
 after another), with a bare pymemcache ``Client`` on one node as the floor: no Django,
-no key building, no serializer.
+no key building, no serializer. Beside it on one node, where it is installed,
+meta-memcache-py's ``CacheClient`` (the meta-protocol client; its own serializer, no
+Django): its ``multi_get`` answers every key, so its ``get_many`` here keeps the hits.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from kvcache_bench.checks import Call, mismatches
 from kvcache_bench.timing import rotated, summarize, time_calls
 
 FLOOR = "bare pymemcache Client"
+META = "meta-memcache CacheClient"
 
 
 @dataclass
@@ -44,6 +47,11 @@ def run(context: Context) -> dict[str, Any]:
         return {"counts": counts, "keys": p.node_keys, "results": []}
     subjects = [_cache_subject(context, family, n) for family in families for n in counts]
     subjects.append(_floor_subject(context.memcached_nodes[0]))
+    meta = _meta_subject(context.memcached_nodes[0])
+    if meta is None:
+        context.notes.append("nodes: meta-memcache skipped, not installed")
+    else:
+        subjects.append(meta)
     values = filler(p.seed, p.node_keys)
     items = {f"node.{context.token}.{index}": value for index, value in enumerate(values)}
     keys = list(items)
@@ -77,7 +85,8 @@ def run(context: Context) -> dict[str, Any]:
     results = [{"client": client, "nodes": n, "operation": operation,
                 **summarize(taken, cpu[client, n, operation])}
                for (client, n, operation), taken in durations.items()]
-    return {"counts": counts, "keys": p.node_keys, "results": results}
+    return {"counts": counts, "keys": p.node_keys, "results": results,
+            "single_node": [s.client for s in subjects if s.client in (FLOOR, META)]}
 
 
 def _cache_subject(context: Context, family: str, nodes: int) -> Subject:
@@ -94,3 +103,33 @@ def _floor_subject(address: str) -> Subject:
     client = Client((host, int(port)), default_noreply=False)
     return Subject(FLOOR, 1, client.set_many, client.get, client.get_many,
                    client.delete_many, client.close)
+
+
+def _meta_subject(address: str) -> Subject | None:
+    try:
+        from meta_memcache import CacheClient, ServerAddress, connection_pool_factory_builder
+    except ImportError:
+        return None
+    host, port = address.rsplit(":", 1)
+    client = CacheClient.cache_client_from_servers(
+        servers=[ServerAddress(host=host, port=int(port))],
+        connection_pool_factory_fn=connection_pool_factory_builder(),
+    )
+
+    # Keys of its own: the bare client reads the same names on the same node.
+    def set_many(items: dict[str, Any]) -> None:
+        for key, value in items.items():
+            client.set(f"meta.{key}", value, ttl=900)
+
+    def get(key: str) -> Any:
+        return client.get(f"meta.{key}")
+
+    def get_many(keys: list[str]) -> dict[str, Any]:
+        found = client.multi_get([f"meta.{key}" for key in keys])
+        return {key.key[5:]: value for key, value in found.items() if value is not None}
+
+    def delete_many(keys: list[str]) -> None:
+        for key in keys:
+            client.delete(f"meta.{key}")
+
+    return Subject(META, 1, set_many, get, get_many, delete_many, lambda: None)

@@ -108,16 +108,18 @@ class Command(BaseCommand):
                 "'auto' to compress with the dictionaries in its table."
             )
 
-    def payloads(self, cache: Any, entries: list[tuple[bytes, int]]) -> list[bytes]:
-        """Serialized values as compressors see them; integers and unreadable entries dropped."""
+    def payloads(self, cache: Any, entries: list[tuple[str, bytes, int]]) -> list[bytes]:
+        """Serialized values as compressors see them (decrypted, with ENCRYPTION_KEYS);
+        integers and unreadable entries dropped."""
         payloads = []
         unreadable = 0
-        for data, flags in entries:
+        for key, data, flags in entries:
             if flags in (FLAG_INTEGER, FLAG_LONG):
                 continue
             try:
-                payload, _ = cache.codec.decompressed(data, flags)
-            except Exception:  # corrupt, or compressed with a dictionary not configured here
+                payload, _ = cache.codec.decompressed(*cache.codec.opened(data, flags, key))
+            except Exception:  # corrupt, another cache's (or key's), or compressed with a
+                # dictionary not configured here
                 unreadable += 1
                 continue
             if 0 < len(payload) <= MAX_SAMPLE_BYTES:
