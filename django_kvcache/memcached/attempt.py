@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Awaitable
 from django_kvcache.memcached import aio, connection, wire
 
 if TYPE_CHECKING:
-    from django_kvcache.memcached.exchange import Node
+    from django_kvcache.memcached.stale import UnsettledSockets
 
 #: How a connection the server closed shows itself.
 CLOSED = (ConnectionError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
@@ -93,24 +93,24 @@ class Attempt:
         self.state = State.DONE
         self.pool.discard(self.connection)
 
-    def keep_to_settle(self, node: Node) -> None:
+    def keep_to_settle(self, unsettled: UnsettledSockets) -> None:
         """IN_FLIGHT → DONE: a write that may still land. Its socket goes to the node's
         unsettled sockets, settled before the node serves again (a TLS connection on
         the loop cannot be handed over: it is closed)."""
         self.state = State.DONE
-        unsettled = self.connection.detach()
-        if unsettled is None:
+        sock = self.connection.detach()
+        if sock is None:
             self.pool.discard(self.connection)
             return
-        node.unsettled.add(unsettled)
+        unsettled.add(sock)
         self.pool.free_slot()  # the connection object is gone; its socket lives on
 
-    def interrupted(self, node: Node) -> None:
+    def interrupted(self, unsettled: UnsettledSockets) -> None:
         """Cancelled or failed: what the state says (:class:`State`)."""
         if self.state is State.IDLE:
             self.give_back()
         elif self.op is not None and self.op.writes:
-            self.keep_to_settle(node)
+            self.keep_to_settle(unsettled)
         else:
             self.close()
 

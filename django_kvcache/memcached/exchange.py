@@ -25,8 +25,11 @@ The drivers only move bytes; everything else is decided here, once:
   - a reply: the connection goes back to the pool — unless the reply says it is out of
     step (an error reply to a command that carried a data block), then it is closed;
     the node answered;
-  - an error reply (``SERVER_ERROR``/``CLIENT_ERROR``): the same, and the batch's error
-    is :class:`~django_kvcache.memcached.Refused`;
+  - an error reply: the same, and the batch's error is
+    :class:`~django_kvcache.memcached.Refused` (``CLIENT_ERROR``, or a value refused:
+    too large, out of memory) or :class:`~django_kvcache.memcached.ServerError` (any
+    other ``SERVER_ERROR``: a proxy whose server for the key is down) — that request's
+    failure, not the node's;
   - a pooled connection the server closed before it answered anything (it restarted):
     stale, not a node failure. It and the pool's other idle connections are closed and
     the request goes once more on a new connection — for every command (the request
@@ -34,6 +37,10 @@ The drivers only move bytes; everything else is decided here, once:
   - a failure (refused, reset, timeout, a reply we cannot read): the node's failure,
     counted by its health; the connection is closed — except a write whose request may
     have left and whose reply did not come: its socket is kept to be settled;
+  - a new connection the server closed, before any reply, on an optional command
+    (``wire.Op.optional``: how twemproxy refuses what it does not forward): the
+    batch's error is :class:`~django_kvcache.memcached.Unsupported`, not counted; a
+    clean-up flush refused so is given up, and the batch goes once more;
   - a node another caller is repairing, which this call cannot wait for
     (:class:`~django_kvcache.memcached.NodeBusy`): the batch's error, not counted; the
     connection, never used, goes back;
@@ -162,7 +169,7 @@ class Batch:
         """Cancelled (or interrupted by anything else) while it holds a connection."""
         attempt = self.attempt
         if attempt is not None and attempt.state is not State.DONE:
-            attempt.interrupted(self.node)
+            attempt.interrupted(self.node.unsettled)
 
 
 # --- the machine ------------------------------------------------------------------------
@@ -359,7 +366,7 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
     if attempt.state is State.IN_FLIGHT and attempt.op.writes and isinstance(  # type: ignore
         exc, TIMEOUT_ERRORS
     ):
-        attempt.keep_to_settle(node)
+        attempt.keep_to_settle(node.unsettled)
     elif attempt.state is State.IDLE:
         attempt.give_back()  # failed before its request (settling another write): in step
     else:
