@@ -14,6 +14,10 @@
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
   checked, whichever alias was named.
+* ``kvcache.E002`` the table exists in one of the cache's own databases with another
+  layout: django-mysql's, Django's DatabaseCache's, or another application's table of that
+  name (every cache call would fail); the message says whose it looks like and the fix.
+  Checked as W001 is, under ``--database``.
 * ``kvcache.E011`` a key of a cache's ``OPTIONS["ENCRYPTION_KEYS"]`` is too weak: text
   under 32 characters or with fewer than 10 distinct ones, bytes that are not random;
 * ``kvcache.W011`` two caches keep their entries in the same place (a table in a
@@ -23,6 +27,8 @@
   MEMORY…) uses a Galera node (MariaDB Galera, Percona XtraDB Cluster): Galera replicates
   only InnoDB, so each node would keep a cache of its own. It needs a connection, as W001.
 
+None of them imports a backend that no cache in CACHES names.
+
 An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
 every cache in CACHES before these run, so ``check`` (and every command that runs the
 checks) stops with the cache's ``ImproperlyConfigured``, which names the option. So does
@@ -30,17 +36,20 @@ ENCRYPTION_KEYS where cryptography is not installed: the message says what to in
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
-from django_kvcache.backends.mysql import MySQLCache, mysql_cache_aliases
 from django_kvcache.base import KVCache
+from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.encryption import configured_keys, key_id_text, weak_key
 from django_kvcache.zstd import INSTALL_HINT, zstd_engine
+
+if TYPE_CHECKING:  # the MySQL backend is imported only by a site that configures it
+    from django_kvcache.backends.mysql import MySQLCache
 
 
 def all_databases(cache: MySQLCache) -> list[str]:
@@ -53,7 +62,7 @@ def check_mysql_caches(
     app_configs: Iterable[Any] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             vendor = connections[database].vendor
             if vendor == "mysql":
@@ -79,12 +88,16 @@ def check_mysql_cache_tables(
     if not databases:  # no database access unless the caller allows it
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         for database in cache.database_aliases():
             if connections[database].vendor != "mysql":
                 continue  # kvcache.E001
             missing = cache.missing_tables(database)
+            problem = None if cache.table in missing else cache.table_layout_problem(database)
+            if problem is not None:
+                found, fix = problem
+                messages.append(Error(found, hint=fix, id="kvcache.E002"))
             if not missing:
                 continue
             names = " and ".join(repr(table) for table in missing)
@@ -139,7 +152,7 @@ def check_engine_on_galera(
     if not databases:  # no database access unless the caller allows it (as W001)
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         if cache.engine.lower() == "innodb":
             continue
@@ -170,7 +183,7 @@ def check_mysql_connection_charsets(
     """``kvcache.W003``: the connection character set, as Django will connect (OPTIONS
     ``charset``, else the Django version's default) — read from settings, no connection."""
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             connection = connections[database]
             if connection.vendor != "mysql":

@@ -19,12 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from django.conf import settings
 from django.core.cache import caches
 from django.db import DatabaseError, connections
-from django.utils.module_loading import import_string
 
-from django_kvcache.base import KVCache
+from django_kvcache.configured import kvcache_aliases  # noqa: F401  (the commands' list)
 
 #: Figures whose value only grows (Prometheus counters); every other figure is a gauge.
 COUNTERS = frozenset({
@@ -95,19 +93,6 @@ class CacheFigures:
     backend: str  # the backend's class name
     figures: dict[str, int | float]  # of the cache as a whole
     places: list[Place]
-
-
-def kvcache_aliases() -> list[str]:
-    """The aliases of every kvcache cache in CACHES, in settings order (nothing built)."""
-    found = []
-    for alias, entry in settings.CACHES.items():
-        try:
-            backend = import_string(entry["BACKEND"])
-        except (ImportError, KeyError):
-            continue
-        if isinstance(backend, type) and issubclass(backend, KVCache):
-            found.append(alias)
-    return found
 
 
 def number(value: Any) -> int | float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 
 import pytest
 from django.core.cache import caches
@@ -177,3 +178,31 @@ def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
         assert "Skipped" not in err
         assert len(sql(f"SELECT 1 FROM `{TABLE}_dictionaries`")) == 2
     sql(f"DROP TABLE `{TABLE}_dictionaries`")
+
+
+def test_the_report_measures_the_gain_at_the_cache_s_own_threshold(sampled, tmp_path):
+    """The values here (about 700 bytes) are under MySQLCache's COMPRESS_MIN_LENGTH (1000)
+    and over MemcachedCache's (400): the dictionary's gain is one the MySQL cache does not
+    take until its threshold comes down, and the report says so and by how much."""
+    fill(sampled, 300)
+    out, _ = train(tmp_path, "sampled", output=tmp_path / "d", samples=1000, size=4096)
+    assert re.search(r"On 60 other entries \([\d,]+ bytes serialized, \d+ bytes on average\):",
+                     out), out
+    assert "  every entry compressed:\n" in out
+    threshold = sampled.codec.compress_min_length
+    if isinstance(sampled, MySQLCache):
+        assert f"  as this cache compresses (from COMPRESS_MIN_LENGTH {threshold} bytes: 0% " \
+            "of these entries):\n" in out, out
+        assert re.search(r"    zstd-3 \+ dictionary +1\.00x smaller\n", out), out
+        suggested = re.search(
+            rf"The dictionary's gain is on entries under {threshold} bytes, which this cache "
+            r"stores as they are: COMPRESS_MIN_LENGTH (\d+) would compress (\d+)% of these "
+            r"entries, (\d+\.\d\d)x smaller with the dictionary \((\d+)% of its gain\)\.", out)
+        assert suggested, out
+        assert int(suggested[1]) < 600 and int(suggested[2]) >= 90 and int(suggested[4]) >= 90
+        assert float(suggested[3]) > 2
+    else:
+        assert f"  as this cache compresses (from COMPRESS_MIN_LENGTH {threshold} bytes: 100% " \
+            "of these entries):\n" in out, out
+        assert re.search(rf"This cache's COMPRESS_MIN_LENGTH of {threshold} bytes takes "
+                         r"100% of the dictionary's gain\.", out), out

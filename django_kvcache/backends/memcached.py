@@ -34,7 +34,14 @@ from typing import Any, Iterable, Mapping, NamedTuple
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
 from django_kvcache import stampede
-from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
+from django_kvcache.base import (
+    MISSING,
+    KVCache,
+    check_delta,
+    counter_overflow,
+    delegate_to_sync,
+    key_not_found,
+)
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import (
@@ -52,7 +59,7 @@ from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
-from django_kvcache.options import flag
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 from django_kvcache.steps import Plan, Sleep, arun, run
 
@@ -131,6 +138,38 @@ class MemcachedCache(KVCache):
             "TLS",
             "AUTOBATCH",
         }
+    )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the socket "
+        "timeouts are CONNECT_TIMEOUT and IO_TIMEOUT",
+        # pymemcache's HashClient (Django's PyMemcacheCache passes OPTIONS to it)
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS, True by default",
+        "no_delay": "pymemcache's option: TCP_NODELAY is always on here",
+        "connect_timeout": "pymemcache's name: here CONNECT_TIMEOUT, in seconds",
+        "timeout": "pymemcache's socket timeout: here IO_TIMEOUT, in seconds; the entries' "
+        f"default expiry is TIMEOUT, at the top level of {THIS_CACHE}",
+        "retry_attempts": "pymemcache's option: here a node is skipped after "
+        "FAILURE_THRESHOLD failures in a row, for RETRY_TIMEOUT seconds",
+        "retry_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "dead_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "use_pooling": "pymemcache's option: connections are always pooled here, see "
+        "MAX_POOL_SIZE and POOL_TIMEOUT",
+        "tls_context": "pymemcache's name: here TLS, an ssl.SSLContext or a dict",
+        "serde": "pymemcache's option: here SERIALIZER",
+        "allow_unicode_keys": "pymemcache's option: keys are always unicode here",
+        "default_noreply": "pymemcache's option: every reply is read here",
+        # pylibmc and django-redis
+        "behaviors": "pylibmc's option: here CONNECT_TIMEOUT, IO_TIMEOUT and HASHING",
+        "socket_timeout": "django-redis's name: here IO_TIMEOUT",
+        "socket_connect_timeout": "django-redis's name: here CONNECT_TIMEOUT",
+    }
+    inapplicable_options = dict.fromkeys(
+        ("MAX_ENTRIES", "CULL_FREQUENCY"),
+        "memcached evicts the least recently used items when its memory (memcached -m) is "
+        "full, so there is no entry count to keep",
     )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
@@ -530,13 +569,13 @@ class MemcachedCache(KVCache):
         (:meth:`_incr_classic`).
         """
         check_delta(delta)
-        key = self.make_and_validate_key(key, version=version)
+        caller_key, key = key, self.make_and_validate_key(key, version=version)
         try:
             node = self._node(key)
             if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, io)
+                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
             else:
-                value = yield from self._incr_here(node, key, delta, io)
+                value = yield from self._incr_here(node, key, delta, caller_key, io)
         except (Refused, Unsupported):
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
@@ -551,11 +590,11 @@ class MemcachedCache(KVCache):
             self._failed(exc)
             value = None
         if value is None:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(caller_key, version)
         return value
 
     def _incr_on_server(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """The server's ``incr``, which counts modulo 2**64, kept to the signed range.
 
@@ -575,25 +614,25 @@ class MemcachedCache(KVCache):
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._incr_here(node, key, delta, io))
+            return (yield from self._incr_here(node, key, delta, caller_key, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
             yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
-        raise self._overflow(key, delta)
+        raise counter_overflow(caller_key, delta)
 
     def _incr_here(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond
         64 bits): compare-and-swap on the meta commands, or without them (memcached
         before 1.6.6, a proxy such as twemproxy) what the classic protocol can do."""
         if (yield from node.speaks_meta(io)):
-            return (yield from self._add_with_cas(node, key, delta, io))
-        return (yield from self._incr_classic(node, key, delta, io))
+            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+        return (yield from self._incr_classic(node, key, delta, caller_key, io))
 
     def _incr_classic(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """Without the meta commands: a decrement is memcached's own ``decr`` — atomic,
         the lifetime kept, and like it (and Django's ``PyMemcacheCache``) it stops at 0,
@@ -612,19 +651,19 @@ class MemcachedCache(KVCache):
         found = yield from node.request(wire.get_one(encoded_key), io)
         if found is None:
             return None
-        value = self._counter_value(found[0], found[1], key)
+        value = self._counter_value(found[0], found[1], key, caller_key)
         if value is MISSING:
             return None
         if not INT64_MIN <= value + delta <= INT64_MAX:
-            raise self._overflow(key, delta)
+            raise counter_overflow(caller_key, delta)
         raise lease.MetaCommandsMissing(
-            node.name, f"incr/decr of {key!r} (from {value}, by {delta}) needs the meta "
+            node.name, f"incr/decr of {caller_key!r} (from {value}, by {delta}) needs the meta "
             "commands (memcached >= 1.6.6; proxies such as twemproxy do not forward them): "
             "the classic protocol cannot keep the entry's lifetime; unchanged"
         )
 
     def _add_with_cas(
-        self, node: Node, key: str, delta: int, io: Transport
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
     ) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
@@ -640,12 +679,12 @@ class MemcachedCache(KVCache):
             if found is None:
                 return None
             data, flags, ttl, cas = found
-            value = self._counter_value(data, flags, key)
+            value = self._counter_value(data, flags, key, caller_key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
-                raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
+                raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
             new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.request(
@@ -656,10 +695,11 @@ class MemcachedCache(KVCache):
             yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
-    def _counter_value(self, data: bytes, flags: int, key: str) -> Any:
-        """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
+    def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
+        """A stored integer (read under the stored ``key``); ``TypeError`` naming the
+        ``caller_key`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
-            raise TypeError(f"The value of key '{key}' is not an integer")
+            raise TypeError(f"The value of key '{caller_key}' is not an integer")
         return self.decode(data, flags, key)
 
     @staticmethod
@@ -670,12 +710,6 @@ class MemcachedCache(KVCache):
         if ttl <= THIRTY_DAYS:
             return ttl
         return ttl + (yield from node.request(wire.stats(), io))["time"]
-
-    @staticmethod
-    def _overflow(key: str, delta: int) -> OverflowError:
-        return OverflowError(
-            f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-        )
 
     # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 

@@ -36,13 +36,13 @@ from django.core.cache.backends.base import (
     default_key_func,
 )
 from django.db import connections
-from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
-from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
+from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, dictionaries, plans
+from django_kvcache.mysql import aio, dictionaries, layouts, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
@@ -56,7 +56,7 @@ from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for te
     drop_table_sql,
     now_ms,
 )
-from django_kvcache.options import fraction
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, fraction
 from django_kvcache.stampede import Compute, LeaseStore
 from django_kvcache.steps import Plan, arun, run
 
@@ -125,6 +125,25 @@ class MySQLCache(KVCache):
             "POOL_TIMEOUT",
         }
     )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the connection's "
+        "timeouts are connect_timeout, read_timeout and write_timeout in the OPTIONS of its "
+        "DATABASES entry",
+        "timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS of "
+        "the cache's DATABASES entry; the entries' default expiry is TIMEOUT, at the top "
+        f"level of {THIS_CACHE}",
+        "connect_timeout": "a connection setting: connect_timeout in the OPTIONS of the "
+        "cache's DATABASES entry",
+        "io_timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS "
+        "of the cache's DATABASES entry",
+        "socket_timeout": "a connection setting: read_timeout and write_timeout in the "
+        "OPTIONS of the cache's DATABASES entry",
+        "tls": "a connection setting: ssl in the OPTIONS of the cache's DATABASES entry",
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS",
+        "reverse_key_function": "django-mysql's option: not needed here, the prefix "
+        "operations read keys made by the default KEY_FUNCTION",
+    }
     #: Compress from 1000 bytes: with zstandard's reused decompressors, reading the
     #: realistic mix costs about what django-mysql's policy (zlib level 6 from 5000 bytes)
     #: costs, and it stores 0.64x its bytes; from 2000, 0.71x (docs/codec.rst, "Choosing
@@ -145,7 +164,7 @@ class MySQLCache(KVCache):
         self.cache_model_class = router_model(self.table)
         scope = own_keys_pattern(self.key_prefix, self.key_func is default_key_func)
         self.cluster = cluster_for(self.table, self.options, scope)
-        self.session = Session(self.cluster, self._missing_table_message)
+        self.session = Session(self.cluster, self._missing_table_message, self._layout_message)
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
@@ -461,19 +480,17 @@ class MySQLCache(KVCache):
         stored = self.make_and_validate_key(key, version)
         outcome = yield plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, stored, delta, outcome)
+            raise self._incr_refused(key, stored, delta, version, outcome)
         return outcome
 
     def _incr_refused(
-        self, key: Any, stored: str, delta: int, refused: plans.Refused
+        self, key: Any, stored: str, delta: int, version: int | None, refused: plans.Refused
     ) -> Exception:
-        """The exception for an incr that did not apply, naming the caller's key (the
-        row, read back, is decoded under its stored key: with ENCRYPTION_KEYS it opens
-        under no other)."""
+        """The exception for an incr that did not apply, naming the caller's key and the
+        version it gave (the row, read back, is decoded under its stored key: with
+        ENCRYPTION_KEYS it opens under no other)."""
         if refused.reason == plans.OVERFLOW:
-            return OverflowError(
-                f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-            )
+            return counter_overflow(key, delta)
         if refused.reason == plans.NOT_INTEGER:
             value = self.decode(refused.data, refused.flags, stored)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -487,15 +504,16 @@ class MySQLCache(KVCache):
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
             )
-        return ValueError(f"Key '{key}' not found")
+        return key_not_found(key, version)
 
     def _incr_version(self, key: Any, delta: int, version: int | None) -> Plan:
         """Django's ``incr_version``, as one plan for both APIs."""
+        asked = version
         if version is None:
             version = self.version
         value = yield from self._get(key, MISSING, version)
         if value is MISSING:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(key, asked)
         yield from self._set(key, value, DEFAULT_TIMEOUT, version + delta)
         yield from self._delete(key, version)
         return version + delta
@@ -785,6 +803,30 @@ class MySQLCache(KVCache):
         present = set(connections[database].introspection.table_names())
         return [table for table in tables if table not in present]
 
+    def table_layout_problem(self, database: str) -> tuple[str, str] | None:
+        """What is wrong with the layout of the table in ``database`` (another library's
+        table under this name, say) and the fix, or ``None``: it is ours, or missing."""
+        with connections[database].cursor() as cursor:
+            columns = layouts.table_columns(cursor, self.table)
+        return self._layout_problem(database, columns) if columns else None
+
+    def _layout_message(self, database: str, error: BaseException) -> str:
+        """After a statement's ``error`` (1054): the table's columns are read on a
+        connection of its own (the caller may be in an event loop, or in a transaction),
+        at most once a minute per table."""
+        columns = layouts.columns_once(database, self.table, partial(
+            read_columns, connections[database].get_connection_params(), self.table))
+        return " ".join(self._layout_problem(database, columns, error) or (str(error),))
+
+    def _layout_problem(
+        self, database: str, columns: list[str] | None, error: BaseException | None = None
+    ) -> tuple[str, str] | None:
+        aliases = self.configured_aliases()
+        owner = "cache " + ", ".join(map(repr, aliases)) if aliases else f"a {self.backend_name}"
+        return layouts.describe(
+            self.table, owner, database, columns, " ".join(aliases) or "<alias>", error
+        )
+
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
         if not aliases:  # built outside CACHES
@@ -816,23 +858,20 @@ class MySQLCache(KVCache):
         ]
 
 
+def read_columns(params: dict[str, Any], table: str) -> list[str]:
+    """``table``'s columns, on a mysqlclient connection of its own made with ``params``."""
+    import MySQLdb
+
+    connection = MySQLdb.connect(**params)
+    try:
+        return layouts.table_columns(connection.cursor(), table)
+    finally:
+        connection.close()
+
+
 def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:
     """The DATABASE and DATABASES of a CACHES entry: where its table lives."""
     options = cache_settings.get("OPTIONS") or {}
     databases = options.get("DATABASES")
     return options.get("DATABASE"), None if databases is None else tuple(databases)
-
-
-def is_mysql_cache(alias: str) -> bool:
-    """Whether ``CACHES[alias]`` is a MySQLCache (or a subclass), without building it."""
-    try:
-        backend = import_string(settings.CACHES[alias]["BACKEND"])
-    except (KeyError, ImportError):
-        return False
-    return isinstance(backend, type) and issubclass(backend, MySQLCache)
-
-
-def mysql_cache_aliases() -> list[str]:
-    """The aliases of every MySQLCache in ``CACHES``, in settings order."""
-    return [alias for alias in settings.CACHES if is_mysql_cache(alias)]
 

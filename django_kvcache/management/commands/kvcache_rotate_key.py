@@ -8,14 +8,16 @@ done already (docs/operations.rst, "Rotating an encryption key").
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from django_kvcache.backends.mysql import ROTATION_BATCH_ROWS, Rotation
 from django_kvcache.encryption import key_id_text
 from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
+
+if TYPE_CHECKING:  # imported once the alias is known to be a MySQLCache: a site without
+    from django_kvcache.backends.mysql import Rotation  # the mysql extra lists the command
 
 
 class Command(MySQLCacheCommand):
@@ -27,8 +29,8 @@ class Command(MySQLCacheCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("alias", help="the MySQLCache alias in CACHES")
         parser.add_argument(
-            "--batch-size", type=int, default=ROTATION_BATCH_ROWS,
-            help=f"rows each batch examines per shard (default {ROTATION_BATCH_ROWS})",
+            "--batch-size", type=int, default=None,
+            help="rows each batch examines per shard (default: the backend's, 1000)",
         )
         parser.add_argument(
             "--max-batches", type=int, default=None,
@@ -39,11 +41,16 @@ class Command(MySQLCacheCommand):
             help="start after this stored key (what a stopped run printed)",
         )
 
-    def handle(self, *args: Any, alias: str, batch_size: int, max_batches: int | None,
+    def handle(self, *args: Any, alias: str, batch_size: int | None, max_batches: int | None,
                after: str, verbosity: int, **options: Any) -> None:
-        if batch_size < 1 or (max_batches is not None and max_batches < 1):
+        if (batch_size is not None and batch_size < 1) or (
+                max_batches is not None and max_batches < 1):
             raise CommandError("--batch-size and --max-batches must be at least 1")
         cache = self.selected_caches([alias])[alias]
+        if batch_size is None:
+            from django_kvcache.backends.mysql import ROTATION_BATCH_ROWS
+
+            batch_size = ROTATION_BATCH_ROWS
         encryption = cache.codec.encryption
         if encryption is None:
             raise CommandError(
