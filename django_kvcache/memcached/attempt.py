@@ -80,8 +80,9 @@ class Attempt:
                 and self.connection.received == self.mark)
 
     def give_back(self) -> None:
-        """IDLE → DONE: the connection goes back to its pool — unless the last reply
-        put it out of step (an error reply to a command that carried a data block)."""
+        """IDLE (or IN_FLIGHT with its reply complete) → DONE: the connection goes back
+        to its pool — unless the last reply put it out of step (an error reply to a
+        command that carried a data block)."""
         self.state = State.DONE
         if self.reply is None or self.reply.in_step:
             self.pool.checkin(self.connection)

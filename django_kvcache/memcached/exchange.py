@@ -206,7 +206,9 @@ def _joined(
 ) -> Plan:
     """The batches that go on their own, then the shares of those that joined others'."""
     try:
-        yield from _rounds([batch for batch in batches if batch not in joined], io, None)
+        alone = [batch for batch in batches if batch not in joined]
+        if alone:
+            yield from _rounds(alone, io, None)
         for batch, share in joined.items():
             try:
                 batch.shared((yield Share(share)))
@@ -228,8 +230,18 @@ def _rounds(batches: Sequence[Batch], io: Transport, lone: Batch | None) -> Plan
         stale: list[Batch] = []
         pending: Sequence[Batch] = batches
         while pending:
-            if len(pending) == 1 and pending[0].claim(io):  # the usual call
-                claimed, pending = pending, ()
+            if len(pending) == 1 and pending[0].claim(io):
+                batch, pending = pending[0], ()
+                node = batch.node
+                if not (node.unsettled.pending or node.outdated.pending):
+                    # The usual call: one request on a node that owes nothing, one step.
+                    try:
+                        yield from _single(batch, retry, stale)
+                    except BaseException:
+                        batch.interrupted()
+                        raise
+                    continue
+                claimed: list[Batch] = [batch]
             else:
                 claimed, pending = yield from _claim(pending, io)
             if claimed:
@@ -324,13 +336,13 @@ def _finished(batch: Batch) -> None:
     node, attempt = batch.node, batch.attempt
     assert attempt is not None
     batch.result = batch.op.result(attempt.reply)
-    attempt.finished()
     node.bytes_sent += batch.sent
     node.bytes_saved += batch.saved
     if batch.count_received:
         node.bytes_received += attempt.connection.received - attempt.mark
     attempt.give_back()
-    _answered(node)
+    if node.health.failures:  # the node answered: a failure count it had is over
+        node.health.succeeded()
     if batch.on_result is not None:
         batch.on_result(batch.result)
 
