@@ -214,9 +214,18 @@ async def arun(policy: Policy, store: LeaseStore, default: Any) -> Any:
 # --- a store any cache can give: leases taken with add() ---------------------------------
 
 
+SIDE_KINDS = ("lease", "stale")
+
+
 def side_key(kind: str, key: Any) -> str:
     """The key of a lease or stale copy of ``key``: short and valid on every backend."""
     return f"kvcache-{kind}:{hashlib.sha1(str(key).encode()).hexdigest()}"
+
+
+def is_side_key(key: Any) -> bool:
+    """Whether ``key`` (a caller's key) is a lease or stale copy's (:func:`side_key`):
+    an item of the store's own, which has no stale copies of its own."""
+    return isinstance(key, str) and key.startswith(tuple(f"kvcache-{k}:" for k in SIDE_KINDS))
 
 
 class AddLeaseStore:
@@ -264,14 +273,21 @@ class AddLeaseStore:
         return Read(stale, False, False)
 
     def store(self, value: Any) -> steps.Plan:
+        # The copy first: a delete between the two writes (which removes the entry, then
+        # the copy) must not leave the deleted value behind as the stale copy.
+        yield from self.store_copy(value)
         yield self.call("set", self.key, value, self.timeout)
+        yield from self.release()
+
+    def store_copy(self, value: Any) -> steps.Plan:
+        """With STALE_TIMEOUT, the stale copy of ``value``: the entry's lifetime and
+        STALE_TIMEOUT more."""
         stale_timeout = self.policy.stale_timeout
         if stale_timeout is not None:
             seconds_left = self.cache.timeout_seconds(self.timeout)
             if seconds_left is None or seconds_left > 0:
                 stale_for = None if seconds_left is None else seconds_left + stale_timeout
                 yield self.call("set", self.stale_key, value, stale_for)
-        yield from self.release()
 
     def release(self) -> steps.Plan:
         # Only our own lease: after LEASE_TIMEOUT another caller may hold it.

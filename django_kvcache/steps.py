@@ -1,21 +1,35 @@
 """The two drivers of a plan: blocking (``run``) and asyncio (``arun``).
 
 A plan is a generator that yields steps and gets each step's result sent back, or its
-exception thrown in. A step is an object with ``run()`` (blocking) and ``arun()`` (an
-awaitable), or a *call*: a tuple ``(function, arguments)`` of a function that has both
-forms under one name — a blocking connection's ``send`` returns, an asyncio one's
-returns an awaitable — which the blocking driver makes and the asyncio driver awaits.
-Written once, a plan runs the same on sockets and on an event loop: the memcached
-operations (``memcached.plans``) and their exchanges (``memcached.exchange``) and the
-stampede policy (``stampede.plan``) are plans.
+exception thrown in. A step (:class:`Step`) is one thing to do, in two forms under one
+meaning: ``run()`` does it and blocks the thread until it is done; ``arun()`` returns an
+awaitable that does it on the running event loop. The blocking driver calls ``run``, the
+asyncio driver awaits ``arun``, so a plan written once runs the same on sockets and on an
+event loop: the memcached operations (``backends.memcached``) and their exchanges
+(``memcached.exchange``), the stampede policy (``stampede.plan``) and the MySQL plans are
+plans.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Generator
+from typing import Any, Awaitable, Generator, Protocol, TypeVar
 
-Plan = Generator[Any, Any, Any]
+T = TypeVar("T", covariant=True)
+
+
+class Step(Protocol[T]):
+    """One thing a plan asks its driver to do."""
+
+    def run(self) -> T:
+        """Do it, blocking this thread until it is done (the blocking driver)."""
+
+    def arun(self) -> Awaitable[T]:
+        """An awaitable that does it on the running event loop (the asyncio driver)."""
+
+
+#: A plan: yields steps, is sent their results; its return value is the plan's.
+Plan = Generator["Step[Any]", Any, Any]
 
 
 def run(plan: Plan) -> Any:
@@ -29,7 +43,7 @@ def run(plan: Plan) -> Any:
             return done.value
         value = error = None
         try:
-            value = step[0](*step[1]) if type(step) is tuple else step.run()
+            value = step.run()
         except BaseException as exc:  # the plan decides (a KeyboardInterrupt goes through)
             error = exc
 
@@ -45,7 +59,7 @@ async def arun(plan: Plan) -> Any:
             return done.value
         value = error = None
         try:
-            value = await (step[0](*step[1]) if type(step) is tuple else step.arun())
+            value = await step.arun()
         except BaseException as exc:
             error = exc
 
@@ -61,5 +75,5 @@ class Sleep:
     def run(self) -> None:
         time.sleep(self.seconds)
 
-    def arun(self) -> Any:
+    def arun(self) -> Awaitable[None]:
         return asyncio.sleep(self.seconds)

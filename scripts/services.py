@@ -21,6 +21,10 @@ Settings (environment variables, all optional):
                               main port + 3, 23309; empty: none)
     KVCACHE_MEMCACHED_PORT    first memcached port (default 21211)
     KVCACHE_MEMCACHED_NODES   number of memcached processes (default 4)
+    KVCACHE_TWEMPROXY_PORT    port of a twemproxy (nutcracker) in front of memcached processes
+                              of its own (default 21300); they listen on the next ports
+                              (21301-21303), its stats on the one after (21304). Empty: none
+    KVCACHE_TWEMPROXY_NODES   number of memcached processes behind it (default 3)
     KVCACHE_GALERA_PORT       first port of the Galera cluster (default 23410): node N listens
                               for clients on PORT + 4N and uses the next three ports for
                               group communication, IST and SST (23410-23421 for 3 nodes)
@@ -68,6 +72,10 @@ BUFFER_POOL = "256M"
 SHARD_BUFFER_POOL = "64M"
 MEMCACHED_PORT = int(os.environ.get("KVCACHE_MEMCACHED_PORT", "21211"))
 MEMCACHED_NODES = int(os.environ.get("KVCACHE_MEMCACHED_NODES", "4"))
+_twemproxy_port = os.environ.get("KVCACHE_TWEMPROXY_PORT", "21300").strip()
+#: twemproxy: the address clients use; its memcached servers on the next ports.
+TWEMPROXY_PORT = int(_twemproxy_port) if _twemproxy_port else None
+TWEMPROXY_NODES = int(os.environ.get("KVCACHE_TWEMPROXY_NODES", "3"))
 START_TIMEOUT = 60.0
 GALERA_PORT = int(os.environ.get("KVCACHE_GALERA_PORT", "23410"))
 GALERA_SIZE = 3
@@ -83,6 +91,7 @@ SYSTEM_PACKAGES = {
     "pkg-config": "pkg-config",
     "build-essential": "gcc",  # mysqlclient compiles on install
     "mariadb-client": "mariadb-dump",  # the replica is seeded with a dump
+    "nutcracker": "nutcracker",  # twemproxy, the proxy large sites put in front of memcached
 }
 # What `galera up` needs on top.
 GALERA_PACKAGES = {"galera-4": GALERA_PROVIDER, "rsync": "rsync"}
@@ -503,16 +512,80 @@ def memcached_argv(port: int) -> list[str]:
 
 def memcached_up() -> None:
     for index in range(MEMCACHED_NODES):
-        port = MEMCACHED_PORT + index
-        name = f"memcached-{port}"
-        if running_pid(name) and memcached_answers(port):
-            log(f"memcached already running on {HOST}:{port}")
-            continue
-        stop(name)
-        ensure_port_free(port, "memcached", "KVCACHE_MEMCACHED_PORT")
-        pid = spawn(name, memcached_argv(port))
-        wait_until(lambda: memcached_answers(port), f"memcached on {HOST}:{port}", pid, name)
-        log(f"memcached started on {HOST}:{port} (pid {pid})")
+        memcached_start(MEMCACHED_PORT + index, "KVCACHE_MEMCACHED_PORT")
+
+
+def memcached_start(port: int, env_var: str) -> None:
+    """One memcached on ``port``, unless ours already runs there."""
+    name = f"memcached-{port}"
+    if running_pid(name) and memcached_answers(port):
+        log(f"memcached already running on {HOST}:{port}")
+        return
+    stop(name)
+    ensure_port_free(port, "memcached", env_var)
+    pid = spawn(name, memcached_argv(port))
+    wait_until(lambda: memcached_answers(port), f"memcached on {HOST}:{port}", pid, name)
+    log(f"memcached started on {HOST}:{port} (pid {pid})")
+
+
+# --- twemproxy ---------------------------------------------------------------------------
+
+
+def twemproxy_server_ports(port: int, nodes: int = TWEMPROXY_NODES) -> list[int]:
+    """The ports of the memcached processes behind the twemproxy on ``port``."""
+    return [port + 1 + index for index in range(nodes)]
+
+
+def twemproxy_argv(
+    port: int, servers: list[str], directory: Path, name: str, stats_port: int | None = None
+) -> list[str]:
+    """Command line of a twemproxy (nutcracker) on loopback ``port`` in front of
+    ``servers`` (``host:port``), its configuration written to ``directory``; its stats
+    listen on ``stats_port`` (default: the port after the highest of the others). Also
+    used by the tests' own proxies.
+
+    One pool, as sites run it: ketama over fnv1a_64, hosts never ejected (a stopped server's
+    keys are answered ``SERVER_ERROR``, the others' are served), a 1 s timeout."""
+    program = which("nutcracker")
+    if program is None:
+        sys.exit("services: nutcracker not found; install nutcracker (twemproxy)")
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / f"{name}.yml"
+    config.write_text(
+        "kvcache:\n"
+        f"  listen: {HOST}:{port}\n"
+        "  hash: fnv1a_64\n"
+        "  distribution: ketama\n"
+        "  timeout: 1000\n"
+        "  auto_eject_hosts: false\n"
+        "  servers:\n"
+        + "".join(f"   - {server}:1\n" for server in servers)
+    )
+    if stats_port is None:
+        stats_port = max([port, *(int(s.rsplit(":", 1)[1]) for s in servers)]) + 1
+    return [program, "-c", str(config), "-s", str(stats_port), "-a", HOST,
+            "-o", str(directory / f"{name}.log")]
+
+
+def twemproxy_up() -> None:
+    """The memcached processes behind the proxy, then the proxy."""
+    if TWEMPROXY_PORT is None:
+        return
+    servers = twemproxy_server_ports(TWEMPROXY_PORT)
+    for port in servers:
+        memcached_start(port, "KVCACHE_TWEMPROXY_PORT")
+    name = f"twemproxy-{TWEMPROXY_PORT}"
+    if running_pid(name) and memcached_answers(TWEMPROXY_PORT):
+        log(f"twemproxy already running on {HOST}:{TWEMPROXY_PORT}")
+        return
+    stop(name)
+    ensure_port_free(TWEMPROXY_PORT, "twemproxy", "KVCACHE_TWEMPROXY_PORT")
+    argv = twemproxy_argv(TWEMPROXY_PORT, [f"{HOST}:{port}" for port in servers], RUNTIME, name)
+    pid = spawn(name, argv)
+    wait_until(lambda: memcached_answers(TWEMPROXY_PORT), f"twemproxy on {HOST}:{TWEMPROXY_PORT}",
+               pid, name)
+    log(f"twemproxy started on {HOST}:{TWEMPROXY_PORT} (pid {pid}) in front of "
+        f"{HOST}:{servers[0]}-{servers[-1]}")
 
 
 # --- Galera -------------------------------------------------------------------------------
@@ -680,7 +753,18 @@ def environment() -> dict[str, str]:
         "KVCACHE_MYSQL_SHARD_PORTS": ",".join(map(str, MYSQL_SHARD_PORTS)),
         "KVCACHE_MYSQL_REPLICA_PORT": str(MYSQL_REPLICA_PORT or ""),
         "KVCACHE_MEMCACHED": nodes,
+        **twemproxy_environment(),
     }
+
+
+def twemproxy_environment() -> dict[str, str]:
+    """The proxy's address, and its servers' (the tests empty them directly: twemproxy
+    forwards no ``flush_all``)."""
+    if TWEMPROXY_PORT is None:
+        return {"KVCACHE_TWEMPROXY": ""}
+    servers = ",".join(f"{HOST}:{port}" for port in twemproxy_server_ports(TWEMPROXY_PORT))
+    return {"KVCACHE_TWEMPROXY": f"{HOST}:{TWEMPROXY_PORT}",
+            "KVCACHE_TWEMPROXY_SERVERS": servers}
 
 
 def print_env(variables: dict[str, str], file_name: str = "services.env") -> None:
@@ -694,6 +778,7 @@ def cmd_up() -> None:
     RUNTIME.mkdir(parents=True, exist_ok=True)
     mariadb_up()
     memcached_up()
+    twemproxy_up()
     print_env(environment())
 
 

@@ -99,6 +99,46 @@ def memcached_node(port: int | None = None) -> Iterator[MemcachedNode]:
         node.kill()
 
 
+class Twemproxy:
+    """A twemproxy (nutcracker) of a test's own, in front of memcached processes of its
+    own that the test may stop: the proxy sites run, configured by ``services.py``."""
+
+    def __init__(self, servers: int = 3) -> None:
+        self.servers = [MemcachedNode() for _ in range(servers)]
+        self.port = free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvcache-twemproxy-"))
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{services.HOST}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        for server in self.servers:
+            server.start()
+        argv = services.twemproxy_argv(
+            self.port, [server.address for server in self.servers], self.workdir,
+            "twemproxy", stats_port=free_port(),
+        )
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while not services.memcached_answers(self.port):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"twemproxy on {self.address} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+        for server in self.servers:
+            server.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 def connection_settings(port: int, database: str = services.MYSQL_DATABASE) -> dict:
     """Connection parameters of a loopback server of ours, in Django's DATABASES form."""
     return {

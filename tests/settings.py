@@ -29,6 +29,16 @@ MEMCACHED_NODES = [
     ).split(",")
     if node
 ]
+# The twemproxy (nutcracker) `services.py up` starts, and the memcached servers behind it
+# (emptied directly between tests: twemproxy forwards no flush_all). Empty: none.
+TWEMPROXY = os.environ.get("KVCACHE_TWEMPROXY", "127.0.0.1:21300").strip()
+TWEMPROXY_SERVERS = [
+    node
+    for node in os.environ.get(
+        "KVCACHE_TWEMPROXY_SERVERS", "127.0.0.1:21301,127.0.0.1:21302,127.0.0.1:21303"
+    ).split(",")
+    if node
+]
 
 SECRET_KEY = "django-kvcache-tests"
 USE_TZ = True

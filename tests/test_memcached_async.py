@@ -149,8 +149,8 @@ def test_meta_commands_on_a_live_node(node):
     cache.set_many({"a": 1, "c": 3})  # integers are stored as decimal text
     client = Connection(cache._nodes[0].pool.address, cache._nodes[0].pool.settings)
     try:
-        assert client.exchange(wire.meta_probe()) is True  # memcached >= 1.6.6
-        found = client.exchange(wire.meta_sequence([b"mg :1:a v\r\n", b"mg :1:b v\r\n"], False))
+        assert client.round_trip(wire.meta_probe()) is True  # memcached >= 1.6.6
+        found = client.round_trip(wire.meta_sequence([b"mg :1:a v\r\n", b"mg :1:b v\r\n"], False))
         assert [(reply.code, reply.value) for reply in found] == [(b"VA", b"1"), (b"EN", None)]
     finally:
         client.close()
@@ -158,7 +158,7 @@ def test_meta_commands_on_a_live_node(node):
     async def same_on_the_loop() -> list:
         connection = aio.AsyncConnection(client.address, client.settings)
         try:
-            return await connection.exchange(wire.meta_sequence([b"mg :1:c v\r\n"], False))
+            return await connection.round_trip(wire.meta_sequence([b"mg :1:c v\r\n"], False))
         finally:
             connection.close()
 

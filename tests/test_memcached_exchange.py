@@ -276,6 +276,47 @@ def test_a_garbled_reply_is_a_node_failure(garbling_server, api, ignore_exceptio
     assert pool.size == len(pool.idle) == 0  # each garbled connection was closed
 
 
+@pytest.fixture
+def wrong_key_server() -> Iterator[ScriptedServer]:
+    """Answers every get with a value for a key that was not asked (a server or proxy
+    out of step, or one whose replies are crossed)."""
+
+    def answer(line: bytes) -> bytes | None:
+        if not line.startswith(b"get "):
+            return b"ERROR\r\n"
+        return b"VALUE :1:intruder 0 5\r\nwrong\r\nEND\r\n"
+
+    server = ScriptedServer(answer)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("autobatch", [True, False])
+@pytest.mark.parametrize("ignore_exceptions", [False, True])
+def test_a_value_for_a_key_not_asked_is_a_protocol_error(
+    wrong_key_server, api, ignore_exceptions, autobatch
+):
+    """A reply that does not match its request is no answer to it: never the value of
+    the key asked (``get``), never a ``KeyError`` out of ``get_many`` — whatever
+    IGNORE_EXCEPTIONS says. The connection is closed and the call fails as the node's
+    failure (a miss under IGNORE_EXCEPTIONS)."""
+    cache = build([wrong_key_server.address], FAILURE_THRESHOLD=100,
+                  IGNORE_EXCEPTIONS=ignore_exceptions, AUTOBATCH=autobatch)
+    styled = api.cache(cache)
+    if ignore_exceptions:
+        assert styled.get("k", "default") == "default"
+        assert styled.get_many(["a", "b"]) == {}
+    else:
+        with pytest.raises(NodeError, match="not asked"):
+            styled.get("k")
+        with pytest.raises(NodeError, match="not asked"):
+            styled.get_many(["a", "b"])
+    metrics = cache.metrics()[wrong_key_server.address]
+    assert metrics["errors"] == 2
+    pool = api.pool(cache._nodes[0])
+    assert pool.size == len(pool.idle) == 0  # each crossed connection was closed
+
+
 # --- deadlines ---------------------------------------------------------------------------
 
 
@@ -359,14 +400,14 @@ def test_a_cancelled_write_lands_before_a_later_write(proxy, api):
         cancel_after(api, 0.2, lambda: cache.set("key", "old"))
     else:
         cancel_after(api, 0.2, lambda: cache.aset("key", "old"))
-    kept_to_settle = node.late.pending  # like a timed-out write's connection
+    kept_to_settle = node.unsettled.pending  # like a timed-out write's connection
     held = proxy.release(0.3)  # "old" reaches the server 0.3 s from now
     assert held, "the write was not held by the proxy"
     api.cache(cache).set("key", "new")  # settles "old" first, then writes
     for link in held:
         assert link.answered.wait(5)
     assert api.cache(cache).get("key") == "new"
-    assert kept_to_settle and not node.late.pending
+    assert kept_to_settle and not node.unsettled.pending
     assert cache.metrics()[proxy.address]["errors"] == 0  # cancelled: not the node's fault
 
 
@@ -382,7 +423,7 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
     proxy.hold()
     commands = b"\r\nset victim 0 0 1\r\nV\r\n" * (16 * 1024 * 1024 // 24)
     cache.set("key", commands)  # the send times out, most of it unsent
-    (late,) = node.late.connections
+    (late,) = node.unsettled.connections
     unsent = bytes(late.unsent)
     assert unsent, "the whole value was sent"
     for link in proxy.links:  # let some of it through, then hold again
@@ -394,15 +435,142 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
         cancel_after(api, 0.1, lambda: cache.get("other"))  # settles until cancelled
     else:
         cancel_after(api, 0.1, lambda: cache.aget("other"))
-    (late,) = node.late.connections
+    (late,) = node.unsettled.connections
     assert len(late.unsent) < len(unsent)  # what the cancelled settle sent is not sent again
     held = proxy.release(0)
     assert api.cache(cache).get("other") is None  # settled: the rest, then the fence
     for link in held:
         assert link.answered.wait(5)
-    assert not node.late.pending
+    assert not node.unsettled.pending
     client = raw(proxy.upstream[0] + ":" + str(proxy.upstream[1]))
     try:
         assert client.get("victim") is None  # no byte of the value ran as a command
     finally:
         client.close()
+
+
+# --- waiting for a node's repair: never forever, never for itself -----------------------------
+
+
+def cut_short_then_repairing(
+    cache: MemcachedCache, proxy: DelayingProxy, how: str
+) -> Callable[[], Any]:
+    """On the running loop: an ``aset`` cut short while the proxy holds its bytes —
+    ``"timed out"`` (IO_TIMEOUT: the key is outdated too) or ``"cancelled"`` (an ASGI
+    disconnect) — whose connection is kept to settle; then an ``aget`` that repairs the
+    node: it settles that write and waits for its fence's reply, which the proxy holds
+    too. Returns the repairing task once it holds the node's repair."""
+
+    async def start() -> Any:
+        proxy.hold()
+        if how == "cancelled":
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(cache.aset("key", "cut short"), 0.2)
+        else:
+            with pytest.raises(NodeError, match="timed out"):
+                await cache.aset("key", "cut short")
+        assert cache._nodes[0].unsettled.pending
+        repairing = asyncio.ensure_future(cache.aget("other", "missing"))
+        await asyncio.sleep(0.2)  # sent the rest and the fence; awaits the fence's reply
+        assert not repairing.done()
+        return repairing
+
+    return start
+
+
+def on_a_thread_of_its_own(scenario: Callable[[], Any], seconds: float) -> dict[str, Any]:
+    """``scenario()`` (a coroutine) on a loop in a daemon thread; fails if it does not
+    end within ``seconds`` (a hung thread is left behind, harmless)."""
+    outcome: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            outcome["value"] = asyncio.run(scenario())
+        except BaseException as exc:  # shown by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call never returned"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.mark.parametrize("how", ["timed out", "cancelled"])
+@pytest.mark.parametrize("ignore_exceptions", [True, False])
+def test_a_sync_call_on_the_loop_thread_never_waits_for_a_coroutine_repairing_the_node(
+    proxy, ignore_exceptions, how
+):
+    """A coroutine repairs a node (it settles a write that timed out, or that an ASGI
+    disconnect cut short) and waits for the node's answer; a sync call on the loop's own
+    thread (a ``{% cache %}`` tag in an async view) needs the same node. Waiting for the
+    repair would wait for a coroutine that cannot run until the call returns: the thread,
+    and every request on the loop, would hang for good. Going round the repair would let
+    its request overtake the write being settled. The call fails at once instead, as the
+    node's unavailability (a miss under IGNORE_EXCEPTIONS), and the node is not blamed."""
+    cache = build([proxy.address], IO_TIMEOUT=1.0, FAILURE_THRESHOLD=100)
+    cache.set("key", "first")
+    start = cut_short_then_repairing(cache, proxy, how)
+    # Another instance of the same cache (the same nodes): only IGNORE_EXCEPTIONS differs.
+    calling = MemcachedCache([proxy.address], {"OPTIONS": {
+        **cache.options, "IGNORE_EXCEPTIONS": ignore_exceptions}})
+    assert calling._nodes[0] is cache._nodes[0]
+
+    async def scenario() -> tuple[Any, float, Any]:
+        repairing = await start()
+        began = time.monotonic()
+        try:
+            answer = calling.get("key", "default")  # blocking, on the loop's thread
+        except NodeError as exc:
+            answer = exc
+        waited = time.monotonic() - began
+        proxy.release(0)
+        return answer, waited, await repairing
+
+    answer, waited, repaired = on_a_thread_of_its_own(scenario, 10)
+    if ignore_exceptions:
+        assert answer == "default"
+    else:
+        assert isinstance(answer, NodeError) and "coroutine" in str(answer), answer
+    assert waited < 0.2
+    assert repaired == "missing"  # the repair went on, and its own call with it
+    # Settled, then (timed out: the key is outdated) cleaned up.
+    assert cache.get("key") == ("cut short" if how == "cancelled" else None)
+    assert cache.metrics()[proxy.address]["errors"] == (how == "timed out")
+
+
+def test_a_thread_waits_for_a_coroutine_repairing_the_node_at_most_an_io_timeout(proxy):
+    """A thread whose node is being repaired by a coroutine waits for it — but the loop
+    may be busy (blocked by a long sync call), so the coroutine cannot go on: the thread
+    waits at most IO_TIMEOUT, not as long as the loop is blocked."""
+    cache = build([proxy.address], IO_TIMEOUT=IO_TIMEOUT, FAILURE_THRESHOLD=100)
+    cache.set("key", "first")
+    start = cut_short_then_repairing(cache, proxy, "timed out")
+    holding = threading.Event()
+    waited: list[float] = []
+
+    def thread_call() -> None:
+        holding.wait(10)
+        began = time.monotonic()
+        with pytest.raises(NodeError, match="timed out"):
+            cache.get("key")
+        waited.append(time.monotonic() - began)
+
+    caller = threading.Thread(target=thread_call, daemon=True)
+    caller.start()
+
+    async def scenario() -> Any:
+        repairing = await start()
+        holding.set()
+        time.sleep(3)  # the loop is blocked: the repairing coroutine cannot go on
+        proxy.release(0)
+        try:
+            return await repairing
+        except NodeError:  # its settle timed out meanwhile (the loop ran late)
+            return None
+
+    on_a_thread_of_its_own(scenario, 15)
+    caller.join(10)
+    assert waited and waited[0] < IO_TIMEOUT + MARGIN

@@ -416,7 +416,7 @@ def test_a_write_whose_send_timed_out_is_settled_with_its_unsent_rest(proxy, api
     big = os.urandom(8 * 1024 * 1024)
     cache.set("key", big)
     node = built._nodes[0]
-    assert node.late.connections and node.late.connections[0].unsent, "the whole value was sent"
+    assert node.unsettled.connections and node.unsettled.connections[0].unsent, "the whole value was sent"
     held = proxy.release(0)
     cache.set("other", "after")  # settles (the big value lands), cleans up, then writes
     for link in held:
@@ -430,23 +430,23 @@ def test_our_single_key_writes_answer_like_pymemcache(memcached_node_factory):
     address = parse_location(memcached_node_factory().address)[0]
     client = NodePool(address, ConnectionSettings()).checkout()
     try:
-        assert client.exchange(wire.store(b"add", b"k", b"1", 0, 0)) is True
-        assert client.exchange(wire.store(b"add", b"k", b"2", 0, 0)) is False
-        assert client.exchange(wire.store(b"set", b"k", b"41", 0, 0)) is True
-        assert client.exchange(wire.incr(b"k", 1)) == 42
-        assert client.exchange(wire.incr(b"absent", 1)) is None
-        assert client.exchange(wire.touch(b"k", 100)) is True
-        assert client.exchange(wire.touch(b"absent", 100)) is False
-        assert client.exchange(wire.delete(b"k")) is True
-        assert client.exchange(wire.delete(b"k")) is False
-        client.exchange(wire.store(b"set", b"text", b"x", 0, 0))
+        assert client.round_trip(wire.store(b"add", b"k", b"1", 0, 0)) is True
+        assert client.round_trip(wire.store(b"add", b"k", b"2", 0, 0)) is False
+        assert client.round_trip(wire.store(b"set", b"k", b"41", 0, 0)) is True
+        assert client.round_trip(wire.incr(b"k", 1)) == 42
+        assert client.round_trip(wire.incr(b"absent", 1)) is None
+        assert client.round_trip(wire.touch(b"k", 100)) is True
+        assert client.round_trip(wire.touch(b"absent", 100)) is False
+        assert client.round_trip(wire.delete(b"k")) is True
+        assert client.round_trip(wire.delete(b"k")) is False
+        client.round_trip(wire.store(b"set", b"text", b"x", 0, 0))
         with pytest.raises(ErrorReply) as refused:
-            client.exchange(wire.incr(b"text", 1))
+            client.round_trip(wire.incr(b"text", 1))
         assert refused.value.client_error
         with pytest.raises(ErrorReply) as refused:  # over memcached's 1 MB item size
-            client.exchange(wire.store(b"set", b"huge", b"x" * 2_000_000, 0, 0))
+            client.round_trip(wire.store(b"set", b"huge", b"x" * 2_000_000, 0, 0))
         assert not refused.value.client_error
-        assert client.exchange(wire.get_one(b"text")) == (b"x", 0)  # still in step
+        assert client.round_trip(wire.get_one(b"text")) == (b"x", 0)  # still in step
     finally:
         client.close()
 

@@ -180,10 +180,13 @@ def test_early_recomputation_keeps_a_hot_key_fresh_with_one_computation_at_a_tim
             running[0] -= 1
         return len(generations)
 
-    timeout = 4  # EARLY_RECOMPUTE is bounded by a quarter of it: a 1 s window here
+    # EARLY_RECOMPUTE is bounded by a quarter of the timeout, on memcached's whole-second
+    # clock a second less: a 1 s window here (a 4 s entry would have none).
+    timeout = 8
     cache.get_or_set("hot", compute, timeout=timeout)
     misses_before = sum(node.misses for node in cache._nodes)
-    stop = time.monotonic() + 2.5 * timeout  # past two expiry times of each value
+    duration = 1.8 * timeout  # past the expiry time of the first two values
+    stop = time.monotonic() + duration
 
     def caller(index: int) -> int:
         own = build(nodes, **options)
@@ -201,7 +204,7 @@ def test_early_recomputation_keeps_a_hot_key_fresh_with_one_computation_at_a_tim
     assert sum(node.misses for node in cache._nodes) == misses_before
     assert most[0] == 1  # exactly one caller recomputes at a time
     # About one computation per (timeout - window) seconds, not one per caller.
-    assert 2 <= len(generations) <= 2.5 * timeout / (timeout - 1) + 2
+    assert 2 <= len(generations) <= duration / (timeout - 2) + 2
     assert calls > 50 * len(generations)
 
 
@@ -368,7 +371,7 @@ def test_ttl_on_a_node_without_meta_commands_says_so(classic_only):
     for options in ({}, {"IGNORE_EXCEPTIONS": True}):
         cache = build(classic_only, **options)
         cache.set("k", 1)
-        with pytest.raises(MetaCommandsMissing, match="ttl.. needs memcached >= 1.6.6"):
+        with pytest.raises(MetaCommandsMissing, match="ttl.. cannot know"):
             cache.ttl("k")
         with pytest.raises(NotImplementedError):
             asyncio.run(cache.attl("k"))
@@ -515,3 +518,122 @@ def test_without_cas_a_holder_never_releases_another_s_lease(memcached_node_fact
         assert not read(cache._lease_store("k", 60, None)).won  # still held
     finally:
         node.kill()
+
+
+# --- a stale copy is never older than the last write; one expiry conversion ----------------
+
+
+def locations(kind: str, nodes: list[str], classic_only: str) -> Any:
+    """Nodes that speak the meta commands, or one that does not (the add-based store)."""
+    return nodes if kind == "meta" else classic_only
+
+
+@pytest.mark.parametrize("kind", ["meta", "classic"])
+@pytest.mark.parametrize("write", ["set", "set_many", "aset", "add"])
+def test_a_write_after_get_or_set_leaves_no_older_stale_copy(nodes, classic_only, kind, write):
+    """get_or_set keeps a stale copy of what it stored; a later plain write replaces the
+    entry. Once that value expires, a waiter must not be served the older copy for
+    STALE_TIMEOUT (MySQLCache serves the last value written): the write removes the copy
+    in its own request."""
+    location = locations(kind, nodes, classic_only)
+    cache = build(location, **LEASE, STALE_TIMEOUT=30)
+    cache.clear()
+    assert cache.get_or_set("k", "older", timeout=60) == "older"
+    if write == "set":
+        cache.set("k", "newer", timeout=1)
+    elif write == "set_many":
+        assert cache.set_many({"k": "newer", "other": 1}, timeout=1) == []
+    elif write == "aset":
+        asyncio.run(cache.aset("k", "newer", timeout=1))
+    else:  # the entry expired (deleted alone here); its copy lives on
+        node_of(cache, "k").call(wire.delete(cache.make_and_validate_key("k").encode()))
+        assert cache.add("k", "newer", timeout=1) is True
+    assert cache.get("k") == "newer"
+    time.sleep(2.1)  # "newer" expired (memcached counts whole seconds)
+    waiter = build(location, **LEASE, STALE_TIMEOUT=30)
+    served = while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60))
+    assert served in ("newer", "recomputed")  # never "older"
+
+
+@pytest.mark.parametrize("kind", ["meta", "classic"])
+def test_a_delete_right_after_the_winner_stored_leaves_no_stale_copy(
+    nodes, classic_only, kind
+):
+    """A delete that lands between the winner's writes — the entry's and its stale
+    copy's — must not leave the deleted value as the stale copy: the winner writes the
+    copy first (or in the same request), the delete removes the entry, then the copy."""
+    location = locations(kind, nodes, classic_only)
+    cache = build(location, **LEASE, STALE_TIMEOUT=30)
+    cache.clear()
+    holder = cache._lease_store("k", 60, None)
+    assert read(holder).won
+    storing = holder.store("deleted")
+    deleted, answer = False, None
+    with pytest.raises(StopIteration):
+        while True:
+            answer = storing.send(answer).run()
+            if not deleted and cache.get("k") == "deleted":  # the entry is in
+                assert cache.delete("k") is True
+                deleted = True
+    assert deleted
+    waiter = build(location, **LEASE, STALE_TIMEOUT=30)
+    assert while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60)) == "recomputed"
+
+
+def test_a_lease_timeout_over_thirty_days_still_protects(nodes):
+    """memcached reads a lifetime over 30 days as a Unix time: a lease for 31 days sent as
+    seconds is a date in 1970, expired at once, and every caller would win it."""
+    compute = Computation()
+    options = {"LEASE_TIMEOUT": 31 * 24 * 3600}
+    results = in_threads(8, lambda i: build(nodes, **options).get_or_set("long", compute, 60))
+    assert compute.calls == 1 and results == ["fresh"] * 8
+    build(nodes).delete("long")
+
+
+def server_tick(node: Any) -> float:
+    """The ``time.monotonic()`` of a moment memcached's whole-second clock ticked: when an
+    item's remaining TTL, read in a tight loop, drops."""
+    node.call(wire.store(b"set", b"kvcache-tick", b"x", 0, 100))
+    first = node.call(wire.meta_ttl(b"kvcache-tick"))
+    deadline = time.monotonic() + 3
+    while node.call(wire.meta_ttl(b"kvcache-tick")) == first:
+        assert time.monotonic() < deadline
+    return time.monotonic()
+
+
+def test_early_recomputation_never_starts_before_three_quarters_of_the_lifetime(nodes):
+    """EARLY_RECOMPUTE is bounded by a quarter of the entry's lifetime: for its first
+    three quarters an entry is served as it is. On memcached's whole-second clock an
+    entry set just before a tick lives up to a second less than its timeout; the early
+    window must not start a second early then. (An entry of 8 s, stored just before a
+    tick: no early winner before 6 s.)"""
+    cache = build(nodes, LEASE_TIMEOUT=2, EARLY_RECOMPUTE=100)
+    node = node_of(cache, "early")
+    tick = server_tick(node)
+    while time.monotonic() < tick + 0.9:  # just before the next tick
+        time.sleep(0.005)
+    cache.set("early", "value", timeout=8)
+    stored = time.monotonic()
+    while True:
+        read_at = time.monotonic()
+        found = read(cache._lease_store("early", 8, None))
+        if found.won or not found.fresh:
+            break
+        time.sleep(0.02)
+    assert found.fresh, "expired without an early winner"
+    assert read_at - stored >= 0.75 * 8 - 0.02
+
+
+@pytest.mark.parametrize("kind", ["meta", "classic"])
+def test_an_encrypted_stale_copy_is_sealed_under_its_own_key(nodes, classic_only, kind):
+    """With ENCRYPTION_KEYS every item is bound to its key: the winner's stale copy, written
+    in the entry's request, is sealed under the copy's key, and served once the entry
+    expired."""
+    location = locations(kind, nodes, classic_only)
+    options = {**LEASE, "STALE_TIMEOUT": 30, "ENCRYPTION_KEYS": ["a stale-copy test key 0123456"]}
+    cache = build(location, **options)
+    cache.clear()
+    assert cache.get_or_set("k", "stale one", timeout=1) == "stale one"
+    time.sleep(2.1)  # expired; the copy lives on
+    waiter = build(location, **options)
+    assert while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60)) == "stale one"

@@ -22,6 +22,7 @@ from django_kvcache.backends.memcached import MemcachedCache, refusals
 from django_kvcache.base import unreadable_entries
 from django_kvcache.codec import FLAG_INTEGER, INT64_MAX
 from django_kvcache.memcached import wire
+from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.zstd import FLAG_ZSTD
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -128,8 +129,8 @@ def test_expire_times_follow_memcached_rules(make_cache):
     cache = make_cache(TIMEOUT=300)
     assert cache.expire_time() == 300
     assert cache.expire_time(None) == 0
-    assert cache.expire_time(0) == -1
-    assert cache.expire_time(-20) == -1
+    assert cache.expire_time(0) == EXPIRED  # a past Unix time: twemproxy refuses -1
+    assert cache.expire_time(-20) == EXPIRED
     assert cache.expire_time(0.4) == 1  # rounds up: a positive timeout is never "expired"
     assert cache.expire_time(100.2) == 101
     assert cache.expire_time(THIRTY_DAYS) == THIRTY_DAYS
@@ -523,3 +524,26 @@ def test_clear_flushes_every_node(cache):
     cache.set_many({f"key-{i}": i for i in range(30)})
     cache.clear()
     assert cache.get_many([f"key-{i}" for i in range(30)]) == {}
+
+
+def test_incr_on_an_unreachable_node_as_documented():
+    """docs/memcached.rst, "incr and decr": ours raises ValueError under IGNORE_EXCEPTIONS
+    (Django's contract: the new value or ValueError); Django's PyMemcacheCache returns
+    False with ignore_exc, and without it raises the connection error once, then returns
+    False while pymemcache keeps the node out — never ValueError."""
+    from django.core.cache.backends.memcached import PyMemcacheCache
+
+    from tests.servers import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    ours = MemcachedCache(dead, {"OPTIONS": {"IGNORE_EXCEPTIONS": True}})
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            ours.incr("n")
+    ignoring = PyMemcacheCache(dead, {"OPTIONS": {"ignore_exc": True}})
+    assert [ignoring.incr("n") for _ in range(3)] == [False] * 3
+    assert [ignoring.decr("n") for _ in range(3)] == [False] * 3
+    strict = PyMemcacheCache(dead, {})
+    with pytest.raises(ConnectionRefusedError):
+        strict.incr("n")
+    assert strict.incr("n") is False

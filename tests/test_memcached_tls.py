@@ -140,7 +140,7 @@ def test_a_tls_late_write_is_settled_without_blocking_the_event_loop(certificate
         try:
             with pytest.raises(NodeError, match="timed out"):
                 cache.set("key", "late")  # kept as a late write, to settle
-            assert cache._nodes[0].late.pending
+            assert cache._nodes[0].unsettled.pending
 
             async def settle_while_ticking() -> float:
                 loop = asyncio.get_running_loop()
@@ -165,7 +165,7 @@ def test_a_tls_late_write_is_settled_without_blocking_the_event_loop(certificate
         finally:
             os.kill(process.pid, signal.SIGCONT)
         assert asyncio.run(cache.aget("key")) is None  # settled, then cleaned up
-        assert not cache._nodes[0].late.pending
+        assert not cache._nodes[0].unsettled.pending
     finally:
         process.kill()
         process.wait()

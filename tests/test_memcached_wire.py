@@ -47,32 +47,34 @@ def test_get_reply_with_values_and_misses():
         b"VALUE b 2 %d\r\n%b\r\n" % (len(VALUE), VALUE) +
         b"VALUE empty 0 0\r\n\r\nEND\r\n"
     )
-    parses_to(reply, wire.Values, {b"a": (b"abc", 16), b"b": (VALUE, 2), b"empty": (b"", 0)})
-    parses_to(b"END\r\n", wire.Values, {})
+    asked = {b"a", b"b", b"empty", b"missing"}
+    parses_to(reply, lambda: wire.Values(asked),
+              {b"a": (b"abc", 16), b"b": (VALUE, 2), b"empty": (b"", 0)})
+    parses_to(b"END\r\n", lambda: wire.Values(asked), {})
 
 
 @pytest.mark.parametrize("value", [b"", b"v", VALUE, b"x\r\nEND\r\n", b"END\r\n\r\nEND"])
 def test_single_key_reply_whole_or_in_pieces(value):
     """A one-key reply that arrives whole takes a shortcut; in pieces, the line parser."""
     reply = b"VALUE k 7 %d\r\n%b\r\nEND\r\n" % (len(value), value)
-    parses_to(reply, wire.OneValue, (value, 7))
-    parses_to(reply, wire.Values, {b"k": (value, 7)})
+    parses_to(reply, lambda: wire.OneValue(b"k"), (value, 7))
+    parses_to(reply, lambda: wire.Values({b"k"}), {b"k": (value, 7)})
 
 
 def test_single_key_miss_whole_or_in_pieces():
-    parses_to(b"END\r\n", wire.OneValue, None)
+    parses_to(b"END\r\n", lambda: wire.OneValue(b"k"), None)
 
 
 def test_get_reply_over_several_end_lines():
     reply = b"VALUE a 0 1\r\n1\r\nEND\r\nEND\r\nVALUE c 0 1\r\n3\r\nEND\r\n"
-    parses_to(reply, lambda: wire.Values(3), {b"a": (b"1", 0), b"c": (b"3", 0)})
+    parses_to(reply, lambda: wire.Values({b"a", b"b", b"c"}, 3), {b"a": (b"1", 0), b"c": (b"3", 0)})
 
 
 def test_gets_reply_carries_cas():
-    parses_to(b"VALUE a 4 2\r\nhi\r\nEND\r\n", lambda: wire.Values(cas=False), {b"a": (b"hi", 4)})
-    parses_to(
-        b"VALUE a 4 2 99\r\nhi\r\nEND\r\n", lambda: wire.Values(cas=True), {b"a": (b"hi", 4, 99)}
-    )
+    parses_to(b"VALUE a 4 2\r\nhi\r\nEND\r\n", lambda: wire.Values({b"a"}, cas=False),
+              {b"a": (b"hi", 4)})
+    parses_to(b"VALUE a 4 2 99\r\nhi\r\nEND\r\n", lambda: wire.Values({b"a"}, cas=True),
+              {b"a": (b"hi", 4, 99)})
 
 
 @pytest.mark.parametrize(
@@ -114,10 +116,11 @@ def test_unknown_command_and_garbage_are_protocol_errors():
     for make_reply, data in [
         (lambda: wire.Line("set"), b"ERROR\r\n"),
         (lambda: wire.Lines(1), b"ERROR\r\n"),
-        (wire.Values, b"STORED\r\n"),
-        (wire.Values, b"SERVER_ERROR busy\r\n"),
-        (wire.Values, b"VALUE a 0\r\n"),
-        (wire.Values, b"VALUE a 0 3\r\nabcd\r\n"),  # the block is longer than announced
+        (lambda: wire.Values({b"a"}), b"STORED\r\n"),
+        (lambda: wire.Values({b"a"}), b"VALUE a 0\r\n"),
+        (lambda: wire.Values({b"a"}), b"VALUE a 0 3\r\nabcd\r\n"),  # longer than announced
+        (lambda: wire.Values({b"a"}), b"VALUE b 0 1\r\nb\r\nEND\r\n"),  # not asked
+        (lambda: wire.OneValue(b"a"), b"VALUE b 0 1\r\nb\r\nEND\r\n"),  # not asked
         (wire.Meta, b"XX 1\r\n"),
         (wire.Stats, b"nonsense\r\n"),
     ]:
@@ -125,6 +128,38 @@ def test_unknown_command_and_garbage_are_protocol_errors():
         buffer.feed(data)
         with pytest.raises(wire.ProtocolError):
             make_reply().parse(buffer)
+
+
+def test_a_server_error_to_a_get_is_that_request_s_failure():
+    """A proxy answers ``SERVER_ERROR`` to a get whose server it cannot reach: the
+    request's failure, the connection in step after it (when it ends the reply)."""
+    for make_reply, in_step in [(lambda: wire.Values({b"a"}), True),
+                                (lambda: wire.OneValue(b"a"), True),
+                                (lambda: wire.Values({b"a"}, ends=2), False)]:
+        buffer = wire.Buffer()
+        buffer.feed(b"SERVER_ERROR Connection refused\r\n")
+        with pytest.raises(wire.ErrorReply) as refused:
+            make_reply().parse(buffer)
+        assert refused.value.in_step is in_step
+        assert not refused.value.client_error and not refused.value.refuses_value
+    for line, refuses in [(b"SERVER_ERROR object too large for cache", True),
+                          (b"SERVER_ERROR out of memory storing object", True),
+                          (b"SERVER_ERROR Connection refused", False),
+                          (b"CLIENT_ERROR bad data chunk", False)]:
+        assert wire.refuses_value(line) is refuses
+
+
+def test_gets_one_by_one_fail_one_by_one():
+    op = wire.get_each([b"a", b"b", b"c"])
+    assert op.request == b"get a\r\nget b\r\nget c\r\n"
+    reply = b"VALUE a 0 1\r\n1\r\nEND\r\nSERVER_ERROR Connection refused\r\nEND\r\n"
+    for result in feed_split(reply, op.make_reply):
+        assert result  # the parsers, in order
+    parser = op.make_reply()
+    buffer = wire.Buffer()
+    buffer.feed(reply)
+    assert parser.parse(buffer) and parser.in_step
+    assert op.result(parser) == ({b"a": (b"1", 0)}, [b"b"])
 
 
 def test_fence_skips_everything_before_the_version_reply():

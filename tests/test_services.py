@@ -53,6 +53,30 @@ def test_shared_nodes_are_distinct_processes():
     assert len(pids) == len(settings.MEMCACHED_NODES) >= 2
 
 
+@pytest.mark.skipif(not settings.TWEMPROXY, reason="no twemproxy (KVCACHE_TWEMPROXY empty)")
+def test_twemproxy_spreads_keys_over_its_own_servers():
+    """The proxy answers, speaks the classic protocol only, and places keys on the servers
+    the environment names (none of which is a shared node)."""
+    assert not set(settings.TWEMPROXY_SERVERS) & set(settings.MEMCACHED_NODES)
+    proxy = memcached_client(settings.TWEMPROXY)
+    keys = [f"kvcache-proxy-probe-{i}".encode() for i in range(30)]
+    try:
+        proxy.set_many({key: b"here" for key in keys})
+        assert proxy.get_many(keys) == {key: b"here" for key in keys}
+    finally:
+        proxy.close()
+    holding = 0
+    for address in settings.TWEMPROXY_SERVERS:
+        server = memcached_client(address)
+        holding += bool(server.get_many(keys))
+        server.delete_many(keys)
+        server.close()
+    assert holding >= 2
+    with socket.create_connection(settings.TWEMPROXY.rsplit(":", 1), timeout=2) as sock:
+        sock.sendall(b"mn\r\n")  # a meta command: twemproxy closes the connection
+        assert sock.recv(64) == b""
+
+
 def test_extra_node_can_be_killed_and_restarted(memcached_node_factory):
     node = memcached_node_factory()
     client = memcached_client(node.address)

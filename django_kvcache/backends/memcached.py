@@ -13,21 +13,27 @@ instances (pools, node health, counters, routing) lives in a process-wide
 :class:`~django_kvcache.memcached.cluster.Cluster`, found again by every instance built
 with the same settings.
 
-Each operation is written once, as a plan (:mod:`django_kvcache.memcached.plans`):
-``get`` runs it on blocking sockets, ``aget`` on the event loop's own connections —
-native asyncio, no thread (docs/async.rst).
+Each operation is written once, as a plan (:mod:`django_kvcache.steps`) that yields the
+IO it needs and is told its driver's transport: ``get`` runs ``self._get(..., BLOCKING)``
+with ``run`` on blocking sockets, ``aget`` runs ``self._get(..., ASYNCIO)`` with ``arun``
+on the event loop's own connections — native asyncio, no thread (docs/async.rst). Inside
+a plan a request goes through the node's exchange in the plan's own driver, one way:
+``yield from node.request(op, io)``, or for many nodes at once ``yield from
+fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
+clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
+apart.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import random
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
-from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
+from django_kvcache import stampede
 from django_kvcache.base import (
     MISSING,
     KVCache,
@@ -38,32 +44,27 @@ from django_kvcache.base import (
 )
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
+from django_kvcache.memcached import (
+    MemcachedError,
+    NodeDown,
+    NodeError,
+    PoolExhausted,
+    Refused,
+    ServerError,
+    Unsupported,
+)
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
-from django_kvcache.memcached.plans import (
-    ASYNCIO,
-    BLOCKING,
-    Fanout,
-    Plan,
-    Sleep,
-    Transport,
-    arun,
-    run,
-)
+from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
+from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
+from django_kvcache.steps import Plan, Sleep, arun, run
 
 MAX_KEY_BYTES = 250
-THIRTY_DAYS = 60 * 60 * 24 * 30  # longer expiry times are Unix timestamps to memcached
-#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
-#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
-#: it refuses the command line without reading the value (whose bytes are then read as
-#: commands). Longer timeouts are clamped to it.
-LATEST_EXPIRY = 2**31 - 1
 CAS_PATIENCE = 5.0  # seconds of compare-and-swap retries before incr gives up
 #: Failures where the node did not answer (IGNORE_EXCEPTIONS turns them into misses).
 UNREACHABLE = (NodeError, PoolExhausted)
@@ -96,6 +97,30 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 
 
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
+
+
+def _unserved(line: bytes) -> bool:
+    """A reply line that says the server could not serve the command (``SERVER_ERROR``
+    other than a refused value: a proxy whose server for the key is down)."""
+    return line.startswith(b"SERVER_ERROR") and not wire.refuses_value(line)
+
+
+class Written(NamedTuple):
+    """What a store round did, by stored key."""
+
+    stored: list[str]
+    refused: list[str]  # the value refused by its node (too large, out of memory)
+    failed: list[str]  # the node failed, was down, or could not serve the key
+
+
+class Round(NamedTuple):
+    """One round of requests: where its keys went, and each node's batch."""
+
+    placement: Placement
+    batches: list[fanout.Batch]
+
+
+NO_ROUND = Round(Placement({}, [], []), [])
 
 
 class MemcachedCache(KVCache):
@@ -218,26 +243,26 @@ class MemcachedCache(KVCache):
         return await self.aincr(key, -delta, version=version)
 
     def get_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
-        return run(self._get_many(keys, version))
+        return run(self._get_many(keys, version, BLOCKING))
 
     async def aget_many(self, keys: Iterable[Any], version: int | None = None) -> dict[Any, Any]:
-        return await arun(self._get_many(keys, version))
+        return await arun(self._get_many(keys, version, ASYNCIO))
 
     def set_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> list[Any]:
-        return run(self._set_many(data, timeout, version))
+        return run(self._set_many(data, timeout, version, BLOCKING))
 
     async def aset_many(
         self, data: Mapping[Any, Any], timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> list[Any]:
-        return await arun(self._set_many(data, timeout, version))
+        return await arun(self._set_many(data, timeout, version, ASYNCIO))
 
     def delete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        run(self._delete_many(keys, version))
+        run(self._delete_many(keys, version, BLOCKING))
 
     async def adelete_many(self, keys: Iterable[Any], version: int | None = None) -> None:
-        await arun(self._delete_many(keys, version))
+        await arun(self._delete_many(keys, version, ASYNCIO))
 
     async def _aget_or_set_unprotected(
         self, key: Any, default: Any, timeout: Any, version: Any
@@ -256,13 +281,34 @@ class MemcachedCache(KVCache):
         # Read again: another caller may have added a value between our get and add.
         return await self.aget(key, default, version=version)
 
-    def _lease_store(self, key: Any, timeout: Any, version: Any) -> Any:
-        """get_or_set's herd protection on the meta commands (``memcached.lease``); on a
-        node without them it falls back to the shared add-based store."""
+    def get_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """Django's ``get_or_set``; with LEASE_TIMEOUT herd-proof (docs/stampede.rst)."""
+        store = self._lease_store(key, timeout, version, BLOCKING)
+        if store is None:
+            return BaseCache.get_or_set(self, key, default, timeout=timeout, version=version)
+        return stampede.run(self.stampede, store, default)  # type: ignore[arg-type]
+
+    async def aget_or_set(
+        self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
+    ) -> Any:
+        """``get_or_set`` on the loop; a coroutine function as ``default`` is awaited."""
+        store = self._lease_store(key, timeout, version, ASYNCIO)
+        if store is None:
+            return await self._aget_or_set_unprotected(key, default, timeout, version)
+        return await stampede.arun(self.stampede, store, default)  # type: ignore[arg-type]
+
+    def _lease_store(
+        self, key: Any, timeout: Any, version: Any, io: Transport = BLOCKING
+    ) -> Any:
+        """get_or_set's herd protection on the meta commands (``memcached.lease``), for
+        the driver of ``io``; on a node without them it falls back to leases by ``add``."""
         if not self._protects(timeout):
             return None
         return lease.MetaLeaseStore(
-            self, self.stampede, key, timeout, version, node_for=self._node, failed=self._failed
+            self, self.stampede, key, timeout, version, node_for=self._node,
+            failed=self._failed, io=io,
         )
 
     def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MemcachedLockStore:
@@ -278,16 +324,16 @@ class MemcachedCache(KVCache):
         stale copy of it. Needs memcached >= 1.6.6 (``mg <key> t``): on an older node it
         raises ``MetaCommandsMissing`` (a ``NotImplementedError``), whatever
         IGNORE_EXCEPTIONS says."""
-        return run(self._ttl(key, version))
+        return run(self._ttl(key, version, BLOCKING))
 
     async def attl(self, key: Any, version: int | None = None) -> float | None:
-        return await arun(self._ttl(key, version))
+        return await arun(self._ttl(key, version, ASYNCIO))
 
     def clear(self) -> None:
-        run(self._clear())
+        run(self._clear(BLOCKING))
 
     async def aclear(self) -> None:
-        await arun(self._clear())
+        await arun(self._clear(ASYNCIO))
 
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: the pooled connections stay open."""
@@ -335,19 +381,10 @@ class MemcachedCache(KVCache):
             )
 
     def expire_time(self, timeout: Any = DEFAULT_TIMEOUT) -> int:
-        """memcached's exptime: 0 forever, -1 already expired, a Unix time past 30 days,
-        at most ``LATEST_EXPIRY``.
-
-        Fractions of a second round up, so a positive timeout never means "expired".
-        """
-        seconds = self.timeout_seconds(timeout)
-        if seconds is None:
-            return 0
-        if seconds <= 0:
-            return -1
-        if seconds <= THIRTY_DAYS:
-            return math.ceil(seconds)
-        return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
+        """memcached's exptime for Django's ``timeout`` (``wire.exptime``): 0 forever, a
+        past Unix time for 0 and below, whole seconds rounded up, a Unix time past 30
+        days, at most ``LATEST_EXPIRY``."""
+        return wire.exptime(self.timeout_seconds(timeout))
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
@@ -372,9 +409,19 @@ class MemcachedCache(KVCache):
             node.ignored += 1
         return fallback
 
-    def _report(self, placement: Placement, batches: list[fanout.Batch]) -> None:
-        """After a multi-key call: raise (or log) what went wrong, once every node is done."""
-        for error in placement.errors + [b.error for b in batches if b.error is not None]:
+    def _report(
+        self, placement: Placement, batches: list[fanout.Batch], after: Round | None = None,
+        more: list[MemcachedError] | None = None,
+    ) -> None:
+        """After a multi-key call (and the round ``after`` it): raise (or log) what went
+        wrong, once every node is done, and a node that was down once only; ``more``:
+        errors found in the replies (keys a proxy could not serve)."""
+        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        if after is not None:
+            reported = {error.node for error in placement.errors}
+            errors += [e for e in after.placement.errors if e.node not in reported]
+            errors += [b.error for b in after.batches if b.error is not None]
+        for error in errors + (more or []):
             self._failed(error)
 
     # --- plans: single keys -----------------------------------------------------------
@@ -392,16 +439,20 @@ class MemcachedCache(KVCache):
         return default if value is MISSING else value
 
     def _write(
-        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0
+        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
+        riders: tuple[str, ...] = (),
     ) -> Plan:
         """A single-key write on the key's node (or its failover node), which is credited
-        with ``sent`` and ``saved`` bytes."""
+        with ``sent`` and ``saved`` bytes. A write that fails or is skipped is remembered
+        as missed, with the ``riders`` (side keys written in the same request)."""
         try:
-            return (yield from self._node(key).exchange(op, io, sent, saved))
+            return (yield from self._node(key).request(op, io, sent, saved))
         except Refused:
             raise  # refused, not missed: the node answered
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
+            if riders:
+                self._home(key).outdated.add(riders)
             raise
 
     def _store(
@@ -413,11 +464,17 @@ class MemcachedCache(KVCache):
         returns, ``add`` returns False and leaves the entry that is there."""
         stored_key = self.make_and_validate_key(key, version=version)
         expire = self.expire_time(timeout)
-        if expire < 0 and self._stale_copies and name == b"set":
-            # Nothing to cache (a timeout of 0): the entry goes, and with it the stale
-            # copies get_or_set keeps, as after delete (and as on MySQL).
-            yield from self._delete_entries({stored_key: key}, version)
-            return None
+        if self._stale_copies and not stampede.is_side_key(key):
+            # get_or_set's stale copies of the entry go with it (docs/stampede.rst).
+            if expire == EXPIRED and name == b"set":
+                # Nothing to cache (a timeout of 0): the entry goes, and with it the
+                # stale copies, as after delete (and as on MySQL).
+                yield from self._delete_entries({stored_key: key}, version, io)
+                return None
+            written = yield from self._store_entries(
+                name, {stored_key: key}, {key: value}, timeout, version, io
+            )
+            return stored_key in written.stored if name == b"add" else None
         data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
@@ -430,6 +487,42 @@ class MemcachedCache(KVCache):
         except MemcachedError as exc:
             return self._failed(exc, False if name == b"add" else None)
         return bool(stored) if name == b"add" else None
+
+    def store_entry(
+        self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport,
+        copy: tuple[bytes, float | None] | None = None, after: list[wire.Op] | None = None,
+    ) -> Plan:
+        """get_or_set's winner stores its value (``memcached.lease``): a ``set`` of the
+        entry that leaves its stale copies alone (they are the winner's to write, not to
+        delete, unlike a plain ``set``'s). With ``copy`` (the meta store's copy: its key
+        and lifetime), the copy first, the entry, then ``after``, in one request on the
+        entry's node. A refused value and a failure are handled as ``set``'s."""
+        stored_key = self.make_and_validate_key(key, version=version)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
+        ops = []
+        riders: tuple[str, ...] = ()
+        if copy is not None:
+            copy_key = copy[0].decode()
+            # Encrypted, each item is bound to its own key; else the same bytes serve both.
+            copy_data, copy_flags = (data, flags) if self.codec.encryption is None else \
+                self.codec.encode(value, copy_key)
+            ops.append(wire.meta_store(copy[0], copy_data, copy_flags, wire.exptime(copy[1])))
+            riders = (copy_key,)
+        entry = len(ops)
+        ops.append(wire.store(b"set", stored_key.encode(), data, flags,
+                              self.expire_time(timeout)))
+        ops.extend(after or ())
+        sent = len(stored_key) + len(data)
+        try:
+            replies = yield from self._write(stored_key, wire.pipeline(ops), io, sent, saved,
+                                             riders)
+        except MemcachedError as exc:
+            self._failed(exc)
+            return
+        refused = replies[entry]
+        if isinstance(refused, wire.ErrorReply):
+            refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}")
+            yield from self._forget(stored_key, key, io)
 
     def _forget(self, stored_key: str, key: Any, io: Transport) -> Plan:
         """Delete a key whose new value was refused, so the old one is never read again."""
@@ -448,9 +541,9 @@ class MemcachedCache(KVCache):
             return self._failed(exc, False)
 
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
-        if self._stale_copies:
+        if self._stale_copies and not stampede.is_side_key(key):
             stored_key = self.make_and_validate_key(key, version=version)
-            deleted, _ = yield from self._delete_entries({stored_key: key}, version)
+            deleted, _ = yield from self._delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
@@ -458,11 +551,11 @@ class MemcachedCache(KVCache):
         except MemcachedError as exc:
             return self._failed(exc, False)
 
-    def _ttl(self, key: Any, version: int | None) -> Plan:
+    def _ttl(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
-            return (yield from lease.ttl(self._node(key), key))
-        except lease.MetaCommandsMissing:
+            return (yield from lease.ttl(self._node(key), key, io))
+        except Unsupported:
             raise  # the server's version, not a failure: IGNORE_EXCEPTIONS does not hide it
         except MemcachedError as exc:
             return self._failed(exc, 0)
@@ -479,7 +572,9 @@ class MemcachedCache(KVCache):
 
         A value >= 0 plus 0 <= delta <= INT64_MAX is one server ``incr``. Everything
         else (negative deltas and values, deltas beyond 64 bits) is computed here and
-        written with compare-and-swap, which keeps the item's remaining lifetime.
+        written with compare-and-swap, which keeps the item's remaining lifetime — on a
+        node without the meta commands, what the classic protocol can do instead
+        (:meth:`_incr_classic`).
         """
         check_delta(delta)
         caller_key, key = key, self.make_and_validate_key(key, version=version)
@@ -488,16 +583,18 @@ class MemcachedCache(KVCache):
             if 0 <= delta <= INT64_MAX:
                 value = yield from self._incr_on_server(node, key, delta, caller_key, io)
             else:
-                value = yield from self._add_with_cas(node, key, delta, caller_key, io)
-        except Refused:
+                value = yield from self._incr_here(node, key, delta, caller_key, io)
+        except (Refused, Unsupported):
             raise  # refused, not missed: the node answered and changed nothing
         except MemcachedError as exc:
             self.cluster.missed_write(key, exc)
             if not isinstance(exc, UNREACHABLE):
                 raise  # the node answered (no meta commands, a key that kept changing)
             # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted) the
-            # answer for a missing key, as Django's memcached backends give when their
-            # client ignores errors — what rate limiters built on add + incr expect.
+            # answer for a missing key: Django's contract has incr return the new value or
+            # raise ValueError, which callers handle (django-ratelimit counts from its
+            # initial value then). Django's PyMemcacheCache with ignore_exc returns False
+            # instead — neither a count nor a miss (docs/memcached.rst, incr and decr).
             self._failed(exc)
             value = None
         if value is None:
@@ -520,17 +617,58 @@ class MemcachedCache(KVCache):
         (docs/guarantees.rst, Counters).
         """
         try:
-            value = yield from node.exchange(wire.incr(key.encode(), delta), io)
+            value = yield from node.request(wire.incr(key.encode(), delta), io)
         except Refused as exc:
             if not exc.client_error:
                 raise
             # "non-numeric value": a negative or non-integer value
-            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+            return (yield from self._incr_here(node, key, delta, caller_key, io))
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
+            yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
         raise counter_overflow(caller_key, delta)
+
+    def _incr_here(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
+        """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond
+        64 bits): compare-and-swap on the meta commands, or without them (memcached
+        before 1.6.6, a proxy such as twemproxy) what the classic protocol can do."""
+        if (yield from node.speaks_meta(io)):
+            return (yield from self._add_with_cas(node, key, delta, caller_key, io))
+        return (yield from self._incr_classic(node, key, delta, caller_key, io))
+
+    def _incr_classic(
+        self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
+    ) -> Plan:
+        """Without the meta commands: a decrement is memcached's own ``decr`` — atomic,
+        the lifetime kept, and like it (and Django's ``PyMemcacheCache``) it stops at 0,
+        never below. Anything else (a negative stored value, a delta beyond 64 bits)
+        would have to rewrite the counter without its lifetime, which the classic
+        protocol cannot read: ``MetaCommandsMissing``, the counter unchanged — after the
+        answers that need no write: a missing key (None), a value that is not an integer
+        (``TypeError``), a result beyond 64 bits (``OverflowError``)."""
+        encoded_key = key.encode()
+        if -INT64_MAX <= delta < 0:
+            try:
+                return (yield from node.request(wire.decr(encoded_key, -delta), io))
+            except Refused as exc:
+                if not exc.client_error:
+                    raise  # "non-numeric value": read it to say which
+        found = yield from node.request(wire.get_one(encoded_key), io)
+        if found is None:
+            return None
+        value = self._counter_value(found[0], found[1], key, caller_key)
+        if value is MISSING:
+            return None
+        if not INT64_MIN <= value + delta <= INT64_MAX:
+            raise counter_overflow(caller_key, delta)
+        raise lease.MetaCommandsMissing(
+            node.name, f"incr/decr of {caller_key!r} (from {value}, by {delta}) needs the meta "
+            "commands (memcached >= 1.6.6; proxies such as twemproxy do not forward them): "
+            "the classic protocol cannot keep the entry's lifetime; unchanged"
+        )
 
     def _add_with_cas(
         self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
@@ -542,11 +680,10 @@ class MemcachedCache(KVCache):
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
-        yield from self._require_meta(node, io)
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = yield from node.exchange(wire.meta_get(encoded_key), io)
+            found = yield from node.request(wire.meta_get(encoded_key), io)
             if found is None:
                 return None
             data, flags, ttl, cas = found
@@ -558,23 +695,13 @@ class MemcachedCache(KVCache):
                 raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
             new_data, new_flags = self.codec.encode(result, key)
-            swapped = yield from node.exchange(
+            swapped = yield from node.request(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
             if swapped:
                 return result
             yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
         raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
-
-    def _require_meta(self, node: Node, io: Transport) -> Plan:
-        """Make sure ``node`` speaks the meta commands (asked once per node)."""
-        if node.meta is None:
-            node.meta = yield from node.exchange(wire.meta_probe(), io)
-        if not node.meta:
-            raise MemcachedError(
-                node.name, "incr of a negative value or delta needs memcached >= 1.6.6 "
-                "(meta commands, which keep the entry's expiry time)"
-            )
 
     def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
         """A stored integer (read under the stored ``key``); ``TypeError`` naming the
@@ -590,161 +717,230 @@ class MemcachedCache(KVCache):
         at every update)."""
         if ttl <= THIRTY_DAYS:
             return ttl
-        return ttl + (yield from node.exchange(wire.stats(), io))["time"]
+        return ttl + (yield from node.request(wire.stats(), io))["time"]
 
     # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 
-    def _get_many(self, keys: Iterable[Any], version: int | None) -> Plan:
+    def _get_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
         placement = self._place(key_map)
         batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
-        yield Fanout(batches)
+        yield from fan_out(batches, io)
+        # A proxy answers SERVER_ERROR for a whole get when one of its servers is down:
+        # those keys are asked one by one, so that only that server's keys miss.
+        retried = [fanout.get_each_batch(batch.node, list(batch.keys)) for batch in batches
+                   if isinstance(batch.error, ServerError) and len(batch.keys) > 1]
+        if retried:
+            yield from fan_out(retried, io)
+            batches = [batch for batch in batches if batch.node not in
+                       {retry.node for retry in retried}]
         found: dict[Any, Any] = {}
-        decode = self.decode
         for batch in batches:
-            if batch.error is not None:
-                continue
-            for key_bytes, (data, flags) in batch.result.items():
-                stored_key = key_bytes.decode()
-                value = decode(data, flags, stored_key)
-                if value is not MISSING:
-                    found[key_map[stored_key]] = value
-        self._report(placement, batches)
+            if batch.error is None:
+                self._decoded(batch.result, key_map, found)
+        for batch in retried:
+            if batch.error is None:
+                values, failed = batch.result
+                self._decoded(values, key_map, found)
+                if failed:
+                    batch.error = ServerError(
+                        batch.node.name, f"SERVER_ERROR for {len(failed)} of "
+                        f"{len(batch.keys)} key(s) asked one by one (a proxy's server down?)"
+                    )
+        self._report(placement, batches + retried)
         return found
 
-    def _set_many(self, data: Mapping[Any, Any], timeout: Any, version: int | None) -> Plan:
-        """One pipelined run of ``set`` per node, all nodes at once. The keys returned are
-        those not stored: their node failed or was down, or it refused the value (too
-        large, out of memory; logged, and its older value deleted, as ``set`` does)."""
+    def _decoded(
+        self, values: dict[bytes, tuple[bytes, int]], key_map: dict[str, Any],
+        found: dict[Any, Any],
+    ) -> None:
+        """The values read, decoded (each under its stored key) into ``found`` under the
+        caller's keys; a corrupt one is a logged miss."""
+        for key_bytes, (data, flags) in values.items():
+            stored_key = key_bytes.decode()
+            value = self.decode(data, flags, stored_key)
+            if value is not MISSING:
+                found[key_map[stored_key]] = value
+
+    def _set_many(
+        self, data: Mapping[Any, Any], timeout: Any, version: int | None, io: Transport
+    ) -> Plan:
+        """The keys returned are those not stored: their node failed or was down, or it
+        refused the value (too large, out of memory; logged, and its older value deleted,
+        as ``set`` does)."""
         key_map = self.make_keys(data, version)
         if not key_map:
             return []
-        if self._stale_copies and self.expire_time(timeout) < 0:  # as set's
-            _, failed = yield from self._delete_entries(key_map, version)
+        if self._stale_copies and self.expire_time(timeout) == EXPIRED:  # as set's
+            _, failed = yield from self._delete_entries(key_map, version, io)
             return [key_map[key] for key in failed]
-        placement = self._place(key_map)
-        batches = [
-            self._set_batch(node, node_keys, key_map, data, timeout)
-            for node, node_keys in placement.groups.items()
-        ]
-        yield Fanout(batches)
-        refused = self._refused_keys(batches, key_map)
-        if refused:
-            yield from self._delete_keys(refused)  # a refused value leaves no older one
-        self.cluster.missed_batch_writes(placement, batches)
-        self._report(placement, batches)
-        failed = list(placement.stranded)
-        for batch in batches:
-            if batch.error is not None:
-                failed.extend(batch.keys)
-        return [key_map[key] for key in failed + refused]
+        written = yield from self._store_entries(b"set", key_map, data, timeout, version, io)
+        return [key_map[key] for key in written.failed + written.refused]
 
-    def _set_batch(
-        self, node: Node, keys: list[str], key_map: dict[str, Any], data: Mapping[Any, Any],
-        timeout: Any,
+    def _store_entries(
+        self, name: bytes, key_map: dict[str, Any], data: Mapping[Any, Any], timeout: Any,
+        version: int | None, io: Transport,
+    ) -> Plan:
+        """``set`` (or ``add``) of the entries: one pipelined request per node, all nodes
+        at once. With STALE_TIMEOUT, the stale copies ``get_or_set`` keeps of them are
+        deleted after them (:meth:`_stale_copies_of`), so that none is ever older than
+        the last value written. A value a node refused is logged, and after ``set`` its
+        older value deleted; failures are raised, or logged under IGNORE_EXCEPTIONS, once
+        every node is done, and what they leave behind is remembered as outdated.
+        Returns what was stored, what failed and what was refused (stored keys)."""
+        placement = self._place(key_map)
+        copies = self._stale_copies_of(placement, key_map, version)
+        batches = [
+            self._store_batch(name, node, keys, key_map, data, timeout, copies)
+            for node, keys in placement.groups.items()
+        ]
+        yield from fan_out(batches, io)
+        apart = yield from self._delete_round(copies.apart if copies else [], io)
+        written = self._written(batches, key_map)
+        failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        self._missed(placement, batches, copies, apart)
+        unserved = self._unserved(batches + apart.batches)
+        if written.refused and name == b"set":  # a refused value leaves no older one
+            yield from self._delete_keys(written.refused, io)
+        self._report(placement, batches, apart, unserved)
+        return written._replace(failed=failed + written.failed)
+
+    def _store_batch(
+        self, name: bytes, node: Node, keys: list[str], key_map: dict[str, Any],
+        data: Mapping[Any, Any], timeout: Any, copies: lease.StaleCopies | None,
     ) -> fanout.Batch:
-        """``keys``' values encoded, as one node's share of ``set_many``."""
+        """``keys``' values encoded, as one node's share of a store; the stale copies
+        that ride on the node deleted after them, in the same request."""
         encoded = []
         saved = 0
         for key in keys:
             payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
             encoded.append((payload, flags))
             saved += saving
-        return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
+        riding = copies.riding.get(node) if copies else None
+        return fanout.store_batch(node, name, keys, encoded, self.expire_time(timeout), saved,
+                                  riding)
 
     @staticmethod
-    def _refused_keys(batches: list[fanout.Batch], key_map: dict[str, Any]) -> list[str]:
-        """The keys whose value a node that answered refused, each logged with the
-        caller's key."""
-        refused = []
+    def _written(batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
+        """What the nodes that answered did with each value: stored, not stored (``add``
+        over an entry), refused (each refusal logged with the caller's key), or not
+        served (``SERVER_ERROR``: behind a proxy, the key's server is down: failed)."""
+        written = Written([], [], [])
         for batch in batches:
             if batch.error is not None:
                 continue
             for key, line in zip(batch.keys, batch.result):
-                if line != b"STORED":
-                    refused.append(key)
+                if line == b"STORED":
+                    written.stored.append(key)
+                elif _unserved(line):
+                    written.failed.append(key)
+                elif line != b"NOT_STORED":
+                    written.refused.append(key)
                     reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
                     refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
-        return refused
+        return written
 
-    def _delete_many(self, keys: Iterable[Any], version: int | None) -> Plan:
+    @staticmethod
+    def _unserved(batches: list[fanout.Batch]) -> list[MemcachedError]:
+        """The keys of answered pipelined writes that the server could not serve
+        (``SERVER_ERROR`` other than a refused value: behind a proxy, their server is
+        down): missed writes, remembered as outdated on their node; a ``ServerError`` per
+        node, to report."""
+        errors: list[MemcachedError] = []
+        for batch in batches:
+            if batch.error is not None or not isinstance(batch.result, list):
+                continue
+            lines = zip([*batch.keys, *batch.side_keys], batch.result)
+            missed = [key for key, line in lines if _unserved(line)]
+            if missed:
+                batch.node.outdated.add(missed)
+                errors.append(ServerError(
+                    batch.node.name, f"SERVER_ERROR for {len(missed)} key(s), remembered as "
+                    "missed (a proxy whose server for them is down?)"
+                ))
+        return errors
+
+    def _delete_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
         if self._stale_copies:
-            yield from self._delete_entries(key_map, version)
+            yield from self._delete_entries(key_map, version, io)
         else:
-            yield from self._delete_keys(list(key_map), report=True)
+            yield from self._delete_keys(list(key_map), io, report=True)
 
-    def _delete_entries(self, key_map: dict[str, Any], version: int | None) -> Plan:
-        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry and the stale copy
-        ``get_or_set`` may keep of it (docs/stampede.rst), which must not outlive it, in
-        one round. The meta store's copy lives on the entry's node: its delete goes in the
-        entry's request. The add-based store's (a node not known to speak the meta
-        commands) is a key of its own: its delete goes to its node, in the same round.
-        A delete that fails or is skipped is raised or logged like any, and the copies it
-        leaves are remembered as outdated, as the entry is. Returns the stored keys of
-        the entries deleted, and of those whose delete failed or was skipped."""
+    def _delete_entries(
+        self, key_map: dict[str, Any], version: int | None, io: Transport
+    ) -> Plan:
+        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry, then the stale copies
+        ``get_or_set`` may keep of it (:meth:`_stale_copies_of`), which must not outlive
+        it. A delete that fails or is skipped is raised or logged like any, and what it
+        leaves is remembered as outdated. Returns the stored keys of the entries deleted,
+        and of those whose delete failed or was skipped."""
         if not key_map:
             return set(), []
         placement = self._place(key_map)
-        riders: dict[str, str] = {}  # each meta stale copy: its entry's key
-        classic: list[str] = []
-
-        def copies(keys: list[str], node: Node | None) -> list[str]:
-            """The keys' meta stale copies (also noting their add-based ones where the
-            node is not known to speak meta: ``node``, or the key's home if skipped)."""
-            found = []
-            for key in keys:
-                copy = lease.meta_stale_key(key)
-                riders[copy] = key
-                found.append(copy)
-                if (self._home(key) if node is None else node).meta is not True:
-                    classic.append(lease.classic_stale_key(self, key_map[key], version))
-            return found
-
-        for node, keys in placement.groups.items():
-            keys.extend(copies(keys, node))
-        failed = list(placement.stranded)
-        placement.stranded.extend(copies(failed, None))
-        if classic:
-            own = self._place(classic)
-            for node, keys in own.groups.items():
-                placement.groups.setdefault(node, []).extend(keys)
-            placement.stranded.extend(own.stranded)
-            reported = {error.node for error in placement.errors}
-            placement.errors.extend(e for e in own.errors if e.node not in reported)
-        batches = []
-        for node, keys in placement.groups.items():
-            batch = fanout.delete_batch(node, keys)
-            batch.ops = sum(key in key_map for key in keys)  # the caller's deletes only
-            batches.append(batch)
-        yield Fanout(batches)
-        self.cluster.missed_batch_writes(placement, batches, riders)
-        deleted = set()
-        for batch in batches:
-            if batch.error is not None:
-                failed.extend(key for key in batch.keys if key in key_map)
-                continue
-            deleted.update(key for key, line in zip(batch.keys, batch.result)
-                           if line == b"DELETED" and key in key_map)
-        self._report(placement, batches)
+        copies = self._stale_copies_of(placement, key_map, version)
+        batches = [
+            fanout.delete_batch(node, keys, copies.riding.get(node) if copies else None)
+            for node, keys in placement.groups.items()
+        ]
+        yield from fan_out(batches, io)
+        apart = yield from self._delete_round(copies.apart if copies else [], io)
+        deleted = {key for batch in batches if batch.error is None
+                   for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
+        failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        self._missed(placement, batches, copies, apart)
+        self._report(placement, batches, apart, self._unserved(batches + apart.batches))
         return deleted, failed
 
-    def _delete_keys(self, keys: list[str], report: bool = False) -> Plan:
+    def _stale_copies_of(
+        self, placement: Placement, key_map: dict[str, Any], version: int | None
+    ) -> lease.StaleCopies | None:
+        """With STALE_TIMEOUT, where the stale copies ``get_or_set`` keeps of the placed
+        entries are deleted when the entries are written or deleted: the meta store's in
+        the entry's own request, after it; the add-based store's (a key of its own) in a
+        round after the entries'. Entry first, copy after: a winner of ``get_or_set``
+        writes the copy first (``lease``), so no interleaving leaves a copy older than
+        the entry's last value, or a deleted value as the copy. None without."""
+        if not self._stale_copies:
+            return None
+        return lease.stale_copies(self, placement.groups, placement.stranded, key_map,
+                                  version, self._home)
+
+    def _missed(
+        self, placement: Placement, batches: list[fanout.Batch],
+        copies: lease.StaleCopies | None, apart: Round,
+    ) -> None:
+        """What a write round and its copies' round left undone, remembered as outdated:
+        the keys of failed batches (their riding copies with them) and skipped keys."""
+        if copies is not None:
+            placement.stranded.extend(copies.stranded)
+        self.cluster.missed_batch_writes(placement, batches, copies.entry_of if copies else None)
+        self.cluster.missed_batch_writes(apart.placement, apart.batches)
+
+    def _delete_round(self, keys: list[str], io: Transport) -> Plan:
+        """One delete request per node, all at once: a :class:`Round`, nothing raised."""
+        if not keys:
+            return NO_ROUND
+        placement = self._place(keys)
+        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
+        yield from fan_out(batches, io)
+        return Round(placement, batches)
+
+    def _delete_keys(self, keys: list[str], io: Transport, report: bool = False) -> Plan:
         """One delete request per node. Failures are raised like any call's if ``report``,
         else (a clean-up after refused writes) logged; either way the keys that were not
         deleted are remembered as outdated."""
-        if not keys:
-            return
-        placement = self._place(keys)
-        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        yield Fanout(batches)
+        deletes = yield from self._delete_round(keys, io)
+        placement, batches = deletes
         self.cluster.missed_batch_writes(placement, batches)
+        unserved = self._unserved(batches)
         if report:
-            self._report(placement, batches)
+            self._report(placement, batches, None, unserved)
             return
-        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        errors = placement.errors + [b.error for b in batches if b.error is not None] + unserved
         if errors:  # a clean-up delete (set_many): the keys are remembered as outdated
             undeleted = len(placement.stranded) + sum(len(b.keys) for b in batches if b.error)
             logger.warning(
@@ -752,23 +948,55 @@ class MemcachedCache(KVCache):
                 "their node answers again: %s", undeleted, "; ".join(map(str, errors)),
             )
 
-    def _clear(self) -> Plan:
+    def _clear(self, io: Transport) -> Plan:
         """Flush every node (memcached has no per-prefix delete).
 
         A node that misses the flush (down, or failing now) is flushed when it returns,
-        before it serves anything.
+        before it serves anything. A node that does not forward ``flush_all`` — a proxy
+        such as twemproxy, known by its first refusal — cannot be flushed: the others
+        are, then ``Unsupported`` is raised, whatever IGNORE_EXCEPTIONS says, and nothing
+        is left pending there (later calls are not affected).
         """
-        reachable = [node for node in self._nodes if node.health.may_try()]
+        refusing = [node for node in self._nodes if node.flushes is False]
+        reachable = [node for node in self._nodes
+                     if node.flushes is not False and node.health.may_try()]
         batches = [fanout.flush_batch(node) for node in reachable]
-        yield Fanout(batches)
-        errors: list[MemcachedError] = [b.error for b in batches if b.error is not None]
+        yield from fan_out(batches, io)
+        errors: list[MemcachedError] = []
+        for batch in batches:
+            if isinstance(batch.error, Unsupported):  # it closed the connection on it
+                try:  # still answering: it is flush_all that it refuses, not a failure
+                    yield from batch.node.request(wire.fence(), io)
+                except MemcachedError as exc:
+                    errors.append(exc)  # it fails now: as any node that missed the flush
+                    continue
+                self._refuses_flush(batch.node)
+                refusing.append(batch.node)
+            elif batch.error is not None:
+                errors.append(batch.error)
+            else:
+                batch.node.flushes = True
         for node in self._nodes:
-            if node not in reachable:
+            if node not in reachable and node not in refusing:
                 errors.append(NodeDown(node.name, "marked down: flushed when it returns"))
         for error in errors:
             self.cluster.by_name[error.node].outdated.add_everything()
         for error in errors:
             self._failed(error)
+        if refusing:
+            names = ", ".join(node.name for node in refusing)
+            raise Unsupported(names, "clear() cannot empty it: it does not forward flush_all "
+                              "(a proxy such as twemproxy); flush the servers behind it")
+
+    @staticmethod
+    def _refuses_flush(node: Node) -> None:
+        """Remember that ``node`` does not forward ``flush_all``, and say so once."""
+        if node.flushes is not False:
+            node.flushes = False
+            logger.warning(
+                "memcached node %s refused flush_all (a proxy such as twemproxy does not "
+                "forward it): clear() cannot empty it, and raises Unsupported", node.name,
+            )
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 

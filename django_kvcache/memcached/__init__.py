@@ -34,13 +34,35 @@ class NodeDown(NodeError):
     """The node failed too often and is skipped until its retry time has passed."""
 
 
+class NodeBusy(NodeError):
+    """The node is being repaired (writes cut short settled, outdated copies deleted) by
+    another caller, and this call cannot wait for it: the repair is a coroutine of this
+    very thread (a sync call made on the event loop's thread), or it did not end within
+    IO_TIMEOUT. Not the node's failure: it is not counted."""
+
+
+class ServerError(NodeError):
+    """The server answered ``SERVER_ERROR`` for this request — a proxy does, for a key
+    whose server it cannot reach (twemproxy: ``SERVER_ERROR Connection refused``): the
+    request failed, but the node and the connection are fine, and it is not counted
+    against the node's health."""
+
+
+class Unsupported(MemcachedError, NotImplementedError):
+    """The server, or a proxy in front of it, does not support a command the call needs:
+    memcached before 1.6.6 has no meta commands; twemproxy forwards neither them nor
+    ``flush_all``, ``stats`` or ``lru_crawler`` (it closes the connection on one). Raised
+    whatever IGNORE_EXCEPTIONS says: it is no failure, and retrying cannot help."""
+
+
 class PoolExhausted(MemcachedError):
     """Every pooled connection of a node stayed busy for POOL_TIMEOUT seconds."""
 
 
 class Refused(MemcachedError):
-    """The server refused one request (``SERVER_ERROR``/``CLIENT_ERROR``: too large, out
-    of memory, not a number); the node and the connection are fine."""
+    """The server refused one request (``CLIENT_ERROR``: not a number, a bad command line;
+    ``SERVER_ERROR`` for the value it carried: too large, out of memory); the node and
+    the connection are fine."""
 
     def __init__(self, node: str, reason: str, client_error: bool = False) -> None:
         super().__init__(node, reason)

@@ -11,26 +11,25 @@ close their connections (:mod:`django_kvcache.loops`).
 Nothing here decides anything: what to send, which deadline applies and what a failure
 or a cancellation does to a connection and its node are the exchange's
 (:mod:`django_kvcache.memcached.exchange`), the same for this driver and the blocking
-one. An :class:`AsyncConnection` sends and reads by a deadline given to it; ``settle``
-finishes a write cut short on its raw socket (plain or TLS) without blocking the loop.
+one. An :class:`AsyncConnection` sends and reads by a deadline given to it; a write cut
+short is settled on its raw socket by the same byte moving as the blocking driver's
+(``connection.UnsettledSocket``), waiting for the socket on the loop (:func:`wait_ready`).
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
-import ssl
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from django_kvcache.loops import PerLoop
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
-    RECV_SIZE,
     ConnectionClosed,
     ConnectionSettings,
-    LateWrite,
-    SendTimeout,
+    UnsettledSocket,
     deadline_after,
     set_io_timeout,
 )
@@ -168,14 +167,14 @@ class AsyncConnection:
             if timer is not None:
                 timer.cancel()
 
-    async def exchange(self, op: wire.Op) -> Any:
+    async def round_trip(self, op: wire.Op) -> Any:
         """``op`` alone, within IO_TIMEOUT: what it makes of the reply (no failure
-        handling: for tests; calls go through the exchange loop)."""
+        handling: for tests; calls go through the exchange)."""
         reply = op.make_reply()
         await self.transfer(op.request, reply, deadline_after(self.settings.io_timeout))
         return op.result(reply)
 
-    def detach(self) -> LateWrite | None:
+    def detach(self) -> UnsettledSocket | None:
         """Hand the connection over to be settled (a write cut short): a blocking
         duplicate of its socket, with what the transport never sent and what it
         received. TLS state cannot be handed over: None (the caller closes it)."""
@@ -190,7 +189,7 @@ class AsyncConnection:
         set_io_timeout(sock, self.settings.io_timeout, kernel=True)
         buffer = stream.buffer
         self.close()  # drops the transport's buffer (it is ``unsent``); ``sock`` keeps the line
-        return LateWrite(sock, unsent, buffer)
+        return UnsettledSocket(sock, unsent, buffer)
 
     def close(self) -> None:
         stream, self.stream = self.stream, None
@@ -206,53 +205,15 @@ class AsyncConnection:
                     pass
 
 
-async def settle(late: LateWrite, deadline: float | None) -> None:
-    """``connection.settle`` on the running loop: the socket (plain or TLS) is made
-    non-blocking meanwhile and every wait is a loop wait, by ``deadline``. ``late`` is
-    updated as bytes leave and arrive, so a cancelled settle resumes where it stopped."""
-    late.fence()
-    sock = late.sock
+async def wait_ready(sock: socket.socket, events: int, deadline: float | None) -> None:
+    """Wait on the running loop until ``sock`` is ready for ``events`` (``select``'s
+    ``POLLIN`` or ``POLLOUT``), by ``deadline``: how this driver waits while it settles
+    a write cut short (``connection.UnsettledSocket``)."""
     loop = asyncio.get_running_loop()
-    previous = sock.gettimeout()
-    sock.setblocking(False)
-    try:
-        try:
-            while late.unsent:
-                try:
-                    late.unsent = late.unsent[sock.send(late.unsent):]
-                except (BlockingIOError, ssl.SSLWantWriteError):
-                    await _ready(loop, sock, loop.add_writer, loop.remove_writer, deadline)
-                except ssl.SSLWantReadError:
-                    await _ready(loop, sock, loop.add_reader, loop.remove_reader, deadline)
-        except TimeoutError as exc:
-            raise SendTimeout(f"IO_TIMEOUT passed with {len(late.unsent)} bytes unsent") from exc
-        fence = wire.Fence()
-        while not fence.parse(late.buffer):
-            try:
-                chunk = sock.recv(RECV_SIZE)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                await _ready(loop, sock, loop.add_reader, loop.remove_reader, deadline)
-                continue
-            except ssl.SSLWantWriteError:
-                await _ready(loop, sock, loop.add_writer, loop.remove_writer, deadline)
-                continue
-            if not chunk:
-                raise ConnectionClosed("the server closed the connection")
-            late.buffer.feed(chunk)
-    finally:
-        if sock.fileno() >= 0:
-            sock.settimeout(previous)
-
-
-async def _ready(
-    loop: asyncio.AbstractEventLoop,
-    sock: socket.socket,
-    add: Callable[..., Any],
-    remove: Callable[[Any], Any],
-    deadline: float | None,
-) -> None:
-    """Wait until ``sock`` is readable or writable (``add``: the loop's add_reader or
-    add_writer), by ``deadline``."""
+    if events == select.POLLIN:
+        add, remove = loop.add_reader, loop.remove_reader
+    else:
+        add, remove = loop.add_writer, loop.remove_writer
     ready = loop.create_future()
     add(sock, lambda: ready.done() or ready.set_result(None))
     timer = _timer(ready, deadline)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from django_kvcache.memcached import aio, wire
+from django_kvcache.memcached import ServerError, aio, wire
 
 Found = dict[bytes, tuple[bytes, int]]
 
@@ -28,8 +28,9 @@ class Gets:
     """One loop's pending gets for one node (touched from that loop's thread only).
     ``fetch`` sends one get request to the node and awaits what it makes of the reply."""
 
-    def __init__(self, fetch: Callable[[wire.Op], Awaitable[Any]]) -> None:
+    def __init__(self, fetch: Callable[[wire.Op], Awaitable[Any]], node: str = "") -> None:
         self.fetch = fetch
+        self.node = node
         self.waiting: list[tuple[list[bytes], asyncio.Future]] = []
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
@@ -53,8 +54,19 @@ class Gets:
     async def _fetch(self, waiting: list[tuple[list[bytes], asyncio.Future]]) -> None:
         keys = list(dict.fromkeys(key for asked, _ in waiting for key in asked))
         op = wire.get_one(keys[0]) if len(keys) == 1 else wire.get_many(keys)
+        failed: set[bytes] = set()
         try:
-            reply = await self.fetch(op)
+            try:
+                reply = await self.fetch(op)
+            except ServerError:
+                if len(keys) == 1:
+                    raise
+                # A proxy answers SERVER_ERROR for a whole get when one of its servers is
+                # down: the keys are asked one by one, and only those callers fail.
+                reply, not_served = await self.fetch(wire.get_each(keys))
+                failed.update(not_served)
+                error = ServerError(self.node, "SERVER_ERROR for this key (a proxy's server "
+                                    "down?)")
         except BaseException as exc:  # the node's error (or a cancelled loop): theirs too
             for _, future in waiting:
                 if future.done():
@@ -68,7 +80,11 @@ class Gets:
             return
         found: Found = reply if len(keys) > 1 else ({keys[0]: reply} if reply else {})
         for asked, future in waiting:
-            if not future.done():  # a cancelled caller's share is dropped
+            if future.done():  # a cancelled caller's share is dropped
+                continue
+            if failed.intersection(asked):
+                future.set_exception(error)
+            else:
                 future.set_result({key: found[key] for key in asked if key in found})
 
 
@@ -90,5 +106,5 @@ def gets_of(node: Any) -> Gets:
     state = aio.loop_state()
     gets = state.gets.get(node)
     if gets is None:
-        gets = state.gets[node] = Gets(node.gets_to_fetch)
+        gets = state.gets[node] = Gets(node.gets_to_fetch, node.name)
     return gets

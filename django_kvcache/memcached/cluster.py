@@ -100,16 +100,18 @@ class Cluster:
         self, placement: Placement, batches: list[Batch], riders: Mapping[str, str] | None = None
     ) -> None:
         """``missed_write`` for the keys of a multi-key write that were skipped or whose
-        batch failed. ``riders``: side keys stored on their entry's node rather than on
-        their own (a side key: its entry's key), whose home is their entry's."""
+        batch failed (its side keys too). ``riders``: side keys stored on their entry's
+        node rather than on their own (a side key: its entry's key), whose home is their
+        entry's."""
         home = self.home if not riders else (lambda key: self.home(riders.get(key, key)))
         for key in placement.stranded:
             home(key).outdated.add((key,))
         for batch in batches:
             if batch.error is None:
                 continue
-            batch.node.outdated.add(batch.keys)
-            for key in batch.keys:
+            keys = [*batch.keys, *batch.side_keys]
+            batch.node.outdated.add(keys)
+            for key in keys:
                 if home(key) is not batch.node:  # a failover batch
                     home(key).outdated.add((key,))
 

@@ -5,7 +5,9 @@ Nothing here decides anything: what to send, which deadline applies and what a f
 means are the exchange's (:mod:`django_kvcache.memcached.exchange`). A :class:`Connection`
 sends bytes and reads a reply until its parser is satisfied, both by a deadline given to
 it, and says where it stopped: the part of a request still unsent (``unsent``), the
-bytes received so far (``received``).
+bytes received so far (``received``). A write cut short leaves its socket to be settled
+(:class:`UnsettledSocket`), by either driver: the same non-blocking byte moving, with the
+driver's own way to wait for the socket.
 
 Without TLS the IO timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking
 socket): a Python socket timeout makes every ``send``/``recv`` a ``poll`` plus the call,
@@ -71,16 +73,18 @@ class SendTimeout(TimeoutError):
     """The deadline passed with part of a request unsent (the connection's ``unsent``)."""
 
 
-class LateWrite:
-    """The socket of a write that was cut short (timed out or cancelled), to be settled
-    before its node serves again: the part of its request that never left (``unsent``),
-    whether the fence was added to it, and the bytes of replies received so far.
+class UnsettledSocket:
+    """The socket of a write that was cut short (timed out or cancelled), with what
+    settling it still has to do: the part of its request that never left (``unsent``,
+    the fence added at its end once), and the replies received so far (``buffer``).
+    Settled before its node serves again, by either driver: :meth:`advance` does what
+    can be done without waiting, and says what to wait for before the next call.
 
-    The byte movers (``settle`` here and in ``aio``) update it as they go, so a settle
-    that is itself interrupted never sends a byte twice.
+    ``unsent`` and ``buffer`` are updated as bytes leave and arrive, so a settle that
+    is itself interrupted resumes where it stopped and never sends a byte twice.
     """
 
-    __slots__ = ("sock", "unsent", "fenced", "buffer")
+    __slots__ = ("sock", "unsent", "fenced", "buffer", "fence")
 
     def __init__(self, sock: socket.socket, unsent: bytes | memoryview = b"",
                  buffer: wire.Buffer | None = None) -> None:
@@ -88,15 +92,62 @@ class LateWrite:
         self.unsent = memoryview(unsent)
         self.fenced = False
         self.buffer = buffer if buffer is not None else wire.Buffer()
+        self.fence = wire.Fence()
 
-    def fence(self) -> None:
-        """Add the fence to what is to be sent (once): its reply comes after all others."""
+    def advance(self) -> int:
+        """Send what is unsent (the fence last) and read up to the fence's reply, as far
+        as the socket allows without waiting: 0 once the fence's reply is in (the server
+        has applied or refused everything sent on the socket), else the ``select`` event
+        to wait for (``POLLOUT``/``POLLIN``) before the next call. The socket must be
+        non-blocking (:meth:`nonblocking`). ``ConnectionClosed`` if the server closed it.
+
+        A TLS socket may want to read in order to write or the reverse; it sends a whole
+        piece or nothing (OpenSSL keeps a partial record and finishes it when the same
+        bytes are offered again, which they are)."""
         if not self.fenced:
             self.unsent = memoryview(bytes(self.unsent) + wire.FENCE)
             self.fenced = True
+        sock = self.sock
+        try:
+            while self.unsent:
+                self.unsent = self.unsent[sock.send(self.unsent):]
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            return select.POLLOUT
+        except ssl.SSLWantReadError:
+            return select.POLLIN
+        try:
+            while not self.fence.parse(self.buffer):
+                chunk = sock.recv(RECV_SIZE)
+                if not chunk:
+                    raise ConnectionClosed("the server closed the connection")
+                self.buffer.feed(chunk)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return select.POLLIN
+        except ssl.SSLWantWriteError:
+            return select.POLLOUT
+        return 0
+
+    def nonblocking(self) -> _Nonblocking:
+        """A context in which the socket does not block (its timeout put back after)."""
+        return _Nonblocking(self.sock)
 
     def close(self) -> None:
         self.sock.close()
+
+
+class _Nonblocking:
+    __slots__ = ("sock", "previous")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.previous = sock.gettimeout()
+
+    def __enter__(self) -> None:
+        self.sock.setblocking(False)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.sock.fileno() >= 0:
+            self.sock.settimeout(self.previous)
 
 
 class Connection:
@@ -192,20 +243,20 @@ class Connection:
             if reply.parse(buffer):
                 return
 
-    def exchange(self, op: wire.Op) -> Any:
+    def round_trip(self, op: wire.Op) -> Any:
         """``op`` alone, within IO_TIMEOUT: what it makes of the reply (no failure
-        handling: for maintenance and tests; calls go through the exchange loop)."""
+        handling: for tests; calls go through the exchange)."""
         reply = op.make_reply()
         self.transfer(op.request, reply, deadline_after(self.settings.io_timeout))
         return op.result(reply)
 
-    def detach(self) -> LateWrite | None:
+    def detach(self) -> UnsettledSocket | None:
         """Hand the socket over to be settled (a write cut short), with what is unsent
         and what was received; the connection no longer owns it."""
         sock, self.sock = self.sock, None
         if sock is None:
             return None
-        return LateWrite(sock, self.unsent, self.buffer)
+        return UnsettledSocket(sock, self.unsent, self.buffer)
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -214,7 +265,7 @@ class Connection:
 
 
 def send_rest(sock: socket.socket, holder: Any, deadline: float | None) -> None:
-    """Send ``holder.unsent`` (a connection's, a late write's) by ``deadline``, recording
+    """Send ``holder.unsent`` (a connection's) by ``deadline``, recording
     what is left after each piece; ``SendTimeout`` if the deadline passes.
 
     A plain socket is never put to sleep by ``send`` (``MSG_DONTWAIT``): waits happen in
@@ -273,33 +324,6 @@ def poll(sock: socket.socket, deadline: float | None, events: int) -> None:
         poller.poll()
     elif not poller.poll(max(deadline - time.monotonic(), 0.0) * 1000):
         raise socket.timeout("IO_TIMEOUT passed")
-
-
-def settle(late: LateWrite, deadline: float | None) -> None:
-    """Send the rest of a write cut short and a fence, and read up to the fence's reply:
-    after that the server has applied (or refused) everything sent on the socket.
-    ``SendTimeout`` while sending, a plain timeout while reading."""
-    late.fence()
-    sock = late.sock
-    send_rest(sock, late, deadline)
-    bound = sock.gettimeout() or current_kernel_timeout(sock)
-    fence = wire.Fence()
-    while not fence.parse(late.buffer):
-        wait(sock, deadline, bound, select.POLLIN)
-        chunk = sock.recv(RECV_SIZE)
-        if not chunk:
-            raise ConnectionClosed("the server closed the connection")
-        late.buffer.feed(chunk)
-
-
-def current_kernel_timeout(sock: socket.socket) -> float | None:
-    """The receive timeout the kernel keeps for ``sock`` (``SO_RCVTIMEO``), if any."""
-    if not KERNEL_TIMEOUTS:
-        return None
-    seconds, micros = struct.unpack(
-        "ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll"))
-    )
-    return (seconds + micros / 1e6) or None
 
 
 def open_socket(address: NodeAddress, settings: ConnectionSettings) -> socket.socket:

@@ -1,32 +1,35 @@
 """The exchange: every request to memcached, on either driver, through one state machine.
 
 A single-key call is one :class:`Batch` (a node and a :mod:`wire` op); a multi-key call
-is a batch per node. :func:`exchange` takes them from checkout to their end, as a plan
-(:mod:`django_kvcache.steps`) that yields the byte moving it needs — a checkout that
-waits, a transfer, a send, a receive, a settle — to whichever driver runs it: the
-blocking one (``steps.run``: :mod:`connection` sockets) or the asyncio one
-(``steps.arun``: :mod:`aio` connections). The drivers only move bytes; everything else
-is decided here, once:
+is a batch per node. :func:`request` and :func:`fan_out` take them from checkout to their
+end, as a plan (:mod:`django_kvcache.steps`) that yields the byte moving it needs — a
+checkout that waits, a transfer, a send, a receive, a wait for a socket while settling —
+as steps, to whichever driver runs the plan: the blocking one (``steps.run``:
+:mod:`connection` sockets) or the asyncio one (``steps.arun``: :mod:`aio` connections).
+The drivers only move bytes; everything else is decided here, once:
 
-* **What is sent.** Before a node's first request, what it may still owe is settled:
-  every write cut short on it earlier (timed out or cancelled) gets the rest of its
-  request and a fence, whose reply is read; then the copies it missed are deleted
-  (``stale``). Only then its request; a multi-key call writes every node's request
-  before it reads any reply.
+* **What is sent.** Before a node's first request, what it may still owe is settled
+  (:func:`_repair`, one caller at a time): every write cut short on it earlier (timed
+  out or cancelled) gets the rest of its request and a fence, whose reply is read; then
+  the copies it missed are deleted (``stale``). Only then its request; a multi-key call
+  writes every node's request before it reads any reply.
 * **Which deadline applies.** IO_TIMEOUT, counted from the moment the requests start
   going out until every reply is complete: one deadline for a whole round of a fan-out,
-  not one per read. Each settle has its own.
+  not one per read. Each settle has its own; waiting for another caller's repair too.
 * **What goes out together.** On the event loop, with AUTOBATCH, a get for a node the
   loop is already busy with joins that node's pending gets (``autobatch``) instead of
   going out alone; its share of their reply is its result.
-* **What an outcome does to the connection and the node** (:func:`_ended`,
-  :meth:`Batch.interrupted`):
+* **What an outcome does to the connection and the node** (:func:`_ended`, and the
+  :class:`Attempt`'s states):
 
   - a reply: the connection goes back to the pool — unless the reply says it is out of
     step (an error reply to a command that carried a data block), then it is closed;
     the node answered;
-  - an error reply (``SERVER_ERROR``/``CLIENT_ERROR``): the same, and the batch's error
-    is :class:`~django_kvcache.memcached.Refused`;
+  - an error reply: the same, and the batch's error is
+    :class:`~django_kvcache.memcached.Refused` (``CLIENT_ERROR``, or a value refused:
+    too large, out of memory) or :class:`~django_kvcache.memcached.ServerError` (any
+    other ``SERVER_ERROR``: a proxy whose server for the key is down) — that request's
+    failure, not the node's;
   - a pooled connection the server closed before it answered anything (it restarted):
     stale, not a node failure. It and the pool's other idle connections are closed and
     the request goes once more on a new connection — for every command (the request
@@ -34,6 +37,13 @@ is decided here, once:
   - a failure (refused, reset, timeout, a reply we cannot read): the node's failure,
     counted by its health; the connection is closed — except a write whose request may
     have left and whose reply did not come: its socket is kept to be settled;
+  - a new connection the server closed, before any reply, on an optional command
+    (``wire.Op.optional``: how twemproxy refuses what it does not forward): the
+    batch's error is :class:`~django_kvcache.memcached.Unsupported`, not counted; a
+    clean-up flush refused so is given up, and the batch goes once more;
+  - a node another caller is repairing, which this call cannot wait for
+    (:class:`~django_kvcache.memcached.NodeBusy`): the batch's error, not counted; the
+    connection, never used, goes back;
   - a cancellation (``CancelledError``, a ``KeyboardInterrupt``, anything else raised
     through the exchange): handled as a timeout is — a write in flight is kept to be
     settled, a read is closed, an unused connection goes back — but the node is not
@@ -42,30 +52,39 @@ is decided here, once:
 from __future__ import annotations
 
 import asyncio
-import ssl
-import threading
 from time import monotonic
 from typing import Any, Callable, Protocol, Sequence
 
-from django_kvcache import steps
 from django_kvcache.memcached import (
     MemcachedError,
+    NodeBusy,
     NodeError,
     Refused,
+    ServerError,
+    Unsupported,
     aio,
     autobatch,
-    connection,
     wire,
 )
-from django_kvcache.memcached.connection import TIMEOUTS, deadline_after
+from django_kvcache.memcached.attempt import (
+    Attempt,
+    Checkout,
+    Ready,
+    Receive,
+    Send,
+    Share,
+    State,
+    TakeTurn,
+    Transfer,
+)
+from django_kvcache.memcached.connection import TIMEOUTS, UnsettledSocket, deadline_after
+from django_kvcache.steps import Plan
 
 #: Errors that mean the node (or the path to it) failed, not the request. (On Python
 #: 3.10 ``asyncio.TimeoutError``, raised by ``asyncio.wait_for``, is not an OSError.)
 NODE_FAILURES = (OSError, EOFError, wire.ProtocolError, asyncio.TimeoutError)
 #: Timeouts, Python's or the kernel's, blocking or on the loop.
 TIMEOUT_ERRORS = TIMEOUTS + (asyncio.TimeoutError,)
-#: How a connection the server closed shows itself.
-CLOSED = (ConnectionError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 class Node(Protocol):
@@ -73,8 +92,9 @@ class Node(Protocol):
 
     name: str
     pool: Any
-    late: Any  # stale.LateWrites
+    unsettled: Any  # stale.UnsettledSockets
     outdated: Any  # stale.OutdatedCopies
+    repair_turn: Any  # stale.RepairTurn
     health: Any
     ops: int
     bytes_sent: int
@@ -91,19 +111,17 @@ class Batch:
     ``ops`` is counted once, whatever is retried; ``sent`` and ``saved`` bytes are
     credited once the node answered, and with ``count_received`` the reply's bytes too.
     ``on_result`` bumps the node's counters with the result (hits and misses).
+    ``keys``: the keys the op is about; ``side_keys``: keys it writes besides (stale
+    copies), missed with them if the batch fails.
     ``gets``: a get's keys, which may go out with other gets (AUTOBATCH); ``one``: it is a
-    single-key get, whose result is ``(data, flags)`` or None, not a dict.
-
-    While the batch holds a connection (an *attempt*: from checkout until the connection
-    is checked in, closed or kept to be settled) it also records what happened on it:
-    ``in_flight`` is the op whose request has (perhaps partly) left and whose reply is not
-    all read — what an interruption must settle — and ``mark`` the connection's received
-    bytes when that request left (nothing came since: a stale connection).
+    single-key get, whose result is ``(data, flags)`` or None, not a dict. ``attempt``:
+    the connection it holds meanwhile (:class:`Attempt`), if any.
     """
 
     # Optional fields as class attributes: a single-key call (the hot path) builds its
     # batch from two or four arguments (a keyword-rich constructor costs twice as much).
     keys: Sequence[str] = ()
+    side_keys: Sequence[str] = ()
     ops = 1
     sent = 0
     saved = 0
@@ -113,7 +131,7 @@ class Batch:
     one = False
     result: Any = None
     error: MemcachedError | None = None
-    connection: Any = None
+    attempt: Attempt | None = None
 
     def __init__(self, node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> None:
         self.node = node
@@ -138,161 +156,62 @@ class Batch:
         if self.on_result is not None:
             self.on_result(result)
 
-    # --- an attempt: the batch on one connection ---------------------------------------
-
-    def claim(self, transport: Transport) -> bool:
+    def claim(self, io: Transport) -> bool:
         """Take a connection of the node's pool if one is free now (no waiting)."""
-        pool = transport.pool(self.node)
+        pool = io.pool(self.node)
         client = pool.try_checkout()
         if client is None:
             return False
-        self.attach(pool, client)
+        self.attempt = Attempt(pool, client)
         return True
-
-    def attach(self, pool: Any, connection: Any) -> None:
-        self.pool = pool
-        self.connection = connection
-        self.reused = connection.sock is not None  # a pooled connection, maybe gone stale
-        self.in_flight: wire.Op | None = None
-
-    def start(self, op: wire.Op) -> Any:
-        """``op``'s request is about to leave: a fresh parser for its reply."""
-        self.in_flight = op
-        self.mark = self.connection.received
-        self.reply = reply = op.make_reply()
-        return reply
-
-    def found_stale(self, exc: BaseException) -> bool:
-        """The server closed this pooled connection before it answered anything."""
-        return (self.reused and isinstance(exc, CLOSED)
-                and self.connection.received == self.mark)
-
-    def answered(self) -> None:
-        """The node answered: the connection goes back unless the reply put it out of
-        step (an error reply to a command that carried a data block)."""
-        client, self.connection = self.connection, None
-        if self.reply.in_step:
-            self.pool.checkin(client)
-        else:
-            self.pool.discard(client)
-        if self.node.health.failures:
-            self.node.health.succeeded()
-
-    def checkin(self) -> None:
-        client, self.connection = self.connection, None
-        self.pool.checkin(client)
-
-    def discard(self) -> None:
-        client, self.connection = self.connection, None
-        self.pool.discard(client)
-
-    def keep_to_settle(self) -> None:
-        """A write that may still land: its socket goes to the node's late writes, to be
-        settled before the node serves again (a TLS connection on the loop cannot be
-        handed over: it is closed)."""
-        client, self.connection = self.connection, None
-        late = client.detach()
-        if late is None:
-            self.pool.discard(client)
-            return
-        self.node.late.add(late)
-        self.pool.free_slot()  # the connection object is gone; its socket lives on in ``late``
 
     def interrupted(self) -> None:
-        """Cancelled (or interrupted by anything else) with this connection out: as after
-        a timeout, a write in flight is kept to settle; the node is not blamed."""
-        if self.in_flight is None:
-            self.checkin()  # nothing on the wire: still in step
-        elif self.in_flight.writes:
-            self.keep_to_settle()
-        else:
-            self.discard()
-
-
-def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> bool:
-    """What ``exc``, raised by the batch's exchange, does to its connection, its node and
-    the batch (module docstring). False: not for the exchange to decide (re-raise)."""
-    node = batch.node
-    if isinstance(exc, wire.ErrorReply):
-        batch.answered()
-        batch.error = Refused(node.name, str(exc), client_error=exc.client_error)
-        batch.error.__cause__ = exc
-        return True
-    if not isinstance(exc, NODE_FAILURES):
-        return False
-    if retry and batch.found_stale(exc):
-        batch.discard()
-        batch.pool.close_idle()  # its neighbours in the pool are just as stale
-        stale.append(batch)
-        return True
-    if batch.in_flight is None:
-        batch.checkin()  # failed before its request (settling another write): in step
-    elif batch.in_flight.writes and isinstance(exc, TIMEOUT_ERRORS):
-        batch.keep_to_settle()
-    else:
-        batch.discard()
-    batch.error = node.failure(exc)
-    return True
-
-
-def _finished(batch: Batch) -> None:
-    """The reply is complete: the batch's result, the node's counters, the connection."""
-    node = batch.node
-    batch.result = batch.op.result(batch.reply)
-    batch.in_flight = None
-    node.bytes_sent += batch.sent
-    node.bytes_saved += batch.saved
-    if batch.count_received:
-        node.bytes_received += batch.connection.received - batch.mark
-    batch.answered()
-    if batch.on_result is not None:
-        batch.on_result(batch.result)
-
-
-def _deadline(batch: Batch) -> float | None:
-    """IO_TIMEOUT from now, as a ``time.monotonic`` time (None: no limit)."""
-    seconds = batch.pool.settings.io_timeout
-    return None if seconds is None else monotonic() + seconds
+        """Cancelled (or interrupted by anything else) while it holds a connection."""
+        attempt = self.attempt
+        if attempt is not None and attempt.state is not State.DONE:
+            attempt.interrupted(self.node.unsettled)
 
 
 # --- the machine ------------------------------------------------------------------------
 
 
-def exchange(batches: Sequence[Batch], transport: Transport) -> steps.Plan:
+def fan_out(batches: Sequence[Batch], io: Transport) -> Plan:
     """Every batch's request on a connection of its node's pool, then every reply; fills
-    each batch's ``result`` or ``error`` (a plan: ``yield from exchange(...)``). Gets that
+    each batch's ``result`` or ``error`` (``yield from fan_out(batches, io)``). Gets that
     joined others' (AUTOBATCH, on the loop) take their share once the batches that went
     on their own are done."""
-    return _plan(batches, transport, False)
+    return _plan(batches, io, False)
 
 
-def call(batch: Batch, transport: Transport) -> steps.Plan:
+def request(batch: Batch, io: Transport) -> Plan:
     """One batch, as a plan whose value is its result (or which raises its error):
-    ``value = yield from call(batch, io)``."""
-    return _plan((batch,), transport, True)
+    ``value = yield from request(batch, io)``."""
+    return _plan((batch,), io, True)
 
 
-def _plan(batches: Sequence[Batch], transport: Transport, one: bool) -> steps.Plan:
-    """``exchange``'s plan (a plain function: the plan is the generator it returns, one
+def _plan(batches: Sequence[Batch], io: Transport, one: bool) -> Plan:
+    """The exchange's plan (a plain function: the plan is the generator it returns, one
     generator per call on the hot path). ``one``: the plan's value is the lone batch's."""
     for batch in batches:
         batch.node.ops += batch.ops  # once per call, whatever is retried
-    if transport.joins:
-        joined = transport.join(batches)
+    if io.joins:
+        joined = io.join(batches)
         if joined:
-            return _joined(batches, joined, transport, one)
-    return _rounds(batches, transport, one)
+            return _joined(batches, joined, io, one)
+    return _rounds(batches, io, batches[0] if one else None)
 
 
 def _joined(
-    batches: Sequence[Batch], joined: dict[Batch, Any], transport: Transport, one: bool
-) -> steps.Plan:
+    batches: Sequence[Batch], joined: dict[Batch, Any], io: Transport, one: bool
+) -> Plan:
     """The batches that go on their own, then the shares of those that joined others'."""
     try:
-        yield from _rounds([batch for batch in batches if batch not in joined], transport, False)
+        alone = [batch for batch in batches if batch not in joined]
+        if alone:
+            yield from _rounds(alone, io, None)
         for batch, share in joined.items():
             try:
-                batch.shared((yield (_awaited, (share,))))
+                batch.shared((yield Share(share)))
             except MemcachedError as exc:
                 batch.error = exc
     except BaseException:  # cancelled: the shares nobody will read are dropped
@@ -302,87 +221,102 @@ def _joined(
     return batches[0].outcome() if one else None
 
 
-def _rounds(batches: Sequence[Batch], transport: Transport, one: bool) -> steps.Plan:
-    """The batches in rounds: those whose pool has a connection free now take one (a
-    call never waits for one node's connection while holding another's: two callers
-    could each hold what the other waits for), or, when none has, the first waits for
-    its pool; then every node of the round is made ready (:func:`_repair`), every request
-    sent and every reply read, by one deadline (a lone request in one step). Batches
-    whose pooled connection had gone stale go once more, on new connections. ``one``:
-    the plan's value is the lone batch's result."""
-    lone = batches[0] if one else None
+def _rounds(batches: Sequence[Batch], io: Transport, lone: Batch | None) -> Plan:
+    """The batches in rounds: each round serves every batch once, as connections come
+    (:func:`_claim`, :func:`_serve`); the batches whose pooled connection had gone stale
+    go once more, on new connections. ``lone``: the batch whose result is the plan's."""
     retry = True
     while batches:
         stale: list[Batch] = []
-        pending = batches
+        pending: Sequence[Batch] = batches
         while pending:
-            if len(pending) == 1 and pending[0].claim(transport):
-                claimed, pending = pending, ()
-            else:
-                claimed, pending = _claim(pending, transport)
-            if not claimed:
-                first = pending[0]
-                pool = transport.pool(first.node)
-                try:
-                    client = yield (pool.checkout, ())
-                except MemcachedError as exc:  # PoolExhausted
-                    first.error = exc
-                    pending = pending[1:]
-                    continue
-                first.attach(pool, client)
-                claimed, pending = [first], pending[1:]
-            try:
-                for batch in claimed:
-                    if batch.node.late.pending or batch.node.outdated.pending:
-                        claimed = yield from _ready(claimed, transport, retry, stale)
-                        break
-                if len(claimed) == 1:
-                    batch = claimed[0]
-                    op = batch.op
+            if len(pending) == 1 and pending[0].claim(io):
+                batch, pending = pending[0], ()
+                node = batch.node
+                if not (node.unsettled.pending or node.outdated.pending):
+                    # The usual call: one request on a node that owes nothing, one step.
                     try:
-                        reply = batch.start(op)
-                        yield (batch.connection.transfer, (op.request, reply, _deadline(batch)))
-                        _finished(batch)
-                    except Exception as exc:
-                        if not _ended(batch, exc, retry, stale):
-                            raise
-                elif claimed:
-                    yield from _pipeline(claimed, retry, stale)
-            except BaseException:
-                for batch in claimed:
-                    if batch.connection is not None:
+                        yield from _single(batch, retry, stale)
+                    except BaseException:
                         batch.interrupted()
-                raise
+                        raise
+                    continue
+                claimed: list[Batch] = [batch]
+            else:
+                claimed, pending = yield from _claim(pending, io)
+            if claimed:
+                yield from _serve(claimed, retry, stale, io)
         batches, retry = stale, False
     return lone.outcome() if lone is not None else None
 
 
-def _awaited(share: Any) -> Any:
-    """A call whose result the asyncio driver awaits: the share's future itself."""
-    return share
-
-
-def _claim(pending: Sequence[Batch], transport: Transport) -> tuple[list[Batch], list[Batch]]:
-    """The batches that got a connection free now, and the others (no waiting)."""
-    if len(pending) == 1:
-        return ([pending[0]], []) if pending[0].claim(transport) else ([], list(pending))
+def _claim(pending: Sequence[Batch], io: Transport) -> Plan:
+    """``(claimed, still pending)``: the batches whose pool has a connection free now
+    take one; when none has, the first waits for its pool. A call never waits for one
+    node's connection while holding another's: two callers could each hold what the
+    other waits for."""
     claimed: list[Batch] = []
     waiting: list[Batch] = []
     for batch in pending:
-        (claimed if batch.claim(transport) else waiting).append(batch)
-    return claimed, waiting
+        (claimed if batch.claim(io) else waiting).append(batch)
+    if claimed:
+        return claimed, waiting
+    first, rest = waiting[0], waiting[1:]
+    pool = io.pool(first.node)
+    try:
+        client = yield Checkout(pool)
+    except MemcachedError as exc:  # PoolExhausted
+        first.error = exc
+        return [], rest
+    first.attempt = Attempt(pool, client)
+    return [first], rest
 
 
-def _pipeline(batches: list[Batch], retry: bool, stale: list[Batch]) -> steps.Plan:
+def _serve(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport) -> Plan:
+    """Every claimed batch's node made ready (:func:`_ready`), then every request sent
+    and every reply read, by one deadline (a lone request in one step). Whatever is
+    raised through it leaves no connection checked out."""
+    try:
+        ready = claimed
+        for batch in claimed:
+            node = batch.node
+            if node.unsettled.pending or node.outdated.pending:
+                ready = yield from _ready(claimed, retry, stale, io)
+                break
+        if len(ready) == 1:
+            yield from _single(ready[0], retry, stale)
+        elif ready:
+            yield from _pipeline(ready, retry, stale)
+    except BaseException:
+        for batch in claimed:
+            batch.interrupted()
+        raise
+
+
+def _single(batch: Batch, retry: bool, stale: list[Batch]) -> Plan:
+    """One request and its reply, in one step."""
+    attempt = batch.attempt
+    assert attempt is not None
+    try:
+        attempt.start(batch.op)
+        yield Transfer(attempt, _deadline(attempt))
+        _finished(batch)
+    except Exception as exc:
+        if not _ended(batch, exc, retry, stale):
+            raise
+
+
+def _pipeline(batches: list[Batch], retry: bool, stale: list[Batch]) -> Plan:
     """Every request sent, then every reply read, all by one deadline: IO_TIMEOUT from
     when the first request starts to leave."""
-    deadline = _deadline(batches[0])
+    deadline = _deadline(batches[0].attempt)  # type: ignore[arg-type]
     sent = []
     for batch in batches:
-        op = batch.op
+        attempt = batch.attempt
+        assert attempt is not None
         try:
-            batch.start(op)
-            yield (batch.connection.send, (op.request, deadline))
+            attempt.start(batch.op)
+            yield Send(attempt, deadline)
         except Exception as exc:
             if not _ended(batch, exc, retry, stale):
                 raise
@@ -390,23 +324,119 @@ def _pipeline(batches: list[Batch], retry: bool, stale: list[Batch]) -> steps.Pl
         sent.append(batch)
     for batch in sent:
         try:
-            yield (batch.connection.receive, (batch.reply, deadline))
+            yield Receive(batch.attempt, deadline)  # type: ignore[arg-type]
             _finished(batch)
         except Exception as exc:
             if not _ended(batch, exc, retry, stale):
                 raise
 
 
-def _ready(
-    batches: list[Batch], transport: Transport, retry: bool, stale: list[Batch]
-) -> steps.Plan:
-    """The batches whose node is ready for their request, each repaired (``_repair``)
+def _finished(batch: Batch) -> None:
+    """The reply is complete: the batch's result, the node's counters, the connection."""
+    node, attempt = batch.node, batch.attempt
+    assert attempt is not None
+    batch.result = batch.op.result(attempt.reply)
+    node.bytes_sent += batch.sent
+    node.bytes_saved += batch.saved
+    if batch.count_received:
+        node.bytes_received += attempt.connection.received - attempt.mark
+    attempt.give_back()
+    if node.health.failures:  # the node answered: a failure count it had is over
+        node.health.succeeded()
+    if batch.on_result is not None:
+        batch.on_result(batch.result)
+
+
+def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> bool:
+    """What ``exc``, raised by the batch's exchange, does to its connection, its node and
+    the batch (module docstring). False: not for the exchange to decide (re-raise)."""
+    node, attempt = batch.node, batch.attempt
+    assert attempt is not None
+    if isinstance(exc, wire.ErrorReply):
+        attempt.finished()
+        attempt.give_back()
+        _answered(node)
+        if exc.client_error or exc.refuses_value:
+            batch.error = Refused(node.name, str(exc), client_error=exc.client_error)
+        else:  # the server could not serve this request (a proxy's server is down)
+            batch.error = ServerError(node.name, f"SERVER_ERROR {exc}")
+        batch.error.__cause__ = exc
+        return True
+    if isinstance(exc, NodeBusy):
+        attempt.give_back()  # nothing of this batch's was sent on it
+        batch.error = exc
+        return True
+    if not isinstance(exc, NODE_FAILURES):
+        return False
+    if retry and attempt.found_stale(exc):
+        attempt.close()
+        attempt.pool.close_idle()  # its neighbours in the pool are just as stale
+        stale.append(batch)
+        return True
+    if attempt.refused_by_closing(exc):
+        return _refused_by_closing(batch, exc, retry, stale)
+    if attempt.state is State.IN_FLIGHT and attempt.op.writes and isinstance(  # type: ignore
+        exc, TIMEOUT_ERRORS
+    ):
+        attempt.keep_to_settle(node.unsettled)
+    elif attempt.state is State.IDLE:
+        attempt.give_back()  # failed before its request (settling another write): in step
+    else:
+        attempt.close()
+    batch.error = node.failure(exc)
+    return True
+
+
+def _refused_by_closing(
+    batch: Batch, exc: Exception, retry: bool, stale: list[Batch]
+) -> bool:
+    """A new connection closed by the server on an optional command, before any answer:
+    the command's refusal (twemproxy on what it does not forward), not the node's
+    failure. The batch's own command: its error is ``Unsupported``, not counted (the
+    caller may ask the node whether it still answers). The node's clean-up (a flush it
+    cannot forward): the flush is given up and the batch's request goes once more, on a
+    new connection — a pending flush never fails every later request."""
+    node, attempt = batch.node, batch.attempt
+    assert attempt is not None and attempt.op is not None
+    attempt.close()
+    if attempt.op is not batch.op:
+        node.outdated.flush_refused()
+        if retry:
+            stale.append(batch)
+            return True
+    batch.error = Unsupported(
+        node.name, f"it closed the connection on {attempt.op.command} instead of answering: "
+        "it does not support it (a proxy such as twemproxy forwards neither the meta "
+        "commands nor flush_all, stats or lru_crawler)"
+    )
+    batch.error.__cause__ = exc
+    return True
+
+
+def _answered(node: Node) -> None:
+    """The node answered: a failure count it had is over."""
+    if node.health.failures:
+        node.health.succeeded()
+
+
+def _deadline(attempt: Attempt) -> float | None:
+    """IO_TIMEOUT from now, as a ``time.monotonic`` time (None: no limit)."""
+    seconds = attempt.pool.settings.io_timeout
+    return None if seconds is None else monotonic() + seconds
+
+
+# --- before a node serves again -----------------------------------------------------------
+
+
+def _ready(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport) -> Plan:
+    """The batches whose node is ready for their request, each repaired (:func:`_repair`)
     first if it needs it; a batch whose repair failed has ended."""
     ready = []
-    for batch in batches:
-        if batch.node.late.pending or batch.node.outdated.pending:
+    for batch in claimed:
+        node = batch.node
+        if node.unsettled.pending or node.outdated.due():
             try:
-                yield from _repair(batch, transport)
+                yield from _repair(batch)
             except Exception as exc:
                 if not _ended(batch, exc, retry, stale):
                     raise
@@ -415,68 +445,85 @@ def _ready(
     return ready
 
 
-# --- before a node serves again -----------------------------------------------------------
-
-
-def _repair(batch: Batch, transport: Transport) -> steps.Plan:
+def _repair(batch: Batch) -> Plan:
     """Settle the node's writes cut short, then delete its outdated copies (on the
-    batch's connection). One caller at a time: another must not clean up while writes
-    that this one took to settle can still land after its clean-up. A caller that queued
-    behind a settle that timed out fails at once (each waiting its own IO_TIMEOUT would
-    make the k-th caller wait k timeouts on a node that still sleeps)."""
+    batch's connection), holding the node's repair turn (``stale.RepairTurn``), waited
+    for at most IO_TIMEOUT. A caller that queued behind a settle that timed out fails at
+    once (each waiting its own IO_TIMEOUT would make the k-th caller wait k timeouts on a
+    node that still sleeps)."""
     node = batch.node
-    late = node.late
-    timeouts = late.timeouts
-    yield (transport.exclusive, (late.repairing,))
+    unsettled = node.unsettled
+    timeouts = unsettled.timeouts
+    io_timeout = batch.attempt.pool.settings.io_timeout  # type: ignore[union-attr]
+    yield TakeTurn(node.repair_turn, deadline_after(io_timeout))
     try:
-        if late.pending and late.timeouts != timeouts:
+        if unsettled.pending and unsettled.timeouts != timeouts:
             raise TimeoutError("a write cut short is still not settled (it timed out just now)")
-        if late.pending:
-            yield from _settle(node, transport)
-        if node.outdated.pending:
+        if unsettled.pending:
+            yield from _settle_all(node, io_timeout)
+        if node.outdated.due():
             yield from _clean_up(batch)
     finally:
-        late.repairing.release()
+        node.repair_turn.give_back()
 
 
-def _settle(node: Node, transport: Transport) -> steps.Plan:
-    """Finish every write cut short on the node: the rest of its request and a fence,
-    then the fence's reply. A timeout means the node still does not serve: the request
+def _settle_all(node: Node, io_timeout: float | None) -> Plan:
+    """Finish every write cut short on the node (:func:`_settle`), each within an
+    IO_TIMEOUT of its own. A timeout means the node still does not serve: the request
     fails and the settling waits. A connection the server closed can apply nothing more:
     settled."""
-    pending = node.late.take()
+    pending = node.unsettled.take()
     try:
         while pending:
-            late = pending[-1]
+            unsettled = pending[-1]
             try:
-                yield (transport.settle, (late, deadline_after(node.pool.settings.io_timeout)))
+                yield from _settle(unsettled, deadline_after(io_timeout))
             except TIMEOUT_ERRORS as exc:
-                node.late.timeouts += 1
+                node.unsettled.timeouts += 1
                 raise TimeoutError("a write cut short is still not settled") from exc
             except NODE_FAILURES:
                 pass
             pending.pop()
-            late.close()
+            unsettled.close()
     finally:
         if pending:
-            node.late.put_back(pending)
+            node.unsettled.put_back(pending)
+        else:
+            node.unsettled.done()
 
 
-def _clean_up(batch: Batch) -> steps.Plan:
+def _settle(unsettled: UnsettledSocket, deadline: float | None) -> Plan:
+    """The rest of a write cut short and a fence, then up to the fence's reply: after
+    that the server has applied (or refused) everything sent on the socket. The socket
+    moves what it can without waiting (``UnsettledSocket.advance``); the driver waits
+    for it in between (:class:`Ready`)."""
+    with unsettled.nonblocking():
+        while events := unsettled.advance():
+            yield Ready(unsettled.sock, events, deadline)
+
+
+def _clean_up(batch: Batch) -> Plan:
     """Delete the copies the node missed writes to (or flush it), on the batch's
-    connection; put back if that does not complete."""
-    node = batch.node
+    connection; put back if that does not complete. Keys the server could not delete
+    (``SERVER_ERROR``: behind a proxy, their server is down) stay outdated, their clean-up
+    retried after the node's RETRY_TIMEOUT (``stale.OutdatedCopies``)."""
+    node, attempt = batch.node, batch.attempt
+    assert attempt is not None
     keys, flush = node.outdated.take()
+    listed = [] if flush else list(keys)
+    refused: list[str] = []
     try:
-        if keys or flush:
-            op = node.outdated.op(keys, flush)
-            reply = batch.start(op)
-            yield (batch.connection.transfer, (op.request, reply, _deadline(batch)))
-            batch.in_flight = None
+        if listed or flush:
+            op = node.outdated.op(listed, flush)
+            attempt.start(op)
+            yield Transfer(attempt, _deadline(attempt))
+            attempt.finished()
+            refused = [key for key, line in zip(listed, op.result(attempt.reply))
+                       if line.startswith(wire.ERROR_REPLIES)]
     except BaseException:
         node.outdated.put_back(keys, flush)
         raise
-    node.outdated.done()
+    node.outdated.done_except(refused, node.health.retry_timeout)
 
 
 # --- the two drivers' sides ---------------------------------------------------------------
@@ -487,12 +534,6 @@ class Transport(Protocol):
 
     def pool(self, node: Any) -> Any:
         """The pool this driver's connections to ``node`` come from."""
-
-    def settle(self, late: connection.LateWrite, deadline: float | None) -> Any:
-        """``connection.settle`` (blocking) or ``aio.settle`` (awaitable)."""
-
-    def exclusive(self, lock: threading.Lock) -> Any:
-        """Take ``lock`` (a thread's lock): blocking, or polling on the loop."""
 
     #: Whether gets may join others (``join``).
     joins: bool
@@ -515,19 +556,12 @@ class Blocking:
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
         return {}
 
-    settle = staticmethod(connection.settle)
-
-    @staticmethod
-    def exclusive(lock: threading.Lock) -> None:
-        lock.acquire()
-
 
 class Asyncio:
     """The asyncio driver: the running loop's pool for the node; nothing blocks."""
 
     joins = True
     pool = staticmethod(aio.pool_of)
-    settle = staticmethod(aio.settle)
 
     @staticmethod
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
@@ -538,11 +572,6 @@ class Asyncio:
                 if gets is not None:
                     joined[batch] = gets.get(batch.gets)
         return joined
-
-    @staticmethod
-    async def exclusive(lock: threading.Lock) -> None:
-        while not lock.acquire(blocking=False):  # a thread holds it: let it finish
-            await asyncio.sleep(0.001)
 
 
 BLOCKING = Blocking()

@@ -37,20 +37,22 @@ import hashlib
 import logging
 import math
 from functools import cached_property
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from django_kvcache import steps, stampede
-from django_kvcache.memcached import MemcachedError, Refused, wire
+from django_kvcache.memcached import MemcachedError, Refused, Unsupported, wire
+from django_kvcache.memcached.exchange import Transport
 from django_kvcache.memcached.node import Node
-from django_kvcache.stampede import MISSING, CacheCall, Read
+from django_kvcache.stampede import EARLY_SHARE, MISSING, Read
 
 logger = logging.getLogger(__name__)
 
 REFUSALS = (b"SERVER_ERROR", b"CLIENT_ERROR")
 
 
-class MetaCommandsMissing(MemcachedError, NotImplementedError):
-    """The node does not speak the meta commands (memcached < 1.6.6), which the call needs."""
+class MetaCommandsMissing(Unsupported):
+    """The node does not speak the meta commands (memcached < 1.6.6, or a proxy that does
+    not forward them, such as twemproxy), which the call needs."""
 
 
 def other_dialect(exc: MemcachedError) -> bool:
@@ -64,22 +66,17 @@ def other_dialect(exc: MemcachedError) -> bool:
     return False
 
 
-def speaks_meta(node: Node) -> steps.Plan:
-    """Whether ``node`` speaks the meta commands; asked once per node (``mn``)."""
-    if node.meta is None:
-        node.meta = yield from node.call_plan(wire.meta_probe())
-    return node.meta
-
-
-def ttl(node: Node, key: str) -> steps.Plan:
+def ttl(node: Node, key: str, io: Transport) -> steps.Plan:
     """Seconds ``key`` has left on ``node`` (django-redis's meaning: None never expires,
     0 missing). ``MetaCommandsMissing`` on a server without meta commands: the classic
     protocol has no way to read an expiry time."""
-    missing = "ttl() needs memcached >= 1.6.6 (meta commands: mg <key> t)"
-    if not (yield from speaks_meta(node)):
+    missing = ("ttl() cannot know: the classic protocol has no way to read an expiry time, "
+               "and this server does not speak the meta commands (mg <key> t; memcached "
+               ">= 1.6.6, not forwarded by proxies such as twemproxy)")
+    if not (yield from node.speaks_meta(io)):
         raise MetaCommandsMissing(node.name, missing)
     try:
-        remaining = yield from node.call_plan(wire.meta_ttl(key.encode()))
+        remaining = yield from node.request(wire.meta_ttl(key.encode()), io)
     except MemcachedError as exc:
         if not other_dialect(exc):
             raise
@@ -100,6 +97,42 @@ def classic_stale_key(host: LeaseHost, key: Any, version: int | None) -> str:
     """The stored key of the add-based store's stale copy of the caller's ``key``: a key
     of its own, routed as any key is (``ClassicLeaseStore``, on nodes without meta)."""
     return host.make_and_validate_key(stampede.side_key("stale", key), version=version)
+
+
+class StaleCopies(NamedTuple):
+    """Where the stale copies ``get_or_set`` may keep of some entries are deleted, so that
+    none outlives its entry or is older than the entry's last value (STALE_TIMEOUT)."""
+
+    #: The meta store's copies, by node: each lives on its entry's node (whatever its own
+    #: key's hash says) and is deleted in the entry's request, after the entry.
+    riding: dict[Node, list[str]]
+    #: Each meta copy's entry: its home is the entry's.
+    entry_of: dict[str, str]
+    #: The meta copies of entries whose node is down: missed with them.
+    stranded: list[str]
+    #: The add-based store's copies (where the entry's node is not known to speak the
+    #: meta commands): keys of their own, routed as any key, deleted after the entries.
+    apart: list[str]
+
+
+def stale_copies(
+    host: LeaseHost, groups: dict[Node, list[str]], stranded: list[str],
+    key_map: dict[str, Any], version: int | None, home: Callable[[str], Node],
+) -> StaleCopies:
+    """The stale copies of the entries placed in ``groups`` (by node) and ``stranded``
+    (their node down; ``home``: a key's node, up or down), by where they are deleted."""
+    copies = StaleCopies({}, {}, [], [])
+    for node, keys in [*groups.items(), *((None, [key]) for key in stranded)]:
+        for key in keys:
+            copy = meta_stale_key(key)
+            copies.entry_of[copy] = key
+            if node is None:
+                copies.stranded.append(copy)
+            else:
+                copies.riding.setdefault(node, []).append(copy)
+            if (node or home(key)).meta is not True:
+                copies.apart.append(classic_stale_key(host, key_map[key], version))
+    return copies
 
 
 class LeaseHost(Protocol):
@@ -124,13 +157,22 @@ class LeaseHost(Protocol):
     def expire_time(self, timeout: Any = ...) -> int:
         """memcached's exptime for an entry living ``timeout`` seconds."""
 
+    def store_entry(
+        self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport,
+        copy: tuple[bytes, float | None] | None = None, after: list[wire.Op] | None = None,
+    ) -> steps.Plan:
+        """The winner's ``set`` of the entry, leaving its stale copies alone; with
+        ``copy`` (a meta copy's key and lifetime) that copy first and ``after`` after it,
+        in the same request on the entry's node."""
+
 
 class MetaLeaseStore:
     """The lease, the stale copy and early recomputation for one key (module docstring).
 
     ``node_for`` picks the node of a key now (routing, health, FAILOVER) and may raise;
     ``failed`` raises a ``MemcachedError`` or, under IGNORE_EXCEPTIONS, logs it — then
-    the caller computes without protection, as it would without a cache.
+    the caller computes without protection, as it would without a cache. ``io``: the
+    transport of the driver that runs the store's plans (``BLOCKING``, ``ASYNCIO``).
     """
 
     def __init__(
@@ -142,8 +184,10 @@ class MetaLeaseStore:
         version: Any,
         node_for: Callable[[str], Node],
         failed: Callable[[MemcachedError], Any],
+        io: Transport,
     ) -> None:
         self.host = host
+        self.io = io
         self.policy = policy
         self.caller_key, self.timeout, self.version = key, timeout, version
         self.node_for = node_for
@@ -157,7 +201,7 @@ class MetaLeaseStore:
         #: How long a waiter waits before computing without the lease (stampede.plan):
         #: the longest a lease lives, twice, as with LEASE_TIMEOUT elsewhere.
         self.patience = 2.0 * self.lease_seconds
-        self.recache = recache_flag(policy.early_window(self.lifetime))
+        self.recache = recache_flag(policy, self.lifetime)
         self.node: Node | None = None
         self.cas: int | None = None  # of the lease this caller holds
         self.fallback: ClassicLeaseStore | None = None  # on a node without meta
@@ -188,14 +232,14 @@ class MetaLeaseStore:
         self.node = None
         try:
             node = self.node = self.node_for(self.key)
-            if not (yield from speaks_meta(node)):
+            if not (yield from node.speaks_meta(self.io)):
                 self.fallback = ClassicLeaseStore(
                     self.host, self.policy, self.caller_key, self.timeout, self.version,
-                    self.node_for,
+                    self.node_for, self.io,
                 )
                 return (yield from self.fallback.read())
             found = node.count_get(
-                (yield from node.call_plan(wire.meta_get_fresh(self.encoded, self.recache)))
+                (yield from node.request(wire.meta_get_fresh(self.encoded, self.recache), self.io))
             )
             if found is not None:
                 value = self.host.decode(found[0], found[1], self.key)
@@ -207,7 +251,9 @@ class MetaLeaseStore:
                     # the new value is in waits for it instead of computing too.
                     won = yield from self.take_lease(node)
                     return Read(value, True, won)
-            replies = yield from node.call_plan(wire.meta_sequence(self.lease_request(), True))
+            replies = yield from node.request(
+                wire.meta_sequence(self.lease_request(), True), self.io
+            )
         except MemcachedError as exc:
             if self.node is not None and other_dialect(exc):
                 self.node.meta = False  # from now on, the add-based store on this node
@@ -216,21 +262,15 @@ class MetaLeaseStore:
         return (yield from self.outcome(node, replies))
 
     def store(self, value: Any) -> steps.Plan:
+        """One request on the entry's node: the stale copy (``ms``) first, then the
+        entry, then the lease's release — a delete landing between them removes the
+        entry and then the copy, never leaving the deleted value as the copy."""
         if self.fallback is not None:
             return (yield from self.fallback.store(value))
-        yield CacheCall(self.host, "set", self.caller_key, value, self.timeout,
-                        version=self.version)
-        commands = []
-        stale = self.stale_command(value)
-        if stale is not None:
-            commands.append(stale)
-        if self.cas is not None:
-            commands.append(self.release_command())
-        if commands and self.node is not None:
-            try:
-                yield from self.node.call_plan(wire.meta_sequence(commands, True))
-            except MemcachedError as exc:
-                self.failed(exc)
+        copy = self.stale_copy()
+        release = [self.release_op()] if self.cas is not None else []
+        yield from self.host.store_entry(self.caller_key, value, self.timeout, self.version,
+                                         self.io, copy, release)
 
     def release(self) -> steps.Plan:
         if self.fallback is not None:
@@ -238,7 +278,7 @@ class MetaLeaseStore:
         if self.cas is None or self.node is None:
             return
         try:
-            yield from self.node.call_plan(wire.meta_sequence([self.release_command()], True))
+            yield from self.node.request(self.release_op(), self.io)
         except MemcachedError as exc:  # not raised: it would hide the computation's error
             logger.warning("Could not release the lease of %r (it expires by itself): %s",
                            self.caller_key, exc)
@@ -247,7 +287,9 @@ class MetaLeaseStore:
 
     def lease_command(self) -> bytes:
         """Take the lease if nobody holds it (``W``), with its CAS to release it by."""
-        return wire.meta_command(b"mg", self.lease_key, b"N%d" % self.lease_seconds, b"c")
+        return wire.meta_command(
+            b"mg", self.lease_key, b"N%d" % wire.exptime(self.lease_seconds), b"c"
+        )
 
     def lease_request(self) -> list[bytes]:
         """Take the lease, read the entry again (a winner may have stored it since our
@@ -261,7 +303,9 @@ class MetaLeaseStore:
         """Whether this caller took the lease (an early recomputation's); a refusal or a
         failure means no: the entry is fresh, nobody needs to wait."""
         try:
-            (lease,) = yield from node.call_plan(wire.meta_sequence([self.lease_command()], True))
+            (lease,) = yield from node.request(
+                wire.meta_sequence([self.lease_command()], True), self.io
+            )
         except MemcachedError as exc:
             self.failed(exc)
             return False
@@ -298,24 +342,22 @@ class MetaLeaseStore:
             return MISSING
         return self.host.decode(reply.value, reply.number(b"f"), key)
 
-    def stale_command(self, value: Any) -> bytes | None:
-        """The ``ms`` of the stale copy: the entry's lifetime plus STALE_TIMEOUT."""
+    def stale_copy(self) -> tuple[bytes, float | None] | None:
+        """The stale copy's key and lifetime — the entry's lifetime plus STALE_TIMEOUT —
+        or None (no STALE_TIMEOUT, or an entry that expires at once)."""
         stale_timeout = self.policy.stale_timeout
         if stale_timeout is None:
             return None
         seconds = self.lifetime
         if seconds is not None and seconds <= 0:
             return None
-        expire = self.host.expire_time(None if seconds is None else seconds + stale_timeout)
-        data, flags = self.host.encode(value, self.stale_item)
-        return wire.meta_command(b"ms", self.stale_key, b"T%d" % expire, b"F%d" % flags,
-                                 data=data)
+        return self.stale_key, None if seconds is None else seconds + stale_timeout
 
-    def release_command(self) -> bytes:
+    def release_op(self) -> wire.Op:
         """Delete the lease only if it is still ours (after it expired, another caller's
         lease has another CAS)."""
         cas, self.cas = self.cas, None
-        return wire.meta_command(b"md", self.lease_key, b"C%d" % cas)
+        return wire.meta_delete(self.lease_key, cas)  # type: ignore[arg-type]
 
     def unprotected(self, exc: MemcachedError) -> Read:
         """The node failed: raise, or (IGNORE_EXCEPTIONS) log and let this caller compute
@@ -325,21 +367,26 @@ class MetaLeaseStore:
         return Read(MISSING, False, True)
 
 
-def recache_flag(window: float | None) -> int | None:
-    """The ``R`` of ``mg … R<secs>`` for an early window of ``window`` seconds: memcached
-    hands ``W`` to the first reader that finds fewer than R whole seconds left, and a
-    live item has at least one, so R - 1 whole seconds is the window it gives — never
-    more than the rule allows. Under a second: none (memcached's clock has no finer
-    step)."""
-    if window is None or window < 1:
+def recache_flag(policy: stampede.Policy, lifetime: float | None) -> int | None:
+    """The ``R`` of ``mg … R<secs>`` for an entry stored for ``lifetime`` seconds: memcached
+    hands ``W`` to the first reader that finds fewer than R whole seconds left on its
+    clock, which ticks once a second. So that reader has at most R - 1 seconds left —
+    within EARLY_RECOMPUTE: R is at most EARLY_RECOMPUTE + 1 — and, since an entry stored
+    just before a tick lives up to a second less than its timeout, at least lifetime - R
+    have passed: at least three quarters of the lifetime when R is at most a quarter of
+    it (``stampede.Policy.early_window``'s rule, kept on a whole-second clock). None: no
+    early recomputation (none asked for, or a window under a second)."""
+    if policy.early_window(lifetime) is None:
         return None
-    return math.floor(window) + 1
+    assert lifetime is not None and policy.early_recompute is not None
+    flag = min(math.floor(policy.early_recompute) + 1, math.floor(lifetime * EARLY_SHARE))
+    return flag if flag >= 2 else None  # R 1: a live item always has a second left
 
 
 class ClassicLeaseStore(stampede.AddLeaseStore):
     """The add-based store on a node without meta commands, whose holder releases its
     lease only if it is unchanged since its read: classic ``gets`` for the lease's CAS,
-    then ``cas`` with an exptime of -1 (replaced by an expired item: deleted). A holder
+    then ``cas`` with a past exptime (replaced by an expired item: deleted). A holder
     whose lease expired meanwhile never deletes its successor's, which a plain ``get``
     and ``delete`` could."""
 
@@ -351,22 +398,31 @@ class ClassicLeaseStore(stampede.AddLeaseStore):
         timeout: Any,
         version: Any,
         node_for: Callable[[str], Node],
+        io: Transport,
     ) -> None:
         super().__init__(host, policy, key, timeout, version)
         self.host = host
         self.node_for = node_for
+        self.io = io
+
+    def store(self, value: Any) -> steps.Plan:
+        # The copy (a key of its own) first, then the entry — whose stale copies a
+        # winner writes and must not delete, unlike a plain ``set``.
+        yield from self.store_copy(value)
+        yield from self.host.store_entry(self.key, value, self.timeout, self.version, self.io)
+        yield from self.release()
 
     def release(self) -> steps.Plan:
         key = self.host.make_and_validate_key(self.lease_key, version=self.version)
         try:
             node = self.node_for(key)
-            found = yield from node.call_plan(wire.gets_one(key.encode()))
+            found = yield from node.request(wire.gets_one(key.encode()), self.io)
             if found is None:
                 return
             data, flags, cas = found
             if self.host.decode(data, flags, key) != self.token:
                 return  # not ours: a successor's, after ours expired
-            yield from node.call_plan(wire.cas(key.encode(), b"", 0, -1, cas))
+            yield from node.request(wire.cas(key.encode(), b"", 0, wire.EXPIRED, cas), self.io)
         except MemcachedError as exc:  # not raised: it would hide the computation's error
             logger.warning("Could not release the lease of %r (it expires by itself): %s",
                            self.key, exc)

@@ -1,12 +1,13 @@
 """One memcached server as the backend sees it: address, pools, health and counters.
 
 Every request to it goes through the exchange (:mod:`django_kvcache.memcached.exchange`),
-one state machine for both drivers: :meth:`Node.call` runs it on blocking sockets,
-:meth:`Node.acall` on the running event loop, and a plan that knows its driver's
-transport runs it inline (:meth:`Node.exchange`, :meth:`Node.get`); a plan that does not
-yields :class:`Call`, which picks the driver by how the plan is run. The node's counters
-(``ops``, ``hits``, ``bytes_sent``…) are bumped by the exchange and by the plans' own
-counting (``count_get``), never above.
+one state machine for both drivers. Inside a plan it is one way, whatever the driver:
+``value = yield from node.request(op, io)`` (and :meth:`Node.get`), with the plan's own
+transport ``io`` (``BLOCKING`` for ``steps.run``, ``ASYNCIO`` for ``steps.arun``).
+Outside a plan, :meth:`Node.call` runs one request on blocking sockets and
+:meth:`Node.acall` on the running event loop. The node's counters (``ops``, ``hits``,
+``bytes_sent``…) are bumped by the exchange and by the plans' own counting
+(``count_get``), never above.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from django_kvcache import steps
 from django_kvcache.health import NodeHealth
-from django_kvcache.memcached import NodeDown, NodeError, aio, wire
+from django_kvcache.memcached import NodeDown, NodeError, Unsupported, aio, wire
 from django_kvcache.memcached.connection import TIMEOUTS
 from django_kvcache.memcached.exchange import (
     ASYNCIO,
@@ -23,13 +24,13 @@ from django_kvcache.memcached.exchange import (
     TIMEOUT_ERRORS,
     Batch,
     Transport,
-    call,
+    request,
 )
 from django_kvcache.memcached.pool import NodePool
 from django_kvcache.memcached.routing import NodeAddress
-from django_kvcache.memcached.stale import LateWrites, OutdatedCopies
+from django_kvcache.memcached.stale import OutdatedCopies, RepairTurn, UnsettledSockets
 
-__all__ = ["ASYNCIO", "BLOCKING", "COUNTERS", "Call", "Node", "TIMEOUTS"]
+__all__ = ["ASYNCIO", "BLOCKING", "COUNTERS", "Node", "TIMEOUTS"]
 
 COUNTERS = (
     "ops", "hits", "misses", "errors", "timeouts", "ignored",
@@ -44,53 +45,65 @@ class Node:
         self.name = address.name
         self.pool = pool
         self.health = health
-        self.outdated = OutdatedCopies()
-        self.late = LateWrites()
-        self.meta: bool | None = None  # speaks the meta commands? asked once (wire.meta_probe)
+        self.outdated = OutdatedCopies(self.name)
+        self.unsettled = UnsettledSockets()
+        self.repair_turn = RepairTurn(self.name)
+        self.meta: bool | None = None  # speaks the meta commands? asked once (speaks_meta)
+        self.flushes: bool | None = None  # forwards flush_all? learned at the first clear()
         self.ops = self.hits = self.misses = self.errors = self.timeouts = self.ignored = 0
         self.bytes_sent = self.bytes_received = self.bytes_saved = 0
 
     def __repr__(self) -> str:
         return f"<memcached node {self.name}>"
 
-    def call(self, op: wire.Op, sent: int = 0, saved: int = 0, ops: int = 1) -> Any:
-        """``op`` on a connection of the blocking pool: what ``op`` makes of the reply.
-
-        Counted as ``ops`` operations; ``sent`` and ``saved`` bytes are credited once the
-        node answered. A refused request raises ``Refused``, a failure ``NodeError``,
-        a busy pool ``PoolExhausted`` (``exchange`` decides which, for both drivers).
-        """
-        batch = Batch(self, op, sent, saved)
-        batch.ops = ops
-        return steps.run(call(batch, BLOCKING))
-
-    async def acall(self, op: wire.Op, sent: int = 0, saved: int = 0, ops: int = 1) -> Any:
-        """``call`` on the running event loop's pool for this node: the same exchange."""
-        batch = Batch(self, op, sent, saved)
-        batch.ops = ops
-        return await steps.arun(call(batch, ASYNCIO))
-
-    def call_plan(self, op: wire.Op, sent: int = 0, saved: int = 0) -> steps.Plan:
-        """``call`` as a plan step: ``yield from node.call_plan(op)`` (or ``yield
-        Call(node, op)``) runs it on whichever driver runs the plan."""
-        return (yield Call(self, op, sent, saved))
-
-    def exchange(
-        self, op: wire.Op, transport: Transport, sent: int = 0, saved: int = 0
+    def request(
+        self, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0
     ) -> steps.Plan:
-        """``call`` inside a plan that knows its driver's ``transport`` (``BLOCKING`` for
-        ``steps.run``, ``ASYNCIO`` for ``steps.arun``): ``value = yield from
-        node.exchange(op, io)`` runs the exchange in the plan's own driver, with no step
-        and no driver of its own."""
-        return call(Batch(self, op, sent, saved), transport)
+        """``op`` on a connection of this node, inside a plan run by the driver of
+        ``io``: ``value = yield from node.request(op, io)``, what ``op`` makes of the
+        reply. ``sent`` and ``saved`` bytes are credited once the node answered. A
+        refused request raises ``Refused``, a failure ``NodeError``, a busy pool
+        ``PoolExhausted`` (the exchange decides which, for both drivers)."""
+        return request(Batch(self, op, sent, saved), io)
 
-    def get(self, key: bytes, transport: Transport) -> steps.Plan:
+    def get(self, key: bytes, io: Transport) -> steps.Plan:
         """A single-key ``get`` in a plan: ``(data, flags)`` or None, counted as a hit or
         a miss. On the event loop, with AUTOBATCH, it may go out with the loop
         iteration's other gets for the node (the exchange decides)."""
         batch = Batch(self, wire.get_one(key))
         batch.gets, batch.one, batch.on_result = [key], True, self.count_get
-        return call(batch, transport)
+        return request(batch, io)
+
+    def speaks_meta(self, io: Transport) -> steps.Plan:
+        """Whether the server speaks the meta commands: asked once (``mn``), remembered
+        for the process. memcached before 1.6.6 answers ``ERROR``; a proxy that does not
+        forward them (twemproxy) closes the connection — a refusal once the node answers
+        a ``version`` (a node that fails it raises, counted as any failure)."""
+        if self.meta is None:
+            self.meta = yield from self.supports(wire.meta_probe(), io)
+        return self.meta
+
+    def supports(self, op: wire.Op, io: Transport) -> steps.Plan:
+        """What the optional ``op`` makes of its reply, or False when the server closed
+        the connection on it and still answers a ``version``: it does not support it."""
+        try:
+            return (yield from self.request(op, io))
+        except Unsupported:
+            yield from self.request(wire.fence(), io)  # the node answers: the command it is
+            return False
+
+    def call(self, op: wire.Op, ops: int = 1) -> Any:
+        """``request`` outside a plan, on blocking sockets; counted as ``ops``
+        operations."""
+        batch = Batch(self, op)
+        batch.ops = ops
+        return steps.run(request(batch, BLOCKING))
+
+    async def acall(self, op: wire.Op, ops: int = 1) -> Any:
+        """``request`` outside a plan, on the running event loop."""
+        batch = Batch(self, op)
+        batch.ops = ops
+        return await steps.arun(request(batch, ASYNCIO))
 
     def count_get(self, found: tuple[bytes, int] | None) -> tuple[bytes, int] | None:
         """A single-key read's outcome, counted as a hit or a miss."""
@@ -138,25 +151,7 @@ class Node:
             consecutive_failures=self.health.failures,
             outdated_keys=len(self.outdated.keys),
             flush_pending=self.outdated.flush,
-            late_writes=len(self.late.connections),
+            late_writes=len(self.unsettled.connections),
         )
         counters.update(aio.pool_figures(self))
         return counters
-
-
-# --- the steps a plan yields for one node --------------------------------------------------
-
-
-class Call:
-    """One op on one node: ``Node.call`` blocking, ``Node.acall`` on the loop."""
-
-    __slots__ = ("node", "op", "sent", "saved")
-
-    def __init__(self, node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> None:
-        self.node, self.op, self.sent, self.saved = node, op, sent, saved
-
-    def run(self) -> Any:
-        return self.node.call(self.op, self.sent, self.saved)
-
-    def arun(self) -> Any:
-        return self.node.acall(self.op, self.sent, self.saved)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import random
 
+from django_kvcache import steps
 from django_kvcache.memcached import fanout, wire
+from django_kvcache.memcached.exchange import BLOCKING, fan_out
 from django_kvcache.memcached.node import Node
 
 
@@ -21,7 +23,7 @@ def sample_entries(nodes: list[Node], count: int) -> list[tuple[str, bytes, int]
         node.call(wire.key_dump(sample))
         if sample.keys:
             batches.append(fanout.get_batch(node, sample.keys))
-    fanout.run(batches)
+    steps.run(fan_out(batches, BLOCKING))
     entries: list[tuple[str, bytes, int]] = []
     for batch in batches:
         if batch.error is not None:

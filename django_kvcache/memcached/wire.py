@@ -22,9 +22,12 @@ Two dialects:
 """
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from functools import partial
+from typing import Any, Callable, Collection, Iterable
 from urllib.parse import unquote
 
 #: Keys per ``get`` line; memcached accepts longer lines, this keeps each one modest.
@@ -36,16 +39,34 @@ class ProtocolError(Exception):
 
 
 class ErrorReply(Exception):
-    """``SERVER_ERROR``/``CLIENT_ERROR``: the server refused one request (too large,
-    out of memory, not a number). ``in_step``: whether the connection may carry another
-    request — not after a refused command that carried a data block, which the server
-    may have left unread (then its bytes would be read as commands)."""
+    """``SERVER_ERROR``/``CLIENT_ERROR``: the server refused one request. ``in_step``:
+    whether the connection may carry another request — not after a refused command that
+    carried a data block, which the server may have left unread (then its bytes would be
+    read as commands).
+
+    What was refused: ``client_error``, the request itself (a counter that is not a
+    number, a bad command line); ``refuses_value``, the value it carried (too large, out
+    of memory: :func:`refuses_value`); else the server could not serve it — a proxy
+    answers so for a key whose server it cannot reach (twemproxy: ``SERVER_ERROR
+    Connection refused``): that key's failure, not the connection's."""
 
     def __init__(self, line: bytes, in_step: bool = True) -> None:
         kind, _, message = line.partition(b" ")
         super().__init__(message.decode(errors="replace") or kind.decode())
         self.client_error = kind == b"CLIENT_ERROR"
+        self.refuses_value = refuses_value(line)
         self.in_step = in_step
+
+
+#: What memcached says when it will not store a value (``SERVER_ERROR object too large
+#: for cache``, ``SERVER_ERROR out of memory storing object``).
+VALUE_REFUSALS = (b"too large", b"out of memory")
+
+
+def refuses_value(line: bytes) -> bool:
+    """Whether the error reply ``line`` refuses the value a command carried (rather than
+    the command, or the service: a proxy's server that is down)."""
+    return line.startswith(b"SERVER_ERROR") and any(words in line for words in VALUE_REFUSALS)
 
 
 class Buffer:
@@ -135,12 +156,15 @@ class Values:
     """A ``get``/``gets`` reply: ``VALUE`` blocks up to ``ends`` ``END`` lines.
 
     ``result``: ``{key bytes: (data, flags)}``, or ``(data, flags, cas)`` for ``gets``.
+    A value for a key that is not one of ``keys`` (those asked) answers another request:
+    a :class:`ProtocolError`, never a value.
     """
 
-    __slots__ = ("ends", "cas", "result", "header")
+    __slots__ = ("keys", "ends", "cas", "result", "header")
     in_step = True
 
-    def __init__(self, ends: int = 1, cas: bool = False) -> None:
+    def __init__(self, keys: Collection[bytes], ends: int = 1, cas: bool = False) -> None:
+        self.keys = keys
         self.ends = ends
         self.cas = cas
         self.result: dict[bytes, tuple] = {}
@@ -160,16 +184,23 @@ class Values:
                 return False
             if line == b"END":
                 self.ends -= 1
+            elif line.startswith(b"SERVER_ERROR"):
+                # The server could not answer (a proxy whose server for the key is down):
+                # this request's failure; the connection is in step once this get line's
+                # reply has ended, which the error line does if it is the last one.
+                raise ErrorReply(line, in_step=self.ends == 1)
             elif line[:6] == b"VALUE ":
                 parts = line.split(b" ")
                 if len(parts) != (5 if self.cas else 4):
                     raise ProtocolError(f"unexpected VALUE line: {line[:80]!r}")
+                if parts[1] not in self.keys:
+                    raise ProtocolError(f"a value for a key not asked: {line[:80]!r}")
                 cas = number(parts[4], "a cas") if self.cas else 0
                 length = number(parts[3], "a value's length")
                 if length < 0:
                     raise ProtocolError(f"negative value length: {line[:80]!r}")
                 self.header = (parts[1], number(parts[2], "flags"), length, cas)
-            else:  # even SERVER_ERROR: a get the server cannot answer leaves us lost
+            else:
                 raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
         return True
 
@@ -179,13 +210,15 @@ class OneValue:
 
     A reply that arrived whole and alone (the usual case: one ``VALUE`` or none, and
     ``END``) is read in one go, without the line-by-line bookkeeping — the ``get`` hot
-    path; one that comes in pieces is read by :class:`Values`.
+    path; one that comes in pieces is read by :class:`Values`. A value for another key
+    than ``key`` is a :class:`ProtocolError`.
     """
 
-    __slots__ = ("result", "values")
+    __slots__ = ("key", "result", "values")
     in_step = True
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes) -> None:
+        self.key = key
         self.result: tuple[bytes, int] | None = None
         self.values: Values | None = None
 
@@ -195,7 +228,7 @@ class OneValue:
                 return True
             if not len(buffer):  # nothing yet (the asyncio path looks before data arrives)
                 return False
-            self.values = Values()
+            self.values = Values((self.key,))
         if not self.values.parse(buffer):
             return False
         self.result = next(iter(self.values.result.values()), None)
@@ -211,17 +244,19 @@ class OneValue:
                 return False
             buffer.pos = 5
             return True
+        if header[1] != self.key:
+            return False  # the line parser says what is wrong with it
         start = header.end()
-        end = start + int(header[2])
+        end = start + int(header[3])
         if len(data) != end + 7 or not data.endswith(b"\r\nEND\r\n"):
             return False
-        self.result = (data[start:end], int(header[1]))
+        self.result = (data[start:end], int(header[2]))
         buffer.pos = end + 7
         return True
 
 
 #: A ``VALUE <key> <flags> <length>`` line (``OneValue``'s shortcut).
-_VALUE_LINE = re.compile(rb"VALUE [^ \r\n]+ (\d+) (\d+)\r\n")
+_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) (\d+) (\d+)\r\n")
 
 
 class Lines:
@@ -423,6 +458,35 @@ class Meta:
         return True
 
 
+# --- expiry times -----------------------------------------------------------------------
+
+#: memcached reads an exptime up to this many seconds as relative, a larger one as a Unix time.
+THIRTY_DAYS = 60 * 60 * 24 * 30
+#: The latest expiry memcached takes: a Unix time as a signed 32-bit number (2038-01-19
+#: 03:14:07 UTC). Later ones wrap into the past (stored, already expired), and from 2**63
+#: it refuses the command line without reading the value (whose bytes are then read as
+#: commands). Longer lifetimes are clamped to it.
+LATEST_EXPIRY = 2**31 - 1
+#: "Already expired": a Unix time long past (1970-01-31). memcached takes a negative
+#: exptime too, but twemproxy closes the connection on one; a past time works everywhere.
+EXPIRED = THIRTY_DAYS + 1
+
+
+def exptime(seconds: float | None) -> int:
+    """memcached's exptime for an item that lives ``seconds`` from now (None: forever) —
+    the one conversion of every lifetime sent (``set``, ``touch``, a lease's ``N``, a
+    stale copy's ``T``): 0 for forever, :data:`EXPIRED` for none (0 or less), whole
+    seconds rounded up (a positive lifetime never means "expired") up to 30 days, then an
+    absolute Unix time, at most :data:`LATEST_EXPIRY`."""
+    if seconds is None:
+        return 0
+    if seconds <= 0:
+        return EXPIRED
+    if seconds <= THIRTY_DAYS:
+        return math.ceil(seconds)
+    return min(int(time.time()) + math.ceil(min(seconds, LATEST_EXPIRY)), LATEST_EXPIRY)
+
+
 # --- requests -------------------------------------------------------------------------
 
 #: Answered after everything sent before it on the connection, whatever memcached version.
@@ -468,9 +532,13 @@ class Op:
     """One request and how to read its reply. ``make_reply`` builds a fresh parser for
     each attempt (a retry on a new connection starts over); ``finish`` turns the parsed
     reply into what the caller gets. ``writes``: a write that timed out may still be
-    applied by the server, so its connection is settled rather than closed."""
+    applied by the server, so its connection is settled rather than closed. ``optional``:
+    a command some servers lack (the meta commands before memcached 1.6.6) or a proxy
+    does not forward (twemproxy: meta commands, ``flush_all``, ``stats``,
+    ``lru_crawler``) — twemproxy closes the connection on one, which for such a command
+    is its refusal rather than the node's failure."""
 
-    __slots__ = ("request", "make_reply", "writes", "finish")
+    __slots__ = ("request", "make_reply", "writes", "finish", "optional")
 
     def __init__(
         self,
@@ -478,11 +546,18 @@ class Op:
         make_reply: Callable[[], Any],
         writes: bool,
         finish: Callable[[Any], Any] | None = None,
+        optional: bool = False,
     ) -> None:
         self.request = request
         self.make_reply = make_reply
         self.writes = writes
         self.finish = finish
+        self.optional = optional
+
+    @property
+    def command(self) -> str:
+        """The command's name (its request's first word), for messages."""
+        return self.request.split(b" ", 1)[0].split(b"\r", 1)[0].decode(errors="replace")
 
     def result(self, reply: Any) -> Any:
         return reply.result if self.finish is None else self.finish(reply.result)
@@ -490,13 +565,33 @@ class Op:
 
 def get_one(key: bytes) -> Op:
     """``(data, flags)`` or None."""
-    return Op(b"get %b\r\n" % key, OneValue, False)
+    return Op(b"get %b\r\n" % key, partial(OneValue, key), False)
 
 
 def get_many(keys: list[bytes]) -> Op:
     """``{key: (data, flags)}`` for the keys found."""
     ends = get_lines(len(keys))
-    return Op(get_request(keys), lambda: Values(ends), False)
+    asked = frozenset(keys)
+    return Op(get_request(keys), lambda: Values(asked, ends), False)
+
+
+def get_each(keys: list[bytes]) -> Op:
+    """A ``get`` per key, pipelined: ``(found, failed)`` — ``{key: (data, flags)}`` for the
+    keys found, and the keys the server could not serve (``SERVER_ERROR``: behind a proxy,
+    their server is down), each failing alone where one multi-key ``get`` fails whole."""
+    ops = [get_one(key) for key in keys]
+
+    def finish(parsed: list[Any]) -> tuple[dict[bytes, tuple[bytes, int]], list[bytes]]:
+        found, failed = {}, []
+        for key, op, item in zip(keys, ops, parsed):
+            if isinstance(item, ErrorReply):
+                failed.append(key)
+            elif (value := op.result(item)) is not None:
+                found[key] = value
+        return found, failed
+
+    return Op(b"".join(op.request for op in ops),
+              lambda: Replies([op.make_reply() for op in ops]), False, finish)
 
 
 def gets_one(key: bytes) -> Op:
@@ -504,7 +599,7 @@ def gets_one(key: bytes) -> Op:
     def finish(found: dict[bytes, tuple]) -> tuple[bytes, int, int] | None:
         return next(iter(found.values()), None)
 
-    return Op(get_request([key], b"gets"), lambda: Values(cas=True), False, finish)
+    return Op(get_request([key], b"gets"), lambda: Values((key,), cas=True), False, finish)
 
 
 STORE_REPLIES = (b"STORED", b"NOT_STORED", b"EXISTS", b"NOT_FOUND")
@@ -520,17 +615,26 @@ def store(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> Op:
 
 def cas(key: bytes, data: bytes, flags: int, expire: int, token: int) -> Op:
     """``cas``: store only if the item's compare token is still ``token``; whether it
-    was. With ``expire`` -1 a conditional delete (the item is replaced, expired)."""
+    was. With ``expire`` :data:`EXPIRED` a conditional delete (the item is replaced by an
+    expired one)."""
     request = b"cas %b %d %d %d %d\r\n%b\r\n" % (key, flags, expire, len(data), token, data)
     return Op(request, lambda: Line("cas", carries_data=True), True,
               _answer(b"STORED", STORE_REPLIES, "cas"))
 
 
-def store_many(items: list[tuple[bytes, bytes, int]], expire: int) -> Op:
-    """``set`` of ``(key, data, flags)`` items: one status line per item (``STORED`` or
-    the server's refusal, kept as it is)."""
-    request = b"".join(store_command(b"set", k, d, f, expire) for k, d, f in items)
-    return Op(request, lambda: Lines(len(items), STORE_REPLIES, carries_data=True), True)
+def store_many(
+    items: list[tuple[bytes, bytes, int]], expire: int, name: bytes = b"set",
+    deletes: list[bytes] | None = None,
+) -> Op:
+    """``set`` (or ``add``) of ``(key, data, flags)`` items, then ``delete`` of
+    ``deletes``, in one request: one status line per command (``STORED``… or the
+    server's refusal, kept as it is)."""
+    request = b"".join(store_command(name, k, d, f, expire) for k, d, f in items)
+    if deletes:
+        request += b"".join(map(delete_command, deletes))
+    count = len(items) + len(deletes or ())
+    return Op(request, lambda: Lines(count, STORE_REPLIES + DELETE_REPLIES, carries_data=True),
+              True)
 
 
 def touch(key: bytes, expire: int) -> Op:
@@ -553,7 +657,7 @@ def delete_many(keys: Iterable[bytes]) -> Op:
 
 
 def flush_all() -> Op:
-    return Op(b"flush_all\r\n", lambda: Lines(1, (b"OK",)), True)
+    return Op(b"flush_all\r\n", lambda: Lines(1, (b"OK",)), True, optional=True)
 
 
 def incr(key: bytes, delta: int) -> Op:
@@ -562,11 +666,16 @@ def incr(key: bytes, delta: int) -> Op:
     return Op(b"incr %b %d\r\n" % (key, delta), lambda: Line("incr"), True, _counter)
 
 
+def decr(key: bytes, delta: int) -> Op:
+    """``incr``'s twin: memcached's ``decr``, which stops at 0."""
+    return Op(b"decr %b %d\r\n" % (key, delta), lambda: Line("decr"), True, _counter)
+
+
 def _counter(line: bytes) -> int | None:
     if line == b"NOT_FOUND":
         return None
     if not line.isdigit():
-        raise ProtocolError(f"unexpected reply to incr: {line[:80]!r}")
+        raise ProtocolError(f"unexpected reply to incr or decr: {line[:80]!r}")
     return int(line)
 
 
@@ -587,18 +696,19 @@ def fence() -> Op:
 
 
 def stats() -> Op:
-    return Op(b"stats\r\n", Stats, False)
+    return Op(b"stats\r\n", Stats, False, optional=True)
 
 
 def key_dump(on_key: Callable[[str], None]) -> Op:
     """Every key of the node (memcached >= 1.4.31), each handed to ``on_key``."""
-    return Op(b"lru_crawler metadump all\r\n", lambda: KeyDump(on_key), False)
+    return Op(b"lru_crawler metadump all\r\n", lambda: KeyDump(on_key), False, optional=True)
 
 
 def meta_probe() -> Op:
     """Whether the server speaks the meta commands: ``mn`` answers ``MN`` (1.6.6+),
     older servers say ``ERROR``."""
-    return Op(b"mn\r\n", lambda: Line("mn", check=False), False, lambda line: line == b"MN")
+    return Op(b"mn\r\n", lambda: Line("mn", check=False), False, lambda line: line == b"MN",
+              optional=True)
 
 
 def meta_get(key: bytes) -> Op:
@@ -661,6 +771,60 @@ class MetaSequence:
             if len(self.result) < len(self.carries_data):
                 self.current = Meta(self.carries_data[len(self.result)])
         return True
+
+
+class Replies:
+    """The replies to several ops sent in one request (:func:`pipeline`), in order, each
+    read by its own parser; ``result``: each parser, or the :class:`ErrorReply` its
+    command got (the replies after it are still read). The connection is out of step
+    after them if it is after any of them."""
+
+    __slots__ = ("parsers", "result", "in_step")
+
+    def __init__(self, parsers: list[Any]) -> None:
+        self.parsers = parsers
+        self.result: list[Any] = []
+        self.in_step = True
+
+    def parse(self, buffer: Buffer) -> bool:
+        while len(self.result) < len(self.parsers):
+            parser = self.parsers[len(self.result)]
+            try:
+                if not parser.parse(buffer):
+                    return False
+                self.result.append(parser)
+                self.in_step = self.in_step and parser.in_step
+            except ErrorReply as exc:
+                self.result.append(exc)
+                self.in_step = self.in_step and exc.in_step
+        return True
+
+
+def pipeline(ops: list[Op]) -> Op:
+    """``ops`` in one request: a list of what each makes of its reply, or the
+    :class:`ErrorReply` its command got."""
+    def finish(parsed: list[Any]) -> list[Any]:
+        return [item if isinstance(item, ErrorReply) else op.result(item)
+                for op, item in zip(ops, parsed)]
+
+    return Op(b"".join(op.request for op in ops),
+              lambda: Replies([op.make_reply() for op in ops]),
+              any(op.writes for op in ops), finish)
+
+
+def meta_store(key: bytes, data: bytes, flags: int, expire: int) -> Op:
+    """``ms``: store ``data`` under ``key`` for ``expire`` (an exptime): the reply's code."""
+    request = meta_command(b"ms", key, b"T%d" % expire, b"F%d" % flags, data=data)
+    return Op(request, lambda: Meta(carries_data=True), True, _code)
+
+
+def meta_delete(key: bytes, cas: int) -> Op:
+    """``md`` of ``key`` only if its CAS is still ``cas``: the reply's code."""
+    return Op(meta_command(b"md", key, b"C%d" % cas), Meta, True, _code)
+
+
+def _code(reply: MetaReply) -> bytes:
+    return reply.code
 
 
 def meta_sequence(commands: list[bytes], writes: bool) -> Op:
