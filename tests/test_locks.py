@@ -603,6 +603,29 @@ class TestMemcachedClassicLocks(MemcachedLocks):
             node.meta = None
 
 
+@pytest.mark.once
+@pytest.mark.skipif(not settings.TWEMPROXY, reason="no twemproxy (KVCACHE_TWEMPROXY)")
+class TestTwemproxyLocks(LockContract):
+    """Through twemproxy, as large sites run memcached: no meta commands (found once),
+    so the classic ones — and the proxy routes the lease and the counter of a name as
+    it routes any key."""
+
+    expiry_margin = 2.1
+
+    def backend_params(self) -> dict[str, Any]:
+        return {"BACKEND": MEMCACHED_BACKEND, "LOCATION": settings.TWEMPROXY}
+
+    @pytest.fixture
+    def cache(self):
+        from tests.test_memcached_proxy import empty
+
+        empty(settings.TWEMPROXY_SERVERS)  # the proxy forwards no flush_all
+        cache = self.build()
+        yield cache
+        assert cache.cluster.nodes[0].meta is False  # found out, and remembered
+        empty(settings.TWEMPROXY_SERVERS)
+
+
 # --- the slow guarantees, on every backend ------------------------------------------------------
 
 #: Grants each thread asks for in the exclusion test (4 processes x 8 threads).

@@ -33,7 +33,8 @@ from typing import Any
 
 from django_kvcache import locks, steps
 from django_kvcache.memcached import MemcachedError, NodeError, PoolExhausted, Refused, wire
-from django_kvcache.memcached.node import Node, Transport
+from django_kvcache.memcached.exchange import Transport
+from django_kvcache.memcached.node import Node
 
 #: A classic expiry in the past (an absolute Unix time just over 30 days from 1970): a
 #: ``cas`` with it replaces the item with an expired one. (``-1`` means the same to
@@ -99,13 +100,11 @@ class MemcachedLockStore:
         """The name's home node and whether it speaks meta; ``NodeDown`` while it is
         marked down (a lock never moves to another node)."""
         node: Node = self.cluster.node(self.key, failover=False)
-        if node.meta is None:  # asked once per node
-            node.meta = yield from self.request(node, wire.meta_probe())
-        return node, node.meta
+        return node, (yield from node.speaks_meta(self.io))
 
     def request(self, node: Node, op: wire.Op) -> steps.Plan:
         """``op`` on ``node``, in the driver running the plan."""
-        return (yield from node.exchange(op, self.io))
+        return (yield from node.request(op, self.io))
 
     def lease_expire(self, seconds: float | None) -> int:
         """memcached's exptime for a lease of ``seconds`` (never shorter)."""
