@@ -24,9 +24,10 @@ from typing import Any, Iterable
 from django.conf import settings
 from django.core.cache import caches
 from django.db import DatabaseError, connections
-from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 
 from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.connect import is_test_database_of, remember_mirror
 from django_kvcache.mysql.sql import MARIADB_COLLATION, MYSQL_COLLATION
 
 logger = logging.getLogger(__name__)
@@ -131,11 +132,17 @@ def follow_test_mirror(database: str) -> None:
             if alias == database or mirrored(alias) != database:
                 continue
             mirror = connections[alias]
-            test_name = (primary.get("TEST") or {}).get("NAME")
-            test_name = test_name or TEST_DATABASE_PREFIX + mirror.settings_dict["NAME"]
-            if primary["NAME"] == test_name != mirror.settings_dict["NAME"]:
+            if is_test_database_of(primary, mirror.settings_dict):
                 mirror.close()  # an open connection would stay on the real database
                 mirror.creation.set_as_test_mirror(primary)
+                follow_mirror(alias, primary)
+
+
+def follow_mirror(alias: str, settings: dict[str, Any]) -> None:
+    """The cache's own connections to ``alias`` reach the database of ``settings`` from
+    now on, in every thread (idle ones to the real database are closed)."""
+    remember_mirror(alias, settings)
+    blocking.retire_pools([alias])
 
 
 def prepare_migrate(

@@ -117,3 +117,4 @@ DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 ROOT_URLCONF = "tests.urls"
 MIDDLEWARE = []
 LOGGING_CONFIG = None
+STATIC_URL = "/static/"

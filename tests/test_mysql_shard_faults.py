@@ -13,19 +13,23 @@ import logging
 import socket
 import threading
 import time
-from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import MySQLdb
 import pytest
 from django.db import OperationalError, connections
-from django.test.utils import CaptureQueriesContext
 
 from django_kvcache import outdated
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.mysql.errors import ShardDown, is_unreachable
-from tests.mysql_support import register_alias, registered_alias, unregister_alias, wait_for
+from tests.mysql_support import (
+    register_alias,
+    registered_alias,
+    sent_statements,
+    unregister_alias,
+    wait_for,
+)
 from tests.servers import MariaDBServer
 
 OWN = "kvcache_shard_faults"
@@ -446,26 +450,11 @@ def own_first(cache: MySQLCache, healthy: list[str], own: list[str]) -> list[str
     return own + healthy
 
 
-@contextmanager
-def watched(alias: str) -> Iterator[list[str]]:
-    """An execute_wrapper on ``alias``: Django must see every statement, so the shards
-    are asked one after another through its cursor (the sequential path)."""
-    seen: list[str] = []
-
-    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        seen.append(sql)
-        return execute(sql, params, many, context)
-
-    with connections[alias].execute_wrapper(wrapper):
-        yield seen
-
-
-@pytest.mark.parametrize("path", ["pipelined", "sequential"])
 @pytest.mark.parametrize("ignore", [False, True])
 @pytest.mark.parametrize("operation", ["set_many", "delete_many"])
-def test_a_many_call_reaches_every_shard_whatever_the_path(own_shard, operation, ignore, path):
+def test_a_many_call_reaches_every_shard(own_shard, operation, ignore):
     """Defect 1: one shard down must not keep the others' older values; the keys of the
-    down shard are remembered as missed. Both paths follow one policy."""
+    down shard are remembered as missed."""
     cache = dead_first(ignore)
     healthy, own = keys_by_shard(cache)
     keys = own_first(cache, healthy, own)
@@ -473,14 +462,13 @@ def test_a_many_call_reaches_every_shard_whatever_the_path(own_shard, operation,
     own_shard.stop()
     call = {"set_many": lambda: cache.set_many(dict.fromkeys(keys, "new")),
             "delete_many": lambda: cache.delete_many(keys)}[operation]
-    with watched(HEALTHY) if path == "sequential" else nullcontext():
-        if ignore:
-            result = call()
-            if operation == "set_many":
-                assert sorted(result) == sorted(own)
-        else:
-            with pytest.raises(OperationalError):
-                call()
+    if ignore:
+        result = call()
+        if operation == "set_many":
+            assert sorted(result) == sorted(own)
+    else:
+        with pytest.raises(OperationalError):
+            call()
     expected = dict.fromkeys(healthy, "new") if operation == "set_many" else {}
     assert MySQLCache(TABLE, {"OPTIONS": {"DATABASE": HEALTHY}}).get_many(healthy) == expected
     assert cache.metrics()["shards"][OWN]["outdated_keys"] == len(own)
@@ -643,9 +631,9 @@ def test_an_owed_flush_runs_in_bounded_steps_a_few_per_call(own_shard, monkeypat
     cache.clear()
     own_shard.start()
     assert wait_for(lambda: ping(OWN))
-    with CaptureQueriesContext(connections[OWN]) as first_call:
+    with sent_statements(OWN) as first_call:
         assert cache.get_many(own[:50]) == {}
-    deletes = [q["sql"] for q in first_call.captured_queries if q["sql"].startswith("DELETE")]
+    deletes = [sql for sql in first_call if sql.startswith("DELETE")]
     flush_batches = [sql for sql in deletes if " LIKE " in sql]
     by_key = [sql for sql in deletes if " IN (" in sql]  # the call's own keys, 50
     assert len(flush_batches) == 1 and flush_batches[0].endswith(" LIMIT 100")  # one step

@@ -3,16 +3,19 @@
     CACHES = {
         "default": {
             "BACKEND": "django_kvcache.backends.mysql.MySQLCache",
-            "LOCATION": "kvcache",  # the table; create it with `manage.py kvcache_createtable`
-            "OPTIONS": {"DATABASE": "cache"},
+            "LOCATION": "kvcache",  # the table; `manage.py migrate` creates it
+            "OPTIONS": {"DATABASE": "default"},
         }
     }
 
+The cache opens connections of its own to the alias's database (never Django's
+connection: no transaction, test case or query log of the caller sees its statements).
 ``OPTIONS["DATABASES"]`` spreads the keys over several aliases (shards) instead, with
-optional read replicas and ``IGNORE_EXCEPTIONS`` (see ``docs/scale-out.rst``).
+optional read replicas (see ``docs/scale-out.rst``). An unreachable or overloaded
+server gives misses and no-ops (``IGNORE_EXCEPTIONS``, on by default).
 
-Each operation is written once, as a plan: ``get`` runs it on this thread's Django
-connection, ``aget`` on the event loop's own connections — native asyncio, no thread
+Each operation is written once, as a plan: ``get`` runs it on the process's pooled
+connections, ``aget`` on the event loop's own — native asyncio, no thread
 (docs/async.rst). The statements and the shards they go to are
 :mod:`django_kvcache.mysql.plans`'; what a failure does is
 :mod:`django_kvcache.mysql.policy`'s. See ``docs/mysql.rst`` for the schema, every
@@ -35,25 +38,25 @@ from django.core.cache.backends.base import (
     MEMCACHE_MAX_KEY_LENGTH,
     default_key_func,
 )
-from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, dictionaries, plans
+from django_kvcache.mysql import aio, blocking, dictionaries, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.lease import MySQLLeaseStore, Work
-from django_kvcache.mysql.server import PACKET_HEADROOM, in_transaction, server_info
+from django_kvcache.mysql.server import PACKET_HEADROOM
 from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for tests and tools)
     FOREVER,
     check_engine,
     create_table_sql,
     drop_table_sql,
     now_ms,
+    quote_name,
 )
 from django_kvcache.options import fraction
 from django_kvcache.stampede import Compute, LeaseStore
@@ -68,6 +71,8 @@ oversized = FailureLog(logger, "MySQL oversized value")
 KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 FOREVER_SECONDS = FOREVER // 1000
 ALWAYS_FITS = plans.ALWAYS_FITS
+#: Between the statements of a table's DDL (the table, then its dictionary table).
+STATEMENT_SEPARATOR = ";\n"
 
 
 @dataclass
@@ -289,14 +294,22 @@ class MySQLCache(KVCache):
         return await arun(self._cull(max_batches))  # type: ignore[no-any-return]
 
     def close(self, **kwargs: Any) -> None:
-        """Called at the end of every request: Django's connections are Django's to close."""
+        """Called at the end of every request: the pooled connections stay open."""
 
     async def aclose(self, **kwargs: Any) -> None:
         """The event loop's own connections stay open (they close with their loop)."""
 
+    def disconnect_all(self) -> None:
+        """Close this process's idle connections to this cache's databases (e.g. before
+        a fork, or at shutdown)."""
+        blocking.close_pools([alias for _, alias in self.cluster.aliases()])
+
     async def adisconnect_all(self) -> None:
-        """Close the running loop's idle connections to this cache's databases."""
-        aio.close_pools([alias for _, alias in self.cluster.aliases()])
+        """Close the running loop's idle connections to this cache's databases, and the
+        process's idle blocking ones."""
+        aliases = [alias for _, alias in self.cluster.aliases()]
+        aio.close_pools(aliases)
+        blocking.close_pools(aliases)
 
     # --- plans: reading ------------------------------------------------------------------
 
@@ -529,17 +542,8 @@ class MySQLCache(KVCache):
 
     def _lease_store(self, key: Any, timeout: Any, version: Any) -> LeaseStore | None:
         """A lease row beside the entry, and expired rows kept for STALE_TIMEOUT
-        (``django_kvcache.mysql.lease``); on the sync API not inside a transaction."""
-        store = self._new_lease_store(key, timeout, version)
-        if store is None:
-            return None
-        primary = connections[self.cluster.shard_for(store.entry_key).primary()]
-        if in_transaction(primary):
-            # A lease row written inside a transaction stays locked, and invisible, until
-            # the transaction ends: every other caller's take would wait on that lock
-            # (innodb_lock_wait_timeout), not LEASE_TIMEOUT. Plain get_or_set instead.
-            return None
-        return store
+        (``django_kvcache.mysql.lease``)."""
+        return self._new_lease_store(key, timeout, version)
 
     def _new_lease_store(self, key: Any, timeout: Any, version: Any) -> MySQLLeaseStore | None:
         if self.stampede is None or self._expires(timeout) is None:
@@ -595,11 +599,12 @@ class MySQLCache(KVCache):
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
         size), and under ``"shards"`` each alias's unreachable-server counters and health,
-        and for each primary the keys it missed writes of (``outdated_keys``, and
-        ``flush_pending`` past the record's limit or after a missed clear); with
-        MAX_REPLICA_LAG, for each replica the seconds it was behind at the last question
-        (``replica_lag``; ``None`` when stopped, unanswered or not asked yet) and whether
-        its shard's reads go to the primary for it (``replica_behind``)."""
+        its connection pools (``pool_*`` for the sync API, ``async_pool_*`` summed over
+        the event loops), and for each primary the keys it missed writes of
+        (``outdated_keys``, and ``flush_pending`` past the record's limit or after a
+        missed clear); with MAX_REPLICA_LAG, for each replica the seconds it was behind at
+        the last question (``replica_lag``; ``None`` when stopped, unanswered or not asked
+        yet) and whether its shard's reads go to the primary for it (``replica_behind``)."""
         shards: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
@@ -608,6 +613,8 @@ class MySQLCache(KVCache):
                 **asdict(cluster.stats(alias)),
                 "down": health.down,
                 "consecutive_failures": health.failures,
+                **blocking.pool_figures(alias, cluster.max_pool_size, cluster.pool_timeout),
+                **aio.pool_figures(alias),
             }
             if alias == shard.primary():
                 missed = cluster.missed(shard)
@@ -646,20 +653,16 @@ class MySQLCache(KVCache):
     def create_table_sql(self, database: str | None = None, collation: str | None = None) -> str:
         """The table's DDL for ``database``'s server (``collation``: another name of its
         binary NO PAD collation, or a placeholder for a migration)."""
-        connection = connections[database or self.db_alias(write=True)]
-        mariadb = server_info(connection).mariadb
-        statement = create_table_sql(
-            self.table, connection.ops.quote_name, mariadb, self.engine, collation
-        )
+        mariadb = blocking.server_info(database or self.db_alias(write=True)).mariadb
+        statement = create_table_sql(self.table, quote_name, mariadb, self.engine, collation)
         if dictionaries.uses_stored_dictionaries(self.options):  # and its dictionary table
-            statement += ";\n" + dictionaries.create_table_sql(self.table, connection.ops.quote_name)
+            statement += STATEMENT_SEPARATOR + dictionaries.create_table_sql(self.table, quote_name)
         return statement
 
     def drop_table_sql(self, database: str | None = None) -> str:
-        connection = connections[database or self.db_alias(write=True)]
-        statement = drop_table_sql(self.table, connection.ops.quote_name)
+        statement = drop_table_sql(self.table, quote_name)
         if dictionaries.uses_stored_dictionaries(self.options):
-            statement += ";\n" + dictionaries.drop_table_sql(self.table, connection.ops.quote_name)
+            statement += STATEMENT_SEPARATOR + dictionaries.drop_table_sql(self.table, quote_name)
         return statement
 
     def create_table(self, database: str | None = None) -> str:
@@ -668,9 +671,8 @@ class MySQLCache(KVCache):
         statement = ""
         for alias in [database] if database else self.database_aliases():
             statement = self.create_table_sql(alias)
-            with connections[alias].cursor() as cursor:
-                for part in connections[alias].ops.prepare_sql_script(statement):
-                    cursor.execute(part)
+            for part in statement.split(STATEMENT_SEPARATOR):
+                blocking.query(alias, part)
         return statement
 
     def table_exists(self, database: str | None = None) -> bool:
@@ -687,7 +689,7 @@ class MySQLCache(KVCache):
         tables = [self.table]
         if dictionaries.uses_stored_dictionaries(self.options):
             tables.append(dictionaries.dictionary_table(self.table))
-        present = set(connections[database].introspection.table_names())
+        present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
         return [table for table in tables if table not in present]
 
     def _missing_table_message(self, database: str) -> str:

@@ -11,7 +11,7 @@ drivers ask :func:`classify` and nothing else:
 * ``connection_lost``: the connection is unusable: the driver closes it, and the next
   statement starts on a fresh one;
 * ``rerun``: whether the statement may run again: ``NOT_APPLIED`` errors prove the
-  server did not apply it (so it may run again outside a transaction, whatever it does),
+  server did not apply it (so it may run again, whatever it does),
   ``LOST_REPLY`` errors leave that open (only a statement that may run twice runs again);
   ``reruns``: how many times at most, ``backoff``: the longest pause before the first
   rerun (doubled before each next one; the pause itself is drawn at random below it, so
@@ -31,7 +31,7 @@ from django.db import DatabaseError, OperationalError, ProgrammingError
 
 class Rerun(enum.Enum):
     NEVER = "never"
-    NOT_APPLIED = "not applied: may run again outside a transaction"
+    NOT_APPLIED = "not applied: may run again"
     IF_IDEMPOTENT = "may have been applied: runs again only if running twice is harmless"
 
 
@@ -116,8 +116,8 @@ class CacheTableMissing(ProgrammingError):
 
 
 class PoolExhausted(OperationalError):
-    """Every connection of an event loop's pool stayed busy for POOL_TIMEOUT (the server
-    is fine: nothing is held against it)."""
+    """Every connection of a pool stayed busy for POOL_TIMEOUT (the server is fine:
+    nothing is held against it)."""
 
 
 def error_code(exc: BaseException) -> int | None:
@@ -140,11 +140,11 @@ def is_lock_conflict(exc: BaseException) -> bool:
     return classify(exc) in (CONFLICT, LOCK_WAIT)
 
 
-def may_rerun(exc: BaseException, idempotent: bool, in_transaction: bool, reruns: int = 0) -> bool:
+def may_rerun(exc: BaseException, idempotent: bool, reruns: int = 0) -> bool:
     """Whether a statement that failed with ``exc``, already sent again ``reruns`` times,
-    may be sent once more. Never inside a transaction: its earlier work is lost, only the
-    caller may decide what to do."""
-    if in_transaction or not isinstance(exc, DatabaseError):
+    may be sent once more (every statement of the cache runs in autocommit mode, on a
+    connection of its own: no caller's transaction loses earlier work)."""
+    if not isinstance(exc, DatabaseError):
         return False
     error_class = classify(exc)
     if reruns >= error_class.reruns:

@@ -4,8 +4,8 @@ their replies make.
 A function here returns a step (:class:`On`) — calls on shards, each a
 :class:`~django_kvcache.mysql.policy.Call` whose work gives the statements for the
 shard's server flavour. The backend's plans (:mod:`django_kvcache.backends.mysql`)
-yield these steps; the blocking driver runs them on Django's connections, the asyncio
-driver on the event loop's own, under the one failure policy
+yield these steps; the blocking driver runs them on the process's own connections, the
+asyncio driver on the event loop's own, under the one failure policy
 (:mod:`~django_kvcache.mysql.policy`). Statement builders are pure: a write-path cull,
 say, is a call of its own (:func:`write_path_cull`), never a side effect of a builder.
 

@@ -3,10 +3,10 @@
 A plan (:mod:`django_kvcache.mysql.plans`) hands over :class:`Call` s — work on one shard
 each — and :func:`execute` runs them all together, as a generator that yields each round
 of statements as an :class:`Exchange` and gets the replies back: it does no I/O. The
-blocking driver (:mod:`~django_kvcache.mysql.blocking`: Django's connections, pipelined
-or through its cursor) and the asyncio driver (:mod:`~django_kvcache.mysql.aio`: the
-event loop's own connections) only move those statements; so a single server, shards
-and replicas, pipelined or one after another, sync or async, follow the same rules:
+blocking driver (:mod:`~django_kvcache.mysql.blocking`: the process's own connections)
+and the asyncio driver (:mod:`~django_kvcache.mysql.aio`: the event loop's own
+connections) only move those statements; so a single server, shards and replicas, sync
+or async, follow the same rules:
 
 1. route: the shard's primary for writes, :meth:`Session.reader` for reads (with
    MAX_REPLICA_LAG, a read that claims its replica's question asks the lag first, on the
@@ -81,7 +81,7 @@ class Call:
     shard (or ``EVERYTHING``). ``keys``: the stored keys it reads or writes, deleted
     first where a missed write still owes them (``ANY_KEY``: everything owed first).
     ``quiet``: maintenance on the side: a failure is logged and answered with
-    ``fallback`` (inside a transaction it is raised).
+    ``fallback``.
     """
 
     __slots__ = ("shard", "access", "work", "fallback", "missed", "keys", "quiet")
@@ -112,12 +112,12 @@ class Exchange:
 
 class Failed:
     """A driver's answer for a statement that failed: the error (Django's exception
-    class), and whether the connection was inside a transaction."""
+    class)."""
 
-    __slots__ = ("error", "in_transaction")
+    __slots__ = ("error",)
 
-    def __init__(self, error: BaseException, in_transaction: bool = False) -> None:
-        self.error, self.in_transaction = error, in_transaction
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 Replies = list[Any]  # a Reply tuple or a Failed per item of the Exchange
@@ -302,23 +302,21 @@ class Run:
         assert task is not None
         if isinstance(reply, Failed):
             error = reply.error
-            if not task.quiet and errors.may_rerun(
-                error, query.idempotent, reply.in_transaction, self.reruns
-            ):
+            if not task.quiet and errors.may_rerun(error, query.idempotent, self.reruns):
                 # The same statement again (on a fresh connection if the old one is lost).
                 self.reruns += 1
                 self.pause = errors.classify(error).pause(self.reruns)
                 self.session.cluster.stats(alias).reruns += 1
                 return
             if (errors.classify(error) is errors.LOST_REPLY and not query.idempotent
-                    and not (task.quiet or reply.in_transaction)):
+                    and not task.quiet):
                 # The caller's outcome is unknown: say why it was not sent again. (A
                 # statement that may run twice was, once; maintenance and questions on
                 # the side have rate-limited logs of their own.)
                 logger.warning("Not retried after error %s (the server may have run it): %s",
                                errors.error_code(error), query.sql)
             self.failed_on = alias
-            if task.quiet and not reply.in_transaction:
+            if task.quiet:
                 self._maintenance_failed(alias, error)
             elif self.steps is not None and not task.quiet:
                 steps = self.steps
@@ -390,7 +388,7 @@ class Run:
         self._next_task()
 
     def _aside_failed(self, task: Task, error: BaseException) -> bool:
-        """A question on the side went unanswered (in a transaction too, or its server
+        """A question on the side went unanswered (or its server
         not even detected): its own handler logs it; the call goes on."""
         if self.steps is not None:
             self.steps.close()

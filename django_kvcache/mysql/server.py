@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from weakref import WeakKeyDictionary
 
-from django.core.exceptions import ImproperlyConfigured
-from django.db.backends.base.base import BaseDatabaseWrapper
-
 from django_kvcache.mysql.query import PacketLimit, Query, Reply, first_row
 
 #: Room left in a packet for the statement text around the parameters.
@@ -44,14 +41,6 @@ _servers: dict[str, ServerInfo] = {}
 _packet_limits: WeakKeyDictionary[Any, int] = WeakKeyDictionary()
 
 
-def require_mysql(connection: BaseDatabaseWrapper) -> None:
-    if connection.vendor != "mysql":
-        raise ImproperlyConfigured(
-            f"MySQLCache needs a MySQL or MariaDB database; DATABASES[{connection.alias!r}] "
-            f"uses the {connection.vendor!r} backend"
-        )
-
-
 def parse_version(text: str) -> tuple[int, ...]:
     match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
     return tuple(int(part) for part in match.groups()) if match else (0, 0, 0)
@@ -66,17 +55,6 @@ def remember_server(alias: str, row: tuple[str, Any]) -> ServerInfo:
     version, max_packet = row
     info = ServerInfo("mariadb" in version.lower(), parse_version(version), int(max_packet))
     _servers[alias] = info
-    return info
-
-
-def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
-    """The server behind ``connection`` (for DDL and tools: outside any request path)."""
-    info = _servers.get(connection.alias)
-    if info is None:
-        require_mysql(connection)
-        with connection.cursor() as cursor:
-            cursor.execute(DETECT.sql)
-            info = remember_server(connection.alias, cursor.fetchone())
     return info
 
 
@@ -149,28 +127,3 @@ def hung_up(raw: Any) -> bool:
         return readable(raw.fileno())
     except Exception:  # closed already: as good as hung up
         return True
-
-
-# --- Django's connections: when the backend may use the DB-API connection directly --------
-
-
-def may_bypass_cursor(connection: BaseDatabaseWrapper) -> bool:
-    """Whether statements may bypass Django's cursor on ``connection``: only outside a
-    transaction (the retry rules need autocommit), and when nobody watches statements
-    (DEBUG or ``assertNumQueries`` logging, ``connection.execute_wrapper()``), so those
-    still see every statement, sent through the cursor."""
-    if connection.queries_logged or connection.execute_wrappers or connection.in_atomic_block:
-        return False
-    return autocommits(connection)
-
-
-def autocommits(connection: BaseDatabaseWrapper) -> bool:
-    """Whether ``connection`` is (or, not connected yet, will be) in autocommit mode —
-    asked without connecting: its server may be down."""
-    if connection.connection is None:  # it connects in the mode its settings ask for
-        return bool(connection.settings_dict["AUTOCOMMIT"])
-    return bool(connection.autocommit)
-
-
-def in_transaction(connection: BaseDatabaseWrapper) -> bool:
-    return connection.in_atomic_block or not autocommits(connection)

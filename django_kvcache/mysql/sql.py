@@ -36,6 +36,14 @@ MARIADB_COLLATION = "utf8mb4_nopad_bin"
 MYSQL_COLLATION = "utf8mb4_0900_bin"
 
 
+def quote_name(name: str) -> str:
+    """``name`` quoted as Django's MySQL backend quotes it (names with a backtick are
+    refused earlier: :func:`~django_kvcache.mysql.config.check_table`)."""
+    if name.startswith("`") and name.endswith("`"):
+        return name
+    return f"`{name}`"
+
+
 def check_engine(engine: object) -> str:
     if not isinstance(engine, str) or not ENGINE_NAME.match(engine):
         raise ImproperlyConfigured(
