@@ -162,14 +162,15 @@ def prepare_migrate(
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
     """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``.
 
-    A cache whose cull fails (a shard down, without IGNORE_EXCEPTIONS) is logged and the
-    others are culled all the same; then its error is raised (a cron job fails loudly).
+    A cache whose cull fails (a shard down, whatever IGNORE_EXCEPTIONS says) is logged and
+    the others are culled all the same; then its error is raised (a cron job fails
+    loudly).
     """
     culled: dict[str, int] = {}
     failure: DatabaseError | None = None
     for alias, cache in mysql_caches(aliases).items():
         try:
-            culled[alias] = cache.cull()
+            culled[alias] = cache.cull(fail_open=False)
         except DatabaseError as exc:
             logger.error("Cull of cache %r failed: %s: %s", alias, type(exc).__name__, exc)
             failure = failure or exc

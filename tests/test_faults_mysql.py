@@ -356,7 +356,9 @@ def lost_reply_proxy(django_db_setup, django_db_blocker) -> Iterator[LostReplyPr
 
 
 def proxied_cache() -> MySQLCache:
-    cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED, "CULL_PROBABILITY": 0}})
+    """Errors raised (not failed open): the outcome of each call is the subject."""
+    cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED, "CULL_PROBABILITY": 0,
+                                           "IGNORE_EXCEPTIONS": False}})
     if not cache.table_exists():
         cache.create_table()
     cache.clear()

@@ -179,7 +179,7 @@ def test_own_connections_honour_the_alias_options(options_alias):
 def test_a_statement_waits_on_the_loop_and_gives_up_after_read_timeout(options_alias):
     """The statement waits for a table lock: the loop keeps running other work meanwhile,
     and after read_timeout the call fails as a lost reply; its connection is closed."""
-    cache = build(DATABASE=options_alias)
+    cache = build(DATABASE=options_alias, IGNORE_EXCEPTIONS=False)
     cache.set("locked", 1)
     locker = MySQLdb.connect(**observer(options_alias))
     locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
@@ -301,7 +301,7 @@ def row_locked(key: str) -> Iterator[Any]:
 
 
 def test_an_exhausted_pool_says_so(cache):
-    bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.2)
+    bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.2, IGNORE_EXCEPTIONS=False)
     cache.set("k", 1)
 
     async def scenario(locker: Any) -> None:
@@ -321,7 +321,7 @@ def test_each_waiter_has_its_own_pool_timeout(cache):
     """The pool keeps one timer for its oldest waiter: a coroutine that started waiting
     later still waits its whole POOL_TIMEOUT, and one that gave up (cancelled) leaves
     the others' deadlines alone."""
-    bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.3)
+    bounded = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.3, IGNORE_EXCEPTIONS=False)
     cache.set("k", 1)
 
     async def scenario(locker: Any) -> list[float]:

@@ -571,7 +571,7 @@ def test_ttl_and_get_or_set_on_an_unreachable_shard_under_ignore_exceptions(dead
     assert any(DEAD in r.getMessage() for r in caplog.records)
 
     raising = MySQLCache(TABLE, {"OPTIONS": {"DATABASES": ["default", DEAD],
-                                             "CULL_PROBABILITY": 0}})
+                                             "CULL_PROBABILITY": 0, "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(OperationalError):
         raising.ttl(key)
 

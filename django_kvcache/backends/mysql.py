@@ -283,15 +283,16 @@ class MySQLCache(KVCache):
     async def adelete_with_prefix(self, prefix: str, version: int | None = None) -> int:
         return await arun(self._delete_with_prefix(prefix, version))  # type: ignore[no-any-return]
 
-    def cull(self, max_batches: int | None = None) -> int:
+    def cull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
         """On every shard, delete what it owes after an outage, then the expired entries,
         then evict the ones closest to expiry while its table holds more than
         MAX_ENTRIES. Returns the number of rows culled. A shard that fails is tried after
-        the others are done: raised then, or (IGNORE_EXCEPTIONS) logged and counted."""
-        return run(self._cull(max_batches))  # type: ignore[no-any-return]
+        the others are done: raised then, or (IGNORE_EXCEPTIONS, unless ``fail_open`` is
+        False: ``kvcache_cull`` fails loudly) logged and counted."""
+        return run(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
 
-    async def acull(self, max_batches: int | None = None) -> int:
-        return await arun(self._cull(max_batches))  # type: ignore[no-any-return]
+    async def acull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
+        return await arun(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
 
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: the pooled connections stay open."""
@@ -526,8 +527,9 @@ class MySQLCache(KVCache):
         pattern = self._prefix_pattern(prefix, version)
         return sum((yield plans.delete_with_prefix(self.session, pattern, self._drops_stale)))
 
-    def _cull(self, max_batches: int | None) -> Plan:
-        return sum((yield plans.cull(self.session, self._culling(), max_batches)))
+    def _cull(self, max_batches: int | None, fail_open: bool | None = None) -> Plan:
+        strict = fail_open is False
+        return sum((yield plans.cull(self.session, self._culling(), max_batches, strict)))
 
     @property
     def _drops_stale(self) -> bool:

@@ -56,6 +56,8 @@ OWED_BATCHES_PER_CALL = 1
 DEFAULT_POOL_SIZE = 16
 #: Seconds a thread or coroutine waits for a pooled connection (OPTIONS["POOL_TIMEOUT"]).
 DEFAULT_POOL_TIMEOUT = 1.0
+#: IGNORE_EXCEPTIONS when OPTIONS do not say: fail open, as MemcachedCache does.
+IGNORE_EXCEPTIONS_DEFAULT = True
 
 #: A call's ``keys`` when it reads or writes keys it cannot list (a prefix, a scan).
 ANY_KEY: Any = object()
@@ -204,7 +206,7 @@ class Cluster:
         self.table = table
         self.scope = scope
         self.shards, self.router = make_shards(options, router_model(table))
-        self.ignore_exceptions = flag(options, "IGNORE_EXCEPTIONS")
+        self.ignore_exceptions = flag(options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.failure_threshold = integer(options, "FAILURE_THRESHOLD", 2)
         self.retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
         self.read_your_writes = read_your_writes(options)

@@ -511,9 +511,10 @@ class Culling(NamedTuple):
     stale_ms: int  # expired rows kept this long for get_or_set (STALE_TIMEOUT)
 
 
-def cull(session: Session, numbers: Culling, max_batches: int | None) -> On:
+def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bool = False) -> On:
     """On every shard: expired rows, then eviction over MAX_ENTRIES; each shard's count.
-    Maintenance: what a shard owes is deleted first, its failure never marks it down."""
+    Maintenance: what a shard owes is deleted first, its failure never marks it down.
+    ``strict``: a shard's failure is raised even under IGNORE_EXCEPTIONS."""
 
     def work(sql: Statements) -> Generator[Query, Any, int]:
         return (yield from culling.Cull(
@@ -522,7 +523,7 @@ def cull(session: Session, numbers: Culling, max_batches: int | None) -> On:
         ).run(now_ms()))
 
     return each(session, [
-        Call(shard, Access.MAINTENANCE, work, 0, keys=ANY_KEY)
+        Call(shard, Access.MAINTENANCE, work, RAISE if strict else 0, keys=ANY_KEY)
         for shard in session.cluster.shards
     ])
 

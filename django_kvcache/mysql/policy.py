@@ -76,8 +76,8 @@ class Call:
     """Work on one shard: ``work(statements)`` gives a :class:`Query`, or a generator of
     them that gets each one's answer back (and may catch its error).
 
-    ``fallback``: the answer when IGNORE_EXCEPTIONS hides an unreachable server
-    (``RAISE``: none). ``missed``: the keys whose older copy a failed write leaves on the
+    ``fallback``: the answer when IGNORE_EXCEPTIONS hides an unreachable or overloaded
+    server (``RAISE``: none). ``missed``: the keys whose older copy a failed write leaves on the
     shard (or ``EVERYTHING``). ``keys``: the stored keys it reads or writes, deleted
     first where a missed write still owes them (``ANY_KEY``: everything owed first).
     ``quiet``: maintenance on the side: a failure is logged and answered with
@@ -472,14 +472,14 @@ def _failed(session: Session, run: Run) -> Any:
         missing = errors.CacheTableMissing(session.describe_missing_table(alias))
         missing.__cause__ = error
         raise missing
-    if not (isinstance(error, DatabaseError) and errors.is_unreachable(error)):
+    if not errors.fails_open(error):  # the statement or the configuration is wrong
         raise error
     stats = cluster.stats(alias)
     stats.errors += 1
-    _missed(session, call)
+    _missed(session, call)  # a write that failed leaves the older copy
     if not cluster.ignore_exceptions:
         raise error
-    if call.access is not Access.MAINTENANCE:
+    if call.access is not Access.MAINTENANCE and errors.is_unreachable(error):
         cluster.health(alias).failed(f"{type(error).__name__}: {error}")
     return _ignored(alias, stats, error, call.fallback)
 
