@@ -418,3 +418,45 @@ def test_a_stopped_shard_under_ignore_exceptions_on_the_async_api(own_server, ca
     assert shard["outdated_keys"] == len(on_faulty)  # deleted there before it serves again
     own_server.start()
     cache.clear()
+
+
+# --- found by review -------------------------------------------------------------------------
+
+
+def test_waiting_for_one_shard_does_not_spin_on_another_that_answered():
+    """A round over two shards awaits their replies in order: while the first shard's
+    statement waits (here for a row lock, 1 s), the second shard's reply is already
+    there. The loop must not wake for it on every turn (its socket stays readable until
+    it is read): it costs next to no CPU, as waiting for one shard does."""
+    if len(SHARDS) < 3:
+        pytest.skip("needs KVCACHE_MYSQL_SHARD_PORTS")
+    cache = build(DATABASES=["shard2", "shard3"])
+    cache.clear()
+    keys = [f"spin{i}" for i in range(40)]
+    on = {alias: [k for k in keys if cache._shard_for(cache.make_key(k)).alias == alias]
+          for alias in ("shard2", "shard3")}
+    slow, fast = on["shard2"][0], on["shard3"][0]
+    cache.set_many({slow: 1, fast: 1})
+    locker = MySQLdb.connect(**observer("shard2"))
+    try:
+        locker.query(b"BEGIN")
+        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = "
+                     f"'{cache.make_key(slow)}' FOR UPDATE".encode())
+        locker.store_result()
+        release = threading.Timer(1.0, lambda: locker.query(b"ROLLBACK"))
+
+        async def scenario() -> tuple[Any, float, float]:
+            await cache.aget("warm-up")
+            release.start()
+            started, cpu = time.monotonic(), time.process_time()
+            failed = await cache.aset_many({slow: 2, fast: 2})  # shard2's first: awaited first
+            return failed, time.monotonic() - started, time.process_time() - cpu
+
+        failed, wall, cpu = asyncio.run(scenario())
+        release.join()
+    finally:
+        locker.close()
+    assert failed == [] and wall >= 0.9
+    assert cpu < 0.2 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s"
+    assert cache.get_many([slow, fast]) == {slow: 2, fast: 2}
+    cache.clear()

@@ -64,13 +64,15 @@ async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
 
 
 class OwnConnection:
-    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop for
-    as long as it is open: readable while a statement is out means its reply is here;
-    readable while idle means the server has closed it (or sent an error before
-    closing), and it is no longer watched (one registration per connection, not one
-    per statement)."""
+    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop (one
+    registration per connection, not one per statement): readable while its reply is
+    awaited means the reply is here; readable while idle means the server has closed it
+    (or sent an error before closing), and it is no longer watched. A reply that
+    arrives before it is awaited (a round over several shards awaits them one after
+    another) is not watched either until it is awaited: the loop polls level-triggered,
+    and would wake for it on every turn until then."""
 
-    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up")
+    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up", "watched", "arrived")
 
     def __init__(self, raw: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = raw
@@ -79,16 +81,26 @@ class OwnConnection:
         self.waiter: asyncio.Future | None = None
         self.sent = False  # a statement is out, its reply not read yet
         self.hung_up = False
+        self.arrived = False  # its reply came before it was awaited
         loop.add_reader(self.fd, self._readable)
+        self.watched = True
 
     def _readable(self) -> None:
         if self.sent:
             waiter = self.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif readable(self.fd):
+                self.arrived = True  # nobody awaits it yet: stop watching until then
+                self._unwatch()
         elif readable(self.fd):  # (not an event of the reply just read: still readable)
             self.hung_up = True  # nothing was asked: the server is ending the session
-            self.loop.remove_reader(self.fd)
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        self.loop.remove_reader(self.fd)
+        self.watched = False
 
     def send(self, query: Query) -> None:
         raw = self.raw
@@ -98,6 +110,11 @@ class OwnConnection:
     async def reply(self, timeout: float | None, named: bool = False) -> Reply:
         """The reply of the statement sent, once it is here (at most ``timeout`` s);
         ``named``: its rows as dicts."""
+        if self.arrived:  # here already: watched again for the next one
+            self.arrived = False
+            self.loop.add_reader(self.fd, self._readable)
+            self.watched = True
+            return self._read(named)
         deadline = self.loop.time() + timeout if timeout else None
         while True:
             waiter = self.waiter = self.loop.create_future()
@@ -110,13 +127,16 @@ class OwnConnection:
                     timer.cancel()
             if readable(self.fd):  # else woken by an event of the previous reply: wait on
                 break
+        return self._read(named)
+
+    def _read(self, named: bool) -> Reply:
         reply = receive(self.raw, named)
         self.sent = False
         return reply
 
     def close(self) -> None:
-        if not self.hung_up and not self.loop.is_closed():
-            self.loop.remove_reader(self.fd)
+        if self.watched and not self.loop.is_closed():
+            self._unwatch()
         self.raw.close()
 
 
