@@ -460,3 +460,26 @@ def test_waiting_for_one_shard_does_not_spin_on_another_that_answered():
     assert cpu < 0.2 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s"
     assert cache.get_many([slow, fast]) == {slow: 2, fast: 2}
     cache.clear()
+
+
+def test_a_connection_closed_while_idle_is_discarded_once(own_server):
+    """The server went away while the pool's one connection sat idle (MAX_POOL_SIZE 1),
+    before the loop saw the socket close: a statement that must not run twice finds out
+    before sending, and the connection opened in its place fails (the server is still
+    down). The pool must count that connection once: it discarded it twice (size -1),
+    and then held two connections with a maximum of one."""
+    cache = build(DATABASE=FAULTY, MAX_POOL_SIZE=1, POOL_TIMEOUT=2)
+
+    async def scenario() -> tuple[int, int, int]:
+        await cache.aset("k", 1)
+        pool = aio.pool_of(FAULTY, 1, 2.0)
+        own_server.stop()  # no await since: the loop has not seen the close
+        assert await cache.aadd("fresh", 1) is False  # failed open: no server
+        after_failure = pool.size
+        own_server.start()
+        await asyncio.gather(*(cache.aget("k") for _ in range(3)))
+        return after_failure, pool.size, len(pool.idle)
+
+    after_failure, size, idle = asyncio.run(scenario())
+    assert after_failure == 0
+    assert size <= 1 and idle <= 1

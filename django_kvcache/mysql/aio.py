@@ -35,13 +35,7 @@ from django_kvcache.mysql.connect import (
     open_connection,
 )
 from django_kvcache.mysql.query import Query, Reply
-from django_kvcache.mysql.server import (
-    hung_up,
-    local_reply,
-    readable,
-    remember_reply,
-    statement_bytes,
-)
+from django_kvcache.mysql.server import local_reply, readable, remember_reply, statement_bytes
 from django_kvcache.pool import LoopPool
 
 
@@ -159,7 +153,10 @@ class AliasPool(Retiring, LoopPool[OwnConnection]):
         return OwnConnection(open_connection(params), asyncio.get_running_loop())
 
     def usable(self, connection: OwnConnection) -> bool:
-        if connection.hung_up:  # closed by the server while idle
+        """Not closed by the server while idle: seen by the loop, or (before the loop
+        had a turn to see it) by a zero-timeout poll. No statement is sent on a
+        connection the server has closed, so none has to run twice."""
+        if connection.hung_up or readable(connection.fd):
             self.reconnects += 1
             return False
         return True
@@ -212,13 +209,10 @@ async def send(pool: AliasPool, query: Query) -> Any:
     """``query`` sent on a connection of ``pool``: the connection, or the answer when
     none was needed (a known packet limit) or a :class:`policy.Failed`."""
     try:
-        connection = await pool.checkout()
+        connection = await pool.checkout()  # one the server has not closed (usable())
     except Exception as exc:
         return policy.Failed(errors.translate(exc))
     try:
-        if not query.idempotent and hung_up(connection.raw):
-            pool.discard(connection)  # closed by the server while idle
-            connection = await pool.checkout()
         known = local_reply(connection.raw, query)
         if known is not None:
             pool.checkin(connection)
