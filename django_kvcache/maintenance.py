@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 
 from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
 from django_kvcache.mysql import blocking
@@ -72,10 +72,14 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
 
 
 def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
-    """Create the missing tables of the caches that live in ``database``; returns
-    ``{alias: SQL}`` as ``create_tables``."""
+    """Create the missing tables of the caches that live in ``database`` and that the
+    database routers let migrate there (``allow_migrate``, as Django's
+    ``createcachetable`` asks for DatabaseCache); returns ``{alias: SQL}`` as
+    ``create_tables``."""
     done = {}
     for alias, cache in caches_in(database).items():
+        if not router.allow_migrate_model(database, cache.cache_model_class):
+            continue
         if cache.table_exists(database):
             continue
         done[alias] = cache.create_table_sql(database)
