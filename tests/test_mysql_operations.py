@@ -255,6 +255,20 @@ def test_incr_of_a_corrupt_integer_row_is_a_logged_miss(cache, caplog):
     assert caplog.text.count("corrupt integer cache entry ':1:bad'") == 1
 
 
+def test_incr_with_a_version_names_that_version_s_entry(cache, caplog):
+    """incr(key, version=3) reads and reports the entry of version 3, not version 1's."""
+    insert_row(":3:bad", b"12abc", FLAG_INTEGER, FOREVER)
+    insert_row(":1:bad", b"1", FLAG_INTEGER, FOREVER)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        with pytest.raises(ValueError, match="not found"):
+            cache.incr("bad", version=3)
+    assert "corrupt integer cache entry ':3:bad'" in caplog.text
+    assert ":1:bad" not in caplog.text
+    cache.set("big", 2**70, version=3)  # a Python int stored pickled
+    with pytest.raises(TypeError, match="beyond the signed 64-bit range"):
+        cache.incr("big", version=3)
+
+
 # --- corrupt rows ------------------------------------------------------------------------
 
 

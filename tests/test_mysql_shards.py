@@ -663,7 +663,8 @@ def test_writes_and_prefix_deletes_always_go_to_the_primary():
 
 def test_metrics_list_every_shard_and_replica(cache):
     metrics = replicated().metrics()
-    assert set(metrics["shards"]) == {"shard2", REPLICA}
+    assert set(metrics["shards"]) == {"shard2"} and set(metrics["replicas"]) == {REPLICA}
+    assert "replicas" not in cache.metrics()  # no REPLICAS: none
     assert set(cache.metrics()["shards"]) == set(SHARDS)
     shard1 = cache.metrics()["shards"]["shard1"]
     pools = {name: shard1.pop(name) for name in list(shard1) if name.startswith("pool_")}
@@ -673,7 +674,7 @@ def test_metrics_list_every_shard_and_replica(cache):
     }
     assert set(pools) == {"pool_size", "pool_idle", "pool_waiters", "pool_waits",
                           "pool_wait_seconds", "pool_connects", "pool_reuses", "pool_reconnects"}
-    assert "outdated_keys" not in metrics["shards"][REPLICA]  # a primary's record
+    assert "outdated_keys" not in metrics["replicas"][REPLICA]  # a primary's record
 
 
 def test_default_key_function_is_what_routing_hashes(cache):

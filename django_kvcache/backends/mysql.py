@@ -77,8 +77,8 @@ STATEMENT_SEPARATOR = ";\n"
 
 @dataclass
 class TableStats:
-    """Process-wide counters of one table, shared by every instance (plain ints: cheap,
-    and exact enough under the GIL for monitoring)."""
+    """Process-wide counters of one table on its databases, shared by every instance
+    (plain ints: cheap, and exact enough under the GIL for monitoring)."""
 
     hits: int = 0  # keys read that were found (get, get_many, and get_or_set's reads)
     misses: int = 0  # keys read that were not found, or found unreadable
@@ -87,7 +87,8 @@ class TableStats:
     bytes_saved: int = 0  # what compression took off that
 
 
-_stats: dict[str, TableStats] = {}
+#: (table, its shards' aliases) -> its counters: one table name on two databases is two.
+_stats: dict[tuple[str, tuple[str | None, ...]], TableStats] = {}
 
 
 class MySQLCache(KVCache):
@@ -131,7 +132,9 @@ class MySQLCache(KVCache):
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
-        self.stats = _stats.setdefault(self.table, TableStats())
+        self.stats = _stats.setdefault(
+            (self.table, tuple(shard.alias for shard in self.shards)), TableStats()
+        )
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -438,17 +441,19 @@ class MySQLCache(KVCache):
         check_delta(delta)
         outcome = yield plans.incr(self.session, self.make_and_validate_key(key, version), delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, delta, outcome)
+            raise self._incr_refused(key, delta, outcome, version)
         return outcome
 
-    def _incr_refused(self, key: Any, delta: int, refused: plans.Refused) -> Exception:
+    def _incr_refused(
+        self, key: Any, delta: int, refused: plans.Refused, version: int | None = None
+    ) -> Exception:
         """The exception for an incr that did not apply, naming the caller's key."""
         if refused.reason == plans.OVERFLOW:
             return OverflowError(
                 f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
             )
         if refused.reason == plans.NOT_INTEGER:
-            value = self.decode(refused.data, refused.flags, self.make_key(key))
+            value = self.decode(refused.data, refused.flags, self.make_key(key, version))
             if isinstance(value, int) and not isinstance(value, bool):
                 return TypeError(
                     f"The value of key '{key}' is an int beyond the signed 64-bit range of "
@@ -456,7 +461,7 @@ class MySQLCache(KVCache):
                 )
             return TypeError(f"The value of key '{key}' is not an integer")
         if refused.reason == plans.CORRUPT:
-            stored = self.make_and_validate_key(key)
+            stored = self.make_and_validate_key(key, version)
             self.report_unreadable(
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
@@ -600,18 +605,21 @@ class MySQLCache(KVCache):
     def metrics(self) -> dict[str, Any]:
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
-        size), and under ``"shards"`` each alias's unreachable-server counters and health,
-        its connection pools (``pool_*`` for the sync API, ``async_pool_*`` summed over
-        the event loops), and for each primary the keys it missed writes of
-        (``outdated_keys``, and ``flush_pending`` past the record's limit or after a
-        missed clear); with MAX_REPLICA_LAG, for each replica the seconds it was behind at
-        the last question (``replica_lag``; ``None`` when stopped, unanswered or not asked
-        yet) and whether its shard's reads go to the primary for it (``replica_behind``)."""
+        size), hits and misses; under ``"shards"`` each shard's primary alias, under
+        ``"replicas"`` (with ``REPLICAS``) each replica alias, with its failure counters
+        and health and its connection pools (``pool_*`` for the sync API,
+        ``async_pool_*`` summed over the event loops); for each primary the keys it
+        missed writes of (``outdated_keys``, and ``flush_pending`` past the record's limit
+        or after a missed clear); with MAX_REPLICA_LAG, for each replica the seconds it
+        was behind at the last question (``replica_lag``; ``None`` when stopped,
+        unanswered or not asked yet) and whether its shard's reads go to the primary for
+        it (``replica_behind``)."""
         shards: dict[str, dict[str, Any]] = {}
+        replicas: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
             health = cluster.health(alias)
-            shards[alias] = {
+            figures = {
                 **asdict(cluster.stats(alias)),
                 "down": health.down,
                 "consecutive_failures": health.failures,
@@ -620,16 +628,21 @@ class MySQLCache(KVCache):
             }
             if alias == shard.primary():
                 missed = cluster.missed(shard)
-                shards[alias].update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
-            else:
-                lag_monitor = cluster.lag_monitor(shard)
-                if lag_monitor is not None:  # the last answer: no question asked here
-                    lag = lag_monitor.seconds
-                    shards[alias].update(
-                        replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
-                        replica_behind=cluster.replica_behind(shard),
-                    )
-        return {**asdict(self.stats), "shards": shards}
+                figures.update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
+                shards[alias] = figures
+                continue
+            lag_monitor = cluster.lag_monitor(shard)
+            if lag_monitor is not None:  # the last answer: no question asked here
+                lag = lag_monitor.seconds
+                figures.update(
+                    replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
+                    replica_behind=cluster.replica_behind(shard),
+                )
+            replicas[alias] = figures
+        metrics: dict[str, Any] = {**asdict(self.stats), "shards": shards}
+        if replicas:
+            metrics["replicas"] = replicas
+        return metrics
 
     def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
         """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``,
