@@ -234,3 +234,21 @@ def test_errors_are_classified_once_for_every_path():
     assert not errors.is_unreachable(errors.PoolExhausted("busy"))
     for code in (1045, 1049, 1146, 1054, 1064):
         assert not errors.fails_open(error(code))
+
+
+def test_error_1047_is_galera_s_only_from_a_galera_node(mysql_tables):
+    """1047 from a Galera node ("WSREP has not yet prepared node for application use") is
+    a node out of the primary component: unreachable, failed open. From any other server
+    it is "unknown command": the statement is wrong, raised, and the server's health is
+    not touched."""
+    with failing_inserts(1047, "Unknown command") as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1})
+        with pytest.raises(OperationalError) as raised:
+            cache.set("k", 1)
+        assert raised.value.args[0] == 1047
+        assert cache.metrics()["shards"]["default"]["down"] is False
+    message = "WSREP has not yet prepared node for application use"
+    with failing_inserts(1047, message) as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1, "RETRY_TIMEOUT": 0.5})
+        assert cache.set("k", 1) is None
+        assert cache.metrics()["shards"]["default"]["down"] is True

@@ -22,6 +22,7 @@ from django.db import OperationalError, connections
 from django_kvcache import outdated
 
 from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.mysql import cluster as cluster_module
 from django_kvcache.mysql.errors import ShardDown, is_unreachable
 from tests.mysql_support import (
     register_alias,
@@ -645,3 +646,81 @@ def test_an_owed_flush_runs_in_bounded_steps_a_few_per_call(own_shard, monkeypat
     cache.cull()  # finishes what is owed
     assert cache.metrics()["shards"][OWN]["flush_pending"] is False
     assert rows_on(OWN) == 0
+
+
+def owing_cache(own_shard: Any, monkeypatch: Any) -> tuple[MySQLCache, list[str], list[str]]:
+    """A cache whose own shard missed a set_many of its keys (so they are owed: deleted
+    before they are read), in batches of 100 rows; back and serving."""
+    monkeypatch.setattr(cluster_module, "OWED_BATCH_ROWS", 100, raising=False)
+    cache = MySQLCache(TABLE, {"KEY_PREFIX": "owing", "OPTIONS": {
+        "DATABASES": [HEALTHY, OWN], "RETRY_TIMEOUT": 0.3, "FAILURE_THRESHOLD": 1,
+        "CULL_PROBABILITY": 0}})
+    if not cache.table_exists():
+        cache.create_table()
+    cache.clear()
+    healthy, own = keys_by_shard(cache, 1200)
+    cache.set_many(dict.fromkeys(healthy + own, "old"))
+    own_shard.stop()
+    assert sorted(cache.set_many(dict.fromkeys(healthy + own, "new"))) == sorted(own)
+    own_shard.start()
+    assert wait_for(lambda: ping(OWN))
+    time.sleep(0.4)  # past RETRY_TIMEOUT: the next call probes the shard
+    assert cache.metrics()["shards"][OWN]["outdated_keys"] == len(own) > 300
+    return cache, healthy, own
+
+
+@pytest.mark.parametrize("operation", ["get_with_prefix", "keys_with_prefix",
+                                       "delete_with_prefix"])
+def test_a_prefix_call_takes_one_bounded_step_of_what_is_owed(own_shard, monkeypatch,
+                                                                operation):
+    """A prefix call cannot list its keys, so it ran everything the shard owed before
+    its own statement (here 6 DELETEs of 100 rows; a flush of a large table, minutes).
+    Now it takes one bounded step, as every call does, and what is still owed is never
+    read: a miss, not the value the missed write should have replaced."""
+    cache, healthy, own = owing_cache(own_shard, monkeypatch)
+    with sent_statements(OWN) as sent:
+        found = getattr(cache, operation)("key")
+    deletes = [s for s in sent if s.startswith("DELETE") and " IN (" in s]
+    assert len(deletes) == 1
+    if operation == "get_with_prefix":
+        assert found == dict.fromkeys(healthy, "new")  # none of the own shard's "old"
+    elif operation == "keys_with_prefix":
+        assert sorted(found) == sorted(healthy)
+    else:
+        assert cache.get_many(healthy + own) == {}
+    assert cache.metrics()["shards"][OWN]["outdated_keys"] <= len(own) - 100
+
+
+def test_a_prefix_call_whose_owed_step_fails_is_served_and_the_shard_stays_up(
+    slow_own_shard, monkeypatch, caplog
+):
+    """The owed step of a prefix call that times out (a locked row) is maintenance that
+    failed: logged, never held against the shard; the call is served."""
+    caplog.set_level(logging.WARNING)
+    cache, healthy, own = owing_cache(slow_own_shard, monkeypatch)
+    locker = MySQLdb.connect(**observer_params(slow_own_shard))
+    try:
+        locker.query(b"BEGIN")
+        first = min(cache.make_key(key) for key in own)  # in the first owed batch
+        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = '{first}' FOR UPDATE".encode())
+        locker.store_result()
+        assert cache.get_with_prefix("key") == dict.fromkeys(healthy, "new")
+        shard = cache.metrics()["shards"][OWN]
+        assert shard["down"] is False and shard["consecutive_failures"] == 0
+        assert any(r.getMessage().startswith("Ignored MySQL maintenance failure on shard "
+                                              f"{OWN}: Owed clean-up") for r in caplog.records)
+    finally:
+        locker.query(b"ROLLBACK")
+        locker.close()
+
+
+def test_cull_deletes_what_is_owed_within_its_own_budget(own_shard, monkeypatch):
+    """cull(max_batches=N) runs at most N owed clean-up statements first (it ran them
+    all); without a bound, as kvcache_cull runs it, it finishes them."""
+    cache, healthy, own = owing_cache(own_shard, monkeypatch)
+    with sent_statements(OWN) as sent:
+        cache.cull(max_batches=1)
+    assert len([s for s in sent if s.startswith("DELETE") and " IN (" in s]) == 1
+    cache.cull()  # (and evicts down to MAX_ENTRIES)
+    assert cache.metrics()["shards"][OWN]["outdated_keys"] == 0
+    assert "old" not in cache.get_many(healthy + own).values()

@@ -1,6 +1,7 @@
 """What a MySQL/MariaDB error means for the cache, decided once for every path.
 
-Each error code belongs to one class (:data:`CLASSES`); everything else is a
+Each error code belongs to one class (:data:`CLASSES`, and :data:`BY_MESSAGE` for codes
+whose meaning depends on the server that sends them); everything else is a
 ``STATEMENT`` error (the statement itself, or the configuration, is wrong: access
 denied, an unknown database, a missing table, a syntax error — raised under any
 setting, never retried, never held against the server). The failure policy
@@ -29,6 +30,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import django.db.utils
 from django.db import DatabaseError, OperationalError, ProgrammingError
@@ -76,10 +78,11 @@ LOST_REPLY = ErrorClass("reply lost", unreachable=True, connection_lost=True,
 #: 1129 host blocked after connection errors.
 NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=True,
                            rerun=Rerun.NEVER)
-#: The server answers but serves no statement: 1047 "WSREP has not yet prepared node for
-#: application use", a Galera node cut off from the cluster's primary component (a
+#: The server answers but serves no statement: Galera's 1047 "WSREP has not yet prepared
+#: node for application use", a node cut off from the cluster's primary component (a
 #: partition, a lost quorum) or still joining. As unreachable as a stopped server, but the
-#: connection is fine: it serves again once the node rejoins.
+#: connection is fine: it serves again once the node rejoins. (1047 from a server that
+#: is not a Galera node is "unknown command": a ``STATEMENT`` error.)
 NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=False,
                          rerun=Rerun.NEVER)
 #: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
@@ -111,10 +114,14 @@ CLASSES: dict[int, ErrorClass] = {
     **dict.fromkeys((2006, 4031), NOT_SENT),
     **dict.fromkeys((2013, 2055, 1927, 1158, 1159, 1160, 1161), LOST_REPLY),
     **dict.fromkeys((2002, 2003, 2005, 1040, 1203, 1053, 1129), NO_CONNECTION),
-    1047: NOT_SERVING,
     1213: CONFLICT,
     1205: LOCK_WAIT,
     **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 1114, 1021), OVERLOADED),
+}
+#: Codes that mean one thing from one kind of server and another elsewhere: the class
+#: when the message says so, else ``STATEMENT``.
+BY_MESSAGE: dict[int, tuple[Callable[[str], bool], ErrorClass]] = {
+    1047: (lambda message: "wsrep" in message, NOT_SERVING),
 }
 
 #: "Table ... doesn't exist".
@@ -153,7 +160,15 @@ def classify(exc: BaseException) -> ErrorClass:
     if isinstance(exc, PoolExhausted):
         return POOL_BUSY
     code = error_code(exc)
-    return CLASSES.get(code, STATEMENT) if code is not None else STATEMENT
+    if code is None:
+        return STATEMENT
+    found = CLASSES.get(code)
+    if found is not None:
+        return found
+    rule = BY_MESSAGE.get(code)
+    if rule is not None and rule[0](str(exc).lower()):
+        return rule[1]
+    return STATEMENT
 
 
 def is_unreachable(exc: BaseException) -> bool:

@@ -481,14 +481,21 @@ def _delete_with_prefix(
 
 
 def with_prefix(session: Session, pattern: str, entries: bool) -> On:
-    """Every shard's live rows under ``pattern``: ``(key,)`` or ``(key, value, flags)``."""
+    """Every shard's live rows under ``pattern``: ``(key,)`` or ``(key, value, flags)``;
+    a key the shard still owes (a missed write left its older copy) is left out."""
 
-    def work(sql: Statements) -> Query:
+    def work(shard: Shard, sql: Statements) -> Generator[Query, Any, list[Any]]:
         statement = sql.get_with_prefix if entries else sql.keys_with_prefix
-        return Query(statement, (pattern, now_ms()), rows)
+        found = yield Query(statement, (pattern, now_ms()), rows)
+        owed = session.cluster.missed(shard).owed([row[0] for row in found])
+        if not owed:
+            return list(found)
+        stale = frozenset(owed)
+        return [row for row in found if row[0] not in stale]
 
     return each(session, [
-        Call(shard, Access.READ, work, (), keys=ANY_KEY) for shard in session.cluster.shards
+        Call(shard, Access.READ, partial(work, shard), (), keys=ANY_KEY)
+        for shard in session.cluster.shards
     ])
 
 
@@ -523,7 +530,8 @@ def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bo
         ).run(now_ms()))
 
     return each(session, [
-        Call(shard, Access.MAINTENANCE, work, RAISE if strict else 0, keys=ANY_KEY)
+        Call(shard, Access.MAINTENANCE, work, RAISE if strict else 0, keys=ANY_KEY,
+             owed_budget=max_batches)
         for shard in session.cluster.shards
     ])
 

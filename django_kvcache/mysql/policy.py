@@ -13,8 +13,10 @@ or async, follow the same rules:
    side: :mod:`~django_kvcache.mysql.replica_lag`);
 2. skip a shard marked down (IGNORE_EXCEPTIONS): no connection is tried;
 3. owed clean-up (:mod:`~django_kvcache.mysql.cluster`): the call's own owed keys are
-   deleted first; one bounded step of the rest is taken on the way (maintenance: its
-   failure is logged, never held against the shard, never fails the call);
+   deleted first (a prefix call, which cannot list its keys, leaves the owed ones out
+   of its answer instead); one bounded step of the rest is taken on the way
+   (maintenance: its failure is logged, never held against the shard, never fails the
+   call); a cull deletes what is owed first, within its own budget;
 4. attempt, one statement per connection at a time, every shard in each round;
 5. classify an error once (:mod:`~django_kvcache.mysql.errors`): send it again where
    that is harmless (as often, and after such a pause, as its class says: a round
@@ -81,10 +83,11 @@ class Call:
     shard (or ``EVERYTHING``). ``keys``: the stored keys it reads or writes, deleted
     first where a missed write still owes them (``ANY_KEY``: everything owed first).
     ``quiet``: maintenance on the side: a failure is logged and answered with
-    ``fallback``.
+    ``fallback``. ``owed_budget``: for maintenance over every key (a cull), the owed
+    clean-up statements it runs first at most (``None``: all of them).
     """
 
-    __slots__ = ("shard", "access", "work", "fallback", "missed", "keys", "quiet")
+    __slots__ = ("shard", "access", "work", "fallback", "missed", "keys", "quiet", "owed_budget")
 
     def __init__(
         self,
@@ -95,9 +98,11 @@ class Call:
         missed: Any = None,
         keys: Any = (),
         quiet: bool = False,
+        owed_budget: int | None = None,
     ) -> None:
         self.shard, self.access, self.work = shard, access, work
         self.fallback, self.missed, self.keys, self.quiet = fallback, missed, keys, quiet
+        self.owed_budget = owed_budget
 
 
 class Exchange:
@@ -238,8 +243,11 @@ class Run:
     def _owed_tasks(self, record: MissedWrites, primary: str) -> None:
         scope = self.session.cluster.scope
         self.writes = True
-        if self.call.keys is ANY_KEY:  # a prefix or a scan cannot list its keys: all first
-            self.tasks.append(Task(primary, lambda sql: owed.steps(record, scope, sql, primary)))
+        if self.call.keys is ANY_KEY and self.call.access is Access.MAINTENANCE:
+            # cull(): what is owed first, within the cull's own budget of statements.
+            budget = self.call.owed_budget
+            self.tasks.append(Task(primary,
+                                   lambda sql: owed.steps(record, scope, sql, primary, budget)))
             return
         if time.monotonic() >= record.resume_at and record.cleaning.acquire(blocking=False):
             # (another call's step is never waited for; a failed one pauses the steps)
@@ -249,6 +257,10 @@ class Run:
                 primary, lambda sql: owed.steps(record, scope, sql, primary, budget),
                 quiet=True, done=self._release_cleaning,
             ))
+        if self.call.keys is ANY_KEY:
+            # A prefix call cannot list its keys: the ones still owed are left out of its
+            # answer (plans.with_prefix), never deleted all first here.
+            return
         keys = record.owed(self.call.keys)
         if keys:
             generation = record.generation
