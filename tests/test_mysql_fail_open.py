@@ -252,3 +252,65 @@ def test_error_1047_is_galera_s_only_from_a_galera_node(mysql_tables):
         cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1, "RETRY_TIMEOUT": 0.5})
         assert cache.set("k", 1) is None
         assert cache.metrics()["shards"]["default"]["down"] is True
+
+
+# --- MySQL 8 errors, raised by MariaDB (a trigger's SIGNAL) with MySQL's codes and words ----
+
+GROUP_REPLICATION_CONFLICT = (3101, "Plugin instructed the server to rollback the current "
+                                    "transaction.")
+GROUP_REPLICATION_HOOK = (3100, "Error on observer while running replication hook "
+                                "before_commit.")
+SUPER_READ_ONLY = (1290, "The MySQL server is running with the --super-read-only option so "
+                         "it cannot execute this statement")
+READ_ONLY_MODE = (1836, "Running in read-only mode")
+
+
+@pytest.mark.parametrize("code, message", [GROUP_REPLICATION_CONFLICT, GROUP_REPLICATION_HOOK])
+@pytest.mark.parametrize("ignore", [True, False])
+def test_a_group_replication_conflict_is_rerun_as_a_deadlock_is(mysql_tables, code, message,
+                                                                  ignore):
+    """Group Replication rolls back a transaction that conflicts with one certified on
+    another member (3101, reported through the before_commit hook's 3100): nothing was
+    applied, so it runs again, as 1213 does on Galera."""
+    with failing_inserts(code, message, times=3) as table:
+        cache = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": ignore})
+        assert cache.set("k", "v") is None
+        assert signals_left() == 0 and cache.get("k") == "v"
+
+
+def test_a_conflict_that_keeps_coming_fails_open(mysql_tables):
+    with failing_inserts(*GROUP_REPLICATION_CONFLICT) as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1})
+        assert cache.set("k", "v") is None  # after its reruns: failed open
+        assert cache.metrics()["shards"]["default"]["down"] is False  # the server answers
+        strict = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": False})
+        with pytest.raises(OperationalError) as raised:
+            strict.set("k", "v")
+        assert raised.value.args[0] == 3101
+
+
+@pytest.mark.parametrize("code, message", [SUPER_READ_ONLY, READ_ONLY_MODE])
+def test_a_read_only_server_after_a_failover_is_unreachable_for_writes(mysql_tables, code,
+                                                                       message):
+    """A primary demoted by a failover refuses writes (1290 naming --read-only or
+    --super-read-only, 1836): not applied, so the write is sent once more on a fresh
+    connection (where a proxy or a DNS name follows the failover, it reaches the new
+    primary); if that fails too, the server is unreachable for it: failed open, and
+    counted against its health."""
+    with failing_inserts(code, message, times=1) as table:
+        cache = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": False})
+        pool = blocking.pool_of("default", 16, 1.0)
+        connects = pool.connects
+        assert cache.set("k", "v") is None  # the rerun, on a new connection, went through
+        assert pool.connects == connects + 1 and cache.get("k") == "v"
+    with failing_inserts(code, message) as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1, "RETRY_TIMEOUT": 0.5})
+        assert cache.set("k", "v") is None
+        assert cache.metrics()["shards"]["default"]["down"] is True
+
+
+def test_1290_for_another_option_is_a_statement_error(mysql_tables):
+    with failing_inserts(1290, "The MySQL server is running with the --secure-file-priv "
+                               "option so it cannot execute this statement") as table:
+        with pytest.raises(OperationalError):
+            make_cache(table).set("k", "v")

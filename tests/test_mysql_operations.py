@@ -504,9 +504,24 @@ def test_row_alias_form_only_where_the_server_has_it(version, row_alias):
     ]
     for upsert in upserts:
         if row_alias:
-            assert " AS new ON DUPLICATE KEY UPDATE " in upsert and "VALUES(`" not in upsert
+            assert " AS `kvcache_new` ON DUPLICATE KEY UPDATE " in upsert
+            assert "VALUES(`" not in upsert
         else:
-            assert "VALUES(`value`)" in upsert and "new." not in upsert
+            assert "VALUES(`value`)" in upsert and "kvcache_new" not in upsert
+
+
+@pytest.mark.parametrize("table", ["new", "NEW", "kvcache_new", "Kvcache_New"])
+def test_the_row_alias_is_never_the_table_s_name(table):
+    """MySQL 8's upsert names the inserted row (``AS alias``) beside the table, whose
+    columns it qualifies by the table's name: the two names must differ, or every
+    qualified column is ambiguous (a table named ``new`` met ``AS new``)."""
+    statements = Statements(table, quote_name, row_alias=True)
+    hex_value = value_sql(b"v")[0]
+    for upsert in (statements.set_row(hex_value), statements.add_row(hex_value),
+                   statements.set_many([hex_value]), statements.lease_take):
+        alias = upsert.split(" AS ", 1)[1].split()[0].strip("`")
+        assert alias.lower() != table.lower(), upsert
+        assert f"`{alias}`.`value`" in upsert
 
 
 def test_table_collation_per_flavour():

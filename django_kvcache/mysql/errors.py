@@ -85,11 +85,20 @@ NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=Tr
 #: is not a Galera node is "unknown command": a ``STATEMENT`` error.)
 NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=False,
                          rerun=Rerun.NEVER)
+#: The server refuses writes because it is read-only: 1290 naming ``--read-only`` or
+#: ``--super-read-only`` (a primary demoted by a failover; 1290 for another option, say
+#: ``--secure-file-priv``, is a ``STATEMENT`` error), MySQL's 1836 read-only mode. Not
+#: applied; sent once more on a fresh connection, which reaches the new primary where a
+#: proxy or a DNS name follows the failover.
+READ_ONLY = ErrorClass("read-only server", unreachable=True, connection_lost=True,
+                       rerun=Rerun.NOT_APPLIED)
 #: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
 #: commit because a write committed on another node conflicts with it (a certification
-#: failure). Either way nothing was applied, so it runs again; each rerun races the other
-#: nodes again, after a random pause (below 1, 2, 4, 8, then 16 ms) so that writers that
-#: collided do not collide again in step. Writers of one hot key on several nodes meet it
+#: failure); 3101 (and 3100, the before_commit hook's error that reports it): MySQL Group
+#: Replication rolled it back at commit for the same reason. Either way nothing was
+#: applied, so it runs again; each rerun races the other nodes again, after a random
+#: pause (below 1, 2, 4, 8, then 16 ms) so that writers that collided do not collide
+#: again in step. Writers of one hot key on several nodes meet it
 #: often and sometimes in long runs: in tests/test_galera.py's hammering tests (6 writers
 #: on 4 keys over 3 nodes, 10,800 calls), 760 calls were rerun, most once or twice, the
 #: longest run 18 times. 40 reruns (at most 0.6 s of pauses) before the error is raised
@@ -114,7 +123,8 @@ CLASSES: dict[int, ErrorClass] = {
     **dict.fromkeys((2006, 4031), NOT_SENT),
     **dict.fromkeys((2013, 2055, 1927, 1158, 1159, 1160, 1161), LOST_REPLY),
     **dict.fromkeys((2002, 2003, 2005, 1040, 1203, 1053, 1129), NO_CONNECTION),
-    1213: CONFLICT,
+    1836: READ_ONLY,
+    **dict.fromkeys((1213, 3100, 3101), CONFLICT),
     1205: LOCK_WAIT,
     **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 1114, 1021), OVERLOADED),
 }
@@ -122,6 +132,7 @@ CLASSES: dict[int, ErrorClass] = {
 #: when the message says so, else ``STATEMENT``.
 BY_MESSAGE: dict[int, tuple[Callable[[str], bool], ErrorClass]] = {
     1047: (lambda message: "wsrep" in message, NOT_SERVING),
+    1290: (lambda message: "read-only" in message or "read_only" in message, READ_ONLY),
 }
 
 #: "Table ... doesn't exist".

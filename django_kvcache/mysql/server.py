@@ -32,7 +32,7 @@ class ServerInfo:
 
     @property
     def row_alias(self) -> bool:
-        """``INSERT … AS new`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
+        """``INSERT … AS alias`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
         return not self.mariadb and self.version >= (8, 0, 19)
 
 

@@ -103,11 +103,21 @@ def placeholders(count: int, width: int = 1) -> str:
     return ", ".join([item] * count)
 
 
+#: MySQL's row alias of the inserted row in an upsert (``INSERT … AS kvcache_new``).
+ROW_ALIAS = "kvcache_new"
+
+
+def row_alias_name(table: str) -> str:
+    """The row alias for ``table``: never the table's own name, which would make every
+    column qualified by it ambiguous (a table named ``new`` and the customary ``AS new``)."""
+    return ROW_ALIAS if table.lower() != ROW_ALIAS else ROW_ALIAS + "_row"
+
+
 class Statements:
     """Statement text for one table on one server flavour.
 
-    ``row_alias`` selects MySQL's ``INSERT … AS new`` form (8.0.19+); MariaDB only knows
-    ``VALUES(col)``, which MySQL 8.0.20+ deprecates.
+    ``row_alias`` selects MySQL's ``INSERT … AS kvcache_new`` form (8.0.19+); MariaDB only
+    knows ``VALUES(col)``, which MySQL 8.0.20+ deprecates.
     """
 
     def __init__(self, table: str, quote_name: Callable[[str], str], row_alias: bool) -> None:
@@ -115,12 +125,13 @@ class Statements:
         # the table name must be doubled (the DDL, run without parameters, must not be).
         t = quote_name(table).replace("%", "%%")
         self.row_alias = row_alias
+        self.alias = row_alias_name(table)
         # "+ 0" hides the expiry index from the optimizer where the primary key already
         # picks the rows: weighing a range over the whole index costs every statement.
         live = "`expires` + 0 > %s"
         insert = f"INSERT INTO {t} (`cache_key`, `value`, `flags`, `expires`) VALUES "
         self.insert = insert
-        self.new_row = (" AS new" if row_alias else "") + " ON DUPLICATE KEY UPDATE "
+        self.new_row = (f" AS `{self.alias}`" if row_alias else "") + " ON DUPLICATE KEY UPDATE "
 
         self.get = f"SELECT `value`, `flags` FROM {t} WHERE `cache_key` = %s AND {live}"
         self.has_key = f"SELECT 1 FROM {t} WHERE `cache_key` = %s AND {live}"
@@ -130,7 +141,7 @@ class Statements:
         # The IFs read the old `expires`, so it is assigned last. A live row is left as it
         # is and reports its expiry through LAST_INSERT_ID (never 0), which tells "not
         # added" apart from an insert: CLIENT.FOUND_ROWS makes rowcount 1 for both.
-        # The stored row's columns are qualified: next to MySQL's row alias `new`, a bare
+        # The stored row's columns are qualified: next to MySQL's row alias, a bare
         # column name must not be read as ambiguous.
         old_live = f"{t}.`expires` > %s"
         self.add_tail = (
@@ -243,7 +254,7 @@ class Statements:
 
     def new(self, column: str) -> str:
         """The inserted row's ``column`` inside ``ON DUPLICATE KEY UPDATE``."""
-        return f"new.`{column}`" if self.row_alias else f"VALUES(`{column}`)"
+        return f"`{self.alias}`.`{column}`" if self.row_alias else f"VALUES(`{column}`)"
 
     def overwrite_all(self) -> str:
         return ", ".join(f"`{c}` = {self.new(c)}" for c in ("value", "flags", "expires"))
