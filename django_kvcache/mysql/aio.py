@@ -35,7 +35,7 @@ from django_kvcache.mysql.connect import (
     open_connection,
 )
 from django_kvcache.mysql.query import Query, Reply
-from django_kvcache.mysql.server import local_reply, readable, remember_reply, statement_bytes
+from django_kvcache.mysql.server import local_reply, remember_reply, statement_bytes
 from django_kvcache.pool import LoopPool
 
 
@@ -85,10 +85,10 @@ class OwnConnection:
             if waiter is not None:
                 if not waiter.done():
                     waiter.set_result(None)
-            elif readable(self.fd):
+            elif self.raw.has_input():
                 self.arrived = True  # nobody awaits it yet: stop watching until then
                 self._unwatch()
-        elif readable(self.fd):  # (not an event of the reply just read: still readable)
+        elif self.raw.has_input():  # (not an event of the reply just read: still readable)
             self.hung_up = True  # nothing was asked: the server is ending the session
             self._unwatch()
 
@@ -119,7 +119,7 @@ class OwnConnection:
                 self.waiter = None
                 if timer is not None:
                     timer.cancel()
-            if readable(self.fd):  # else woken by an event of the previous reply: wait on
+            if self.raw.has_input():  # else woken by an event of the previous reply: wait on
                 break
         return self._read(named)
 
@@ -156,7 +156,7 @@ class AliasPool(Retiring, LoopPool[OwnConnection]):
         """Not closed by the server while idle: seen by the loop, or (before the loop
         had a turn to see it) by a zero-timeout poll. No statement is sent on a
         connection the server has closed, so none has to run twice."""
-        if connection.hung_up or readable(connection.fd):
+        if connection.hung_up or connection.raw.has_input():
             self.reconnects += 1
             return False
         return True

@@ -39,7 +39,6 @@ from django_kvcache.mysql.query import Query, Reply
 from django_kvcache.mysql.server import (
     DETECT,
     ServerInfo,
-    hung_up,
     known_server,
     local_reply,
     remember_reply,
@@ -247,7 +246,7 @@ class AliasPool(Retiring, BlockingPool[OwnConnection]):
         """Not closed by the server while idle (``wait_timeout``, a restart): a
         zero-timeout poll of its socket. No statement is sent on a connection the
         server has closed, so none has to run twice."""
-        if hung_up(raw):
+        if raw.has_input():
             self.reconnects += 1
             return False
         return True

@@ -24,7 +24,7 @@ never closes one; a forked child keeps the inherited ones there, unused.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import MySQLdb
 import MySQLdb.connections
@@ -34,6 +34,7 @@ from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.db.utils import load_backend
 
 from django_kvcache import forks
+from django_kvcache.mysql.server import watcher
 
 #: alias -> (its configured entry, the settings a TEST MIRROR pointed it at).
 _mirrored: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -109,7 +110,10 @@ def connection_params(alias: str) -> ConnectionParams:
 class OwnConnection(MySQLdb.connections.Connection):
     """A mysqlclient connection of the cache's own: held open by :data:`opened` until
     :meth:`close` (never by the garbage collector), which never raises (it may be closed
-    already, or its server gone), so a pool can always let it go."""
+    already, or its server gone), so a pool can always let it go. ``has_input()``: whether
+    the server sent something (between statements, only when it ends the session)."""
+
+    has_input: Callable[[], bool]
 
     def close(self) -> None:
         opened.forget(self)
@@ -128,6 +132,7 @@ def open_connection(params: ConnectionParams) -> OwnConnection:
             raw.encoders.pop(bytes)
         if params.session_sql:
             raw.query(params.session_sql)
+        raw.has_input = watcher(raw.fileno())
     except BaseException:
         raw.close()
         raise
