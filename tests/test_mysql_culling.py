@@ -192,7 +192,8 @@ def test_statements_use_the_index_meant_for_them(cache):
     assert index_used(statements.delete_expired, (now, 1000)) == "kvcache_expires"
     assert index_used(statements.nth_latest, (100,)) == "kvcache_expires"
     assert index_used(statements.evict_through, (now, now, "k", 1000)) == "kvcache_expires"
-    assert index_used(statements.get_many(2), (now, ":1:k1-1", ":1:k2-2")) == "PRIMARY"
+    assert index_used(statements.get_many(2), (":1:k1-1", ":1:k2-2")) == "PRIMARY"
+    assert index_used(statements.get, (":1:k1-1",)) == "PRIMARY"
     assert index_used(statements.keys_with_prefix, (":1:k1-1%", now)) == "PRIMARY"
     assert index_used(statements.incr, (1, ":1:k1-1", now)) == "PRIMARY"
 

@@ -31,8 +31,10 @@ from django_kvcache.mysql.query import (
     PACKET_LIMIT,
     Query,
     first_row,
-    found,
     lastrowid,
+    live_expiry,
+    live_row,
+    live_rows,
     rowcount,
     rows,
     update_outcome,
@@ -118,14 +120,14 @@ def get(session: Session, key: str) -> On:
     """The row of ``key``: ``(value, flags)`` or None."""
     return one(session, Call(
         session.cluster.shard_for(key), Access.READ,
-        lambda sql: Query(sql.get, (key, now_ms()), first_row), None, keys=(key,),
+        lambda sql: Query(sql.get, (key,), partial(live_row, now_ms())), None, keys=(key,),
     ))
 
 
 def has_key(session: Session, key: str) -> On:
     return one(session, Call(
         session.cluster.shard_for(key), Access.READ,
-        lambda sql: Query(sql.has_key, (key, now_ms()), found), False, keys=(key,),
+        lambda sql: Query(sql.has_key, (key,), partial(is_live, now_ms())), False, keys=(key,),
     ))
 
 
@@ -140,14 +142,14 @@ def get_many(session: Session, keys: list[str]) -> On:
 def _select_many(keys: list[str], sql: Statements) -> Any:
     now = now_ms()
     if keys_fit(keys):
-        return Query(sql.get_many(len(keys)), [now, *keys], rows)
+        return Query(sql.get_many(len(keys)), keys, partial(live_rows, now))
     return _select_chunks(keys, sql, now)
 
 
 def _select_chunks(keys: list[str], sql: Statements, now: int) -> Generator[Query, Any, list]:
     found_rows: list[Any] = []
     for chunk in (yield from key_chunks(keys)):
-        found_rows += yield Query(sql.get_many(len(chunk)), [now, *chunk], rows)
+        found_rows += yield Query(sql.get_many(len(chunk)), chunk, partial(live_rows, now))
     return found_rows
 
 
@@ -156,11 +158,15 @@ def ttl(session: Session, key: str) -> On:
 
     def work(sql: Statements) -> Generator[Query, Any, Any]:
         now = now_ms()
-        row = yield Query(sql.ttl, (key, now), first_row)
-        return None if row is None else (row[0], now)
+        expires = yield Query(sql.ttl, (key,), partial(live_expiry, now))
+        return None if expires is None else (expires, now)
 
     return one(session, Call(session.cluster.shard_for(key), Access.READ, work, None,
                              keys=(key,)))
+
+
+def is_live(now: int, reply: Any) -> bool:
+    return live_expiry(now, reply) is not None
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ def live_on_primary(session: Session, key: str) -> On:
     stores nothing); an unreachable shard (IGNORE_EXCEPTIONS) answers "yes": not added."""
     return one(session, Call(
         session.cluster.shard_for(key), Access.WRITE,
-        lambda sql: Query(sql.has_key, (key, now_ms()), found), True, keys=(key,),
+        lambda sql: Query(sql.has_key, (key,), partial(is_live, now_ms())), True, keys=(key,),
     ))
 
 

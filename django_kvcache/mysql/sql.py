@@ -133,8 +133,11 @@ class Statements:
         self.insert = insert
         self.new_row = (f" AS `{self.alias}`" if row_alias else "") + " ON DUPLICATE KEY UPDATE "
 
-        self.get = f"SELECT `value`, `flags` FROM {t} WHERE `cache_key` = %s AND {live}"
-        self.has_key = f"SELECT 1 FROM {t} WHERE `cache_key` = %s AND {live}"
+        # The primary-key reads select `expires` and leave the expired row out in Python
+        # (query.live_row and the like): a condition on it beside the key cost the server
+        # 12 us a statement here (MariaDB 10.11), reading the column 2 us.
+        self.get = f"SELECT `value`, `flags`, `expires` FROM {t} WHERE `cache_key` = %s"
+        self.has_key = f"SELECT `expires` FROM {t} WHERE `cache_key` = %s"
         # set and add put the value's SQL (value_sql) between a head and a tail.
         self.row_head = insert + "(%s, "
         self.set_tail = ", %s, %s)" + self.new_row + self.overwrite_all()
@@ -186,9 +189,7 @@ class Statements:
             f"DELETE FROM {t} WHERE `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' "
             "ORDER BY `cache_key` LIMIT %s"
         )
-        self.select_many = (
-            f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} AND `cache_key` IN "
-        )
+        self.select_many = f"SELECT `cache_key`, `value`, `flags`, `expires` FROM {t} WHERE `cache_key` IN "
         self.delete_many = f"DELETE FROM {t} WHERE `cache_key` IN "
 
         like = f"`cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' AND {live}"
@@ -218,7 +219,7 @@ class Statements:
         )
         self.evict_all = f"DELETE FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s"
 
-        self.ttl = f"SELECT `expires` FROM {t} WHERE `cache_key` = %s AND {live}"
+        self.ttl = self.has_key
         # Herd protection (``django_kvcache.mysql.lease``): an entry and its lease row in
         # one primary-key read, live or not (the caller tells fresh, stale and missing).
         self.lease_read = (
