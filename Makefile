@@ -18,20 +18,30 @@ test-all: $(STAMP) package
 	@$(MAKE) --no-print-directory test-galera
 
 # The `galera` group (tests/test_galera.py) on a 3-node Galera cluster, in .venv's Django:
-# cluster up, the group, cluster down again whatever the result.
+# cluster up, the group, cluster down again whatever the result. A cluster that does not
+# start fails the target (never a group of skipped tests): `services.py` exits non-zero,
+# and the tests stop at once when KVCACHE_REQUIRE_SERVERS' servers do not answer.
 test-galera: $(STAMP)
-	eval "$$($(VENV)/bin/python scripts/services.py galera up)"; \
-	rc=0; $(VENV)/bin/python -m pytest -p no:cacheprovider -m galera tests/test_galera.py $(PYTEST_ARGS) || rc=$$?; \
+	env="$$($(VENV)/bin/python scripts/services.py galera up)" || { \
+	    $(VENV)/bin/python scripts/services.py galera down; exit 1; }; \
+	eval "$$env"; \
+	rc=0; KVCACHE_REQUIRE_SERVERS=galera $(VENV)/bin/python -m pytest -p no:cacheprovider \
+	    -m galera tests/test_galera.py $(PYTEST_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py galera down; exit $$rc
 
 # The sdist and wheel build, install in fresh venvs and import (no servers needed).
 package: $(STAMP)
 	$(VENV)/bin/python scripts/check_package.py
 
-# Servers up, tox, servers down again whatever tox's result.
+# Servers up, tox, servers down again whatever tox's result; servers that do not start
+# fail it (as for test-galera), and so does any group services.py started (the shard
+# servers and the replica unless their ports are set empty) missing when tests start.
 tox:
 	@test -n "$(ENVS)"
-	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
+	env="$$($(VENV)/bin/python scripts/services.py up)" || { \
+	    $(VENV)/bin/python scripts/services.py down; exit 1; }; \
+	eval "$$env"; \
+	export KVCACHE_REQUIRE_SERVERS="mysql,memcached$${KVCACHE_MYSQL_SHARD_PORTS:+,shards}$${KVCACHE_MYSQL_REPLICA_PORT:+,replica}"; \
 	rc=0; $(VENV)/bin/tox run -e "$(ENVS),docs" -- $(PYTEST_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
@@ -45,7 +55,9 @@ BENCH_SERVER_CPU ?= 0.12
 
 bench: $(STAMP)
 	mkdir -p results
-	eval "$$($(VENV)/bin/python scripts/services.py up)"; \
+	env="$$($(VENV)/bin/python scripts/services.py up)" || { \
+	    $(VENV)/bin/python scripts/services.py down; exit 1; }; \
+	eval "$$env"; \
 	rc=0; $(VENV)/bin/python benchmark_app/manage.py kvcache_benchmark --values $(BENCH_VALUES) \
 	    --scenario default,shards,async --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
@@ -54,7 +66,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/services.py
 	$(PYTHON) scripts/services.py deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[mysql,memcached,zstd,bench,prometheus,dev,docs]'
+	$(VENV)/bin/python -m pip install -q -e '.[mysql,memcached,zstd,bench,prometheus,encrypt,dev,docs]'
 	touch $@
 
 services-up: $(STAMP)
@@ -68,5 +80,5 @@ docs: $(STAMP)
 
 clean:
 	-$(PYTHON) scripts/services.py down
-	-$(PYTHON) scripts/services.py galera down
+	-$(PYTHON) scripts/services.py galera clean
 	rm -rf $(VENV) .tox .runtime docs/_build results

@@ -19,6 +19,7 @@ from django_kvcache import stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue, StoredDictionaries
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import (
+    TOP_LEVEL_HINTS,
     check_known,
     django_integer,
     name_the_cache,
@@ -58,6 +59,20 @@ def check_delta(delta: Any) -> None:
     """``incr``/``decr`` count in integers: a bool or float delta is a mistake, not 1 or 1.5."""
     if isinstance(delta, bool) or not isinstance(delta, int):
         raise TypeError(f"delta must be an integer, got {delta!r}")
+
+
+def key_not_found(key: Any, version: int | None) -> ValueError:
+    """``incr``/``decr``/``incr_version`` of a missing key, in Django's words and with
+    the caller's key on both backends; a version the caller gave is named too (the key
+    may well exist at another)."""
+    at = "" if version is None else f" (version {version})"
+    return ValueError(f"Key '{key}'{at} not found")
+
+
+def counter_overflow(key: Any, delta: int) -> OverflowError:
+    return OverflowError(
+        f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
+    )
 
 
 def cache_aliases(backend: type, location: Any, params: Mapping[str, Any]) -> list[str]:
@@ -134,18 +149,29 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             "STALE_TIMEOUT",
             "EARLY_RECOMPUTE",
             "SIGNING_KEY",
+            "ENCRYPTION_KEYS",
         }
     )
     backend_options: frozenset[str] = frozenset()
+    #: Unknown OPTIONS a user carries over from Django, pymemcache, django-redis or
+    #: django-mysql, and what to use here instead (``options.THIS_CACHE`` names the cache).
+    option_hints: Mapping[str, str] = TOP_LEVEL_HINTS
+    #: Known OPTIONS that this backend has no use for, and why.
+    inapplicable_options: Mapping[str, str] = {}
     #: COMPRESS_MIN_LENGTH when OPTIONS do not set it: each backend weighs what
     #: compression saves (memory, disk) against what it costs (CPU on every read).
     default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
 
     def __init__(
-        self, params: Mapping[str, Any], stored_dictionaries: StoredDictionaries | None = None
+        self,
+        params: Mapping[str, Any],
+        stored_dictionaries: StoredDictionaries | None = None,
+        encryption_scope: str = "",
     ) -> None:
         """``stored_dictionaries``: a backend keeping zstd dictionaries itself gives their
-        source, for ``COMPRESS_DICTIONARY: "auto"``."""
+        source, for ``COMPRESS_DICTIONARY: "auto"``. ``encryption_scope``: where the
+        entries live (a table, memcached), bound into each one with ENCRYPTION_KEYS, so
+        an entry copied from elsewhere does not decrypt here."""
         options = params.get("OPTIONS") or {}
         self.check_options(options)
         options = read_number_options(options)
@@ -154,14 +180,22 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         super().__init__(params)
         self.options: dict[str, Any] = options
         self.codec = Codec.from_options(
-            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries
+            options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries,
+            encryption_scope=encryption_scope,
         )
         self.stampede = stampede.Policy.from_options(options)
 
     # --- configuration ---------------------------------------------------------------
 
     def check_options(self, options: Mapping[str, Any]) -> None:
-        check_known(options, self.shared_options | self.backend_options, "OPTIONS")
+        for name, reason in self.inapplicable_options.items():
+            if name in options:
+                raise ImproperlyConfigured(
+                    f"OPTIONS[{name!r}] does not apply to {type(self).__name__}: {reason}. "
+                    "Remove it."
+                )
+        known = self.shared_options | self.backend_options
+        check_known(options, known, "OPTIONS", self.option_hints)
         for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
             if name in options:
                 django_integer(options[name], f"OPTIONS[{name!r}]", minimum=0)
@@ -194,11 +228,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         return {self.make_and_validate_key(key, version=version): key for key in keys}
 
     def decode(self, data: bytes, flags: int, key: str) -> Any:
-        """The stored value, or ``MISSING`` (with a rate-limited warning) when the entry is
-        corrupt, or written with a compressor this process lacks (zstd where it is not
-        installed: the entry is fine, only unreadable here)."""
+        """The value stored under ``key`` (the stored key), or ``MISSING`` (with a
+        rate-limited warning) when the entry is corrupt, fails authentication
+        (ENCRYPTION_KEYS), or was written with a compressor this process lacks (zstd where
+        it is not installed: the entry is fine, only unreadable here)."""
         try:
-            return self.codec.decode(data, flags)
+            return self.codec.decode(data, flags, key)
         except CorruptValue as exc:
             if flags & FLAG_ZSTD and FLAG_ZSTD not in self.codec.decompressors:
                 message = f"cache entry {key!r} read as missing, unreadable here: {exc}"
@@ -272,6 +307,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         seconds = self.timeout_seconds(timeout)
         return seconds is None or seconds > 0
 
+    def storage(self) -> frozenset[str]:
+        """Where the entries live, one name per place (a table in a database, a node):
+        caches whose places meet share their entries' storage (the ``kvcache.W011``
+        check compares their ENCRYPTION_KEYS)."""
+        return frozenset()
+
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires, with django-redis's meaning: ``None`` for an
         entry that never expires, ``0`` for a missing (or expired) one."""
@@ -280,6 +321,16 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     def decr(self, key: Any, delta: int = 1, version: int | None = None) -> int:
         check_delta(delta)  # before negating: -True would pass as -1
         return self.incr(key, -delta, version=version)
+
+    def incr_version(self, key: Any, delta: int = 1, version: int | None = None) -> int:
+        """Django's ``incr_version``, whose missing key is named as ``incr`` names it."""
+        current = self.version if version is None else version
+        value = self.get(key, MISSING, version=current)
+        if value is MISSING:
+            raise key_not_found(key, version)
+        self.set(key, value, version=current + delta)
+        self.delete(key, version=current)
+        return current + delta
 
     # --- async: every method delegates to its sync counterpart -----------------------
 

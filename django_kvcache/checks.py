@@ -14,26 +14,42 @@
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
   checked, whichever alias was named.
+* ``kvcache.E002`` the table exists in one of the cache's own databases with another
+  layout: django-mysql's, Django's DatabaseCache's, or another application's table of that
+  name (every cache call would fail); the message says whose it looks like and the fix.
+  Checked as W001 is, under ``--database``.
+* ``kvcache.E011`` a key of a cache's ``OPTIONS["ENCRYPTION_KEYS"]`` is too weak: text
+  under 32 characters or with fewer than 10 distinct ones, bytes that are not random;
+* ``kvcache.W011`` two caches keep their entries in the same place (a table in a
+  database, a memcached node), and one has ENCRYPTION_KEYS while the other has none, or
+  (with the same KEY_PREFIX) one writes with a key the other cannot read;
 * ``kvcache.E010`` a cache whose ``OPTIONS["ENGINE"]`` is not InnoDB (MyISAM, Aria,
   MEMORY…) uses a Galera node (MariaDB Galera, Percona XtraDB Cluster): Galera replicates
   only InnoDB, so each node would keep a cache of its own. It needs a connection, as W001.
 
+None of them imports a backend that no cache in CACHES names.
+
 An invalid LOCATION or OPTIONS value is no check message: Django's own cache checks build
 every cache in CACHES before these run, so ``check`` (and every command that runs the
-checks) stops with the cache's ``ImproperlyConfigured``, which names the option.
+checks) stops with the cache's ``ImproperlyConfigured``, which names the option. So does
+ENCRYPTION_KEYS where cryptography is not installed: the message says what to install.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections
 
-from django_kvcache.backends.mysql import MySQLCache, mysql_cache_aliases
 from django_kvcache.base import KVCache
+from django_kvcache.configured import mysql_cache_aliases
+from django_kvcache.encryption import configured_keys, key_id_text, weak_key
 from django_kvcache.zstd import INSTALL_HINT, zstd_engine
+
+if TYPE_CHECKING:  # the MySQL backend is imported only by a site that configures it
+    from django_kvcache.backends.mysql import MySQLCache
 
 
 def all_databases(cache: MySQLCache) -> list[str]:
@@ -46,7 +62,7 @@ def check_mysql_caches(
     app_configs: Iterable[Any] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             vendor = connections[database].vendor
             if vendor == "mysql":
@@ -72,12 +88,16 @@ def check_mysql_cache_tables(
     if not databases:  # no database access unless the caller allows it
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         for database in cache.database_aliases():
             if connections[database].vendor != "mysql":
                 continue  # kvcache.E001
             missing = cache.missing_tables(database)
+            problem = None if cache.table in missing else cache.table_layout_problem(database)
+            if problem is not None:
+                found, fix = problem
+                messages.append(Error(found, hint=fix, id="kvcache.E002"))
             if not missing:
                 continue
             names = " and ".join(repr(table) for table in missing)
@@ -132,7 +152,7 @@ def check_engine_on_galera(
     if not databases:  # no database access unless the caller allows it (as W001)
         return []
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         cache = caches[alias]
         if cache.engine.lower() == "innodb":
             continue
@@ -163,7 +183,7 @@ def check_mysql_connection_charsets(
     """``kvcache.W003``: the connection character set, as Django will connect (OPTIONS
     ``charset``, else the Django version's default) — read from settings, no connection."""
     messages: list[CheckMessage] = []
-    for alias in mysql_cache_aliases():
+    for alias in mysql_cache_aliases(importable=True):
         for database in all_databases(caches[alias]):
             connection = connections[database]
             if connection.vendor != "mysql":
@@ -182,3 +202,84 @@ def check_mysql_connection_charsets(
                 )
             )
     return messages
+
+
+def kvcaches() -> dict[str, KVCache]:
+    """The kvcache caches of CACHES, by alias (built: Django's own checks built them)."""
+    return {alias: caches[alias] for alias in settings.CACHES
+            if isinstance(caches[alias], KVCache)}
+
+
+@register(Tags.caches)
+def check_encryption_keys(
+    app_configs: Iterable[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``kvcache.E011``: a weak key (never repeated in the message)."""
+    messages: list[CheckMessage] = []
+    for alias, cache in kvcaches().items():
+        for index, key in enumerate(configured_keys(cache.options) or []):
+            why = weak_key(key)
+            if why is None:
+                continue
+            messages.append(
+                Error(
+                    f"CACHES[{alias!r}]['OPTIONS']['ENCRYPTION_KEYS'][{index}] {why}: too "
+                    "weak to encrypt the cache's entries with.",
+                    hint="Generate a key with: python -c \"import secrets; "
+                    "print(secrets.token_urlsafe(32))\" and read it from the environment.",
+                    id="kvcache.E011",
+                )
+            )
+    return messages
+
+
+@register(Tags.caches)
+def check_shared_encryption(
+    app_configs: Iterable[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``kvcache.W011``: caches in one place whose ENCRYPTION_KEYS do not agree."""
+    messages: list[CheckMessage] = []
+    found = list(kvcaches().items())
+    for number, (alias, cache) in enumerate(found):
+        for other_alias, other in found[number + 1:]:
+            shared = cache.storage() & other.storage()
+            if not shared:
+                continue
+            problem = _encryption_mismatch(alias, cache, other_alias, other)
+            if problem is None:
+                continue
+            messages.append(
+                Warning(
+                    f"CACHES[{alias!r}] and CACHES[{other_alias!r}] keep their entries in "
+                    f"the same place ({sorted(shared)[0]}), but {problem}",
+                    hint="Give caches that share a table or memcached nodes the same "
+                    "OPTIONS['ENCRYPTION_KEYS'] (or put the unencrypted one elsewhere).",
+                    id="kvcache.W011",
+                )
+            )
+    return messages
+
+
+def _encryption_mismatch(alias: str, cache: KVCache, other_alias: str, other: KVCache) -> str | None:
+    mine, theirs = cache.codec.encryption, other.codec.encryption
+    if mine is None and theirs is None:
+        return None
+    if mine is None or theirs is None:
+        plain = alias if mine is None else other_alias
+        return (
+            f"only one of them has ENCRYPTION_KEYS: CACHES[{plain!r}] stores its entries "
+            "unencrypted where the other's are encrypted, readable by anyone who can read "
+            "the other's ciphertext, and each reads the other's entries as misses."
+        )
+    if cache.key_prefix != other.key_prefix:
+        return None  # separate entries, each cache's own readable by itself alone
+    for writer, reader, writer_alias, reader_alias in (
+        (mine, theirs, alias, other_alias), (theirs, mine, other_alias, alias)
+    ):
+        if writer.writer_id not in reader.key_ids:
+            return (
+                f"CACHES[{writer_alias!r}] encrypts with key id "
+                f"{key_id_text(writer.writer_id)}, which is not among CACHES[{reader_alias!r}]'s "
+                "ENCRYPTION_KEYS: what one writes, the other reads as a miss."
+            )
+    return None

@@ -11,12 +11,15 @@ value written by one of those clients is readable here and the other way round::
     16  UTF-8 text          (read only)
 
 A serializer or compressor of our own that others cannot read takes a bit above these
-(``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512, zstd compression 1024) so
-no client ever misreads it as plain pickle. Every codec reads values compressed with
+(``JSONSerializer`` uses 256, ``SignedPickleSerializer`` 512, zstd compression 1024,
+encryption 2048 with the key id in bits 16-31: ``django_kvcache.encryption``) so no
+client ever misreads it as plain pickle. Every codec reads values compressed with
 zlib or zstd (when a zstd engine is installed), whatever it writes, so switching
 COMPRESSOR never makes existing entries unreadable.
 
-Integers are stored as plain decimal text so servers can ``incr`` them in place.
+Integers are stored as plain decimal text so servers can ``incr`` them in place, also
+in a cache with ENCRYPTION_KEYS: everything else is serialized, compressed, then
+encrypted, and such a cache reads nothing unencrypted but those integers.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from typing import Any, Callable, Mapping, Protocol
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from django_kvcache.encryption import FLAG_ENCRYPTED, Encryption, NotOpened, key_id_of, key_id_text
 from django_kvcache.options import integer
 from django_kvcache.zstd import (
     AUTO,
@@ -281,8 +285,11 @@ class Codec:
         serializer: Serializer,
         compressor: Compressor | None = None,
         compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH,
+        encryption: Encryption | None = None,
     ) -> None:
         self.serializer = serializer
+        #: Seals what would be stored (ENCRYPTION_KEYS); None: entries are stored as is.
+        self.encryption = encryption
         self.compressor = compressor
         self.compress_min_length = compress_min_length
         # A compressor that fails fast on random bytes (zstd) is not worth screening for.
@@ -306,12 +313,16 @@ class Codec:
         default_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH,
         default_compressor: str | None = None,
         stored_dictionaries: StoredDictionaries | None = None,
+        encryption_scope: str = "",
     ) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
-        COMPRESS_MIN_LENGTH, COMPRESS_LEVEL and COMPRESS_DICTIONARY. ``default_min_length``
-        and ``default_compressor`` apply when the option is absent: each backend's own
-        (``default_compressor_path()`` when not given). ``stored_dictionaries`` is given
-        by a backend that keeps its dictionaries itself (``COMPRESS_DICTIONARY: "auto"``)."""
+        COMPRESS_MIN_LENGTH, COMPRESS_LEVEL, COMPRESS_DICTIONARY and ENCRYPTION_KEYS.
+        ``default_min_length`` and ``default_compressor`` apply when the option is absent:
+        each backend's own (``default_compressor_path()`` when not given).
+        ``stored_dictionaries`` is given by a backend that keeps its dictionaries itself
+        (``COMPRESS_DICTIONARY: "auto"``); ``encryption_scope`` names where the cache's
+        entries live (its table), bound into every encrypted entry."""
+        encryption = Encryption.from_options(options, encryption_scope)
         min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
         dictionary_setting = options.get("COMPRESS_DICTIONARY")
         if dictionary_setting:
@@ -341,17 +352,30 @@ class Codec:
             serializer=serializer_class(options),
             compressor=compressor,
             compress_min_length=min_length,
+            encryption=encryption,
         )
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        data, flags, _ = self.encode_measured(value)
+    def encode(self, value: Any, key: str | None = None) -> tuple[bytes, int]:
+        """``value`` as stored under ``key`` (the stored key: with ENCRYPTION_KEYS the
+        entry is bound to it, and ``key`` is required)."""
+        data, flags, _ = self.encode_measured(value, key)
         return data, flags
 
-    def encode_measured(self, value: Any) -> tuple[bytes, int, int]:
+    def encode_measured(self, value: Any, key: str | None = None) -> tuple[bytes, int, int]:
         """``encode`` plus the number of bytes compression saved (0 when uncompressed)."""
         # `type(...) is int` keeps bools (an int subclass) and int subclasses pickled.
         if type(value) is int and INT64_MIN <= value <= INT64_MAX:
-            return b"%d" % value, FLAG_INTEGER, 0
+            return b"%d" % value, FLAG_INTEGER, 0  # plain, encrypted or not: incr needs it
+        data, flags, saved = self.payload(value)
+        if self.encryption is None:
+            return data, flags, saved
+        if key is None:
+            raise TypeError("an encrypting codec binds each entry to its key: pass the stored key")
+        data, flags = self.encryption.seal(data, flags, key)
+        return data, flags, saved
+
+    def payload(self, value: Any) -> tuple[bytes, int, int]:
+        """``value`` serialized, and compressed where that pays: bytes, flags, bytes saved."""
         data = self.serializer.dumps(value)
         flags = self.serializer.flag
         if (
@@ -364,6 +388,34 @@ class Codec:
                 return compressed, flags | self.compressor.flag, len(data) - len(compressed)
         return data, flags, 0
 
+    def opened(self, data: bytes, flags: int, key: str | None = None) -> tuple[bytes, int]:
+        """A stored entry's payload and flags, without its encryption; the payload of an
+        entry that needs none is itself. Raises ``CorruptValue`` for an entry that fails
+        authentication, is encrypted with no key here, or (with ENCRYPTION_KEYS) is
+        stored unencrypted — integers apart."""
+        if self.encryption is None:
+            if flags & FLAG_ENCRYPTED:
+                key_id = key_id_text(key_id_of(flags))
+                raise CorruptValue(  # the reason without the id, which a forger chooses
+                    f"encrypted (key id {key_id}), and this cache has no ENCRYPTION_KEYS",
+                    "encrypted",
+                )
+            return data, flags
+        if flags & FLAG_ENCRYPTED:
+            if key is None:
+                raise TypeError("an encrypting codec binds each entry to its key: pass the stored key")
+            try:
+                return self.encryption.open(data, flags, key)
+            except NotOpened as exc:
+                raise CorruptValue(str(exc), exc.reason) from None
+        if flags == FLAG_INTEGER or flags == FLAG_LONG:
+            return data, flags
+        raise CorruptValue(
+            "stored unencrypted in a cache with ENCRYPTION_KEYS (written before they were "
+            "set, by a cache without them, or forged): not deserialized",
+            "not encrypted",
+        )
+
     def decompressed(self, data: bytes, flags: int) -> tuple[bytes, int]:
         """A stored entry's serialized bytes and flags, without its compression."""
         compressed = flags & self.compressed_mask
@@ -372,7 +424,10 @@ class Codec:
         # A KeyError (two compression bits at once) is a corrupt entry like any other.
         return self.decompressors[compressed](data), flags ^ compressed
 
-    def decode(self, data: bytes, flags: int) -> Any:
+    def decode(self, data: bytes, flags: int, key: str | None = None) -> Any:
+        """The value of an entry stored under ``key`` (needed with ENCRYPTION_KEYS)."""
+        if flags & FLAG_ENCRYPTED or self.encryption is not None:
+            data, flags = self.opened(data, flags, key)  # before anything reads the bytes
         try:
             if flags == FLAG_INTEGER or flags == FLAG_LONG:
                 return int(data)

@@ -14,6 +14,7 @@ made, its lock renewed in a forked child.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -30,6 +31,7 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 _aware: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+logger = logging.getLogger(__name__)
 
 
 def register(aware: A) -> A:
@@ -70,7 +72,10 @@ class Registry(Generic[K, V]):
 
 def _after_fork_in_child() -> None:
     for aware in list(_aware):
-        aware.after_fork()
+        try:
+            aware.after_fork()
+        except Exception:  # the others must still renew theirs
+            logger.exception("Renewing %r in a forked child failed", aware)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

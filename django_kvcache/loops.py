@@ -7,25 +7,30 @@ touched from that loop's thread (so they need no lock), and a process running se
 loops (``async_to_sync`` in threads, a test runner's loops) has one set per loop. When a
 loop shuts down — ``loop.shutdown_asyncgens()``, which ``asyncio.run``, asgiref and ASGI
 servers call — its state is closed at once. A loop closed without that (``loop.close()``
-alone) cannot tell us: its state is closed and forgotten by the next call that makes
-state for another loop or lists every loop's, so a process that makes loop after loop
-keeps at most one closed loop's connections. After a fork the child forgets the
-parent's loops and sockets.
+alone) cannot tell us: its state is closed and forgotten by the next event loop that
+makes state of its own, or by a call that lists every loop's (``metrics()``), so a
+process that makes loop after loop keeps at most one closed loop's connections. After a
+fork the child forgets the parent's loops and sockets, and never closes them.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import AsyncIterator, Callable, Generic, TypeVar
 
 from django_kvcache import forks
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class PerLoop(Generic[T]):
     """One ``T`` per event loop: made by ``make`` on first use, ``close``\\ d with the loop
-    (``close`` may be called from another thread once the loop is closed)."""
+    (``close`` may be called from another thread once the loop is closed).
+
+    Getting the running loop's state is a plain dict lookup: no lock, no weak reference.
+    """
 
     def __init__(self, make: Callable[[], T], close: Callable[[T], None]) -> None:
         self.make, self.close = make, close
@@ -70,11 +75,13 @@ class PerLoop(Generic[T]):
         try:
             yield
         finally:
-            with self.lock:
-                if self.states.get(loop) is state:
+            with self.lock:  # not ours to close if forgotten (a forked child's copy)
+                mine = self.states.get(loop) is state
+                if mine:
                     del self.states[loop]
                     self.guards.pop(loop, None)
-            self.close(state)
+            if mine:
+                self.close(state)
 
     def _close_closed_loops(self) -> None:
         """Close and forget the state of every loop closed without shutting down. The
@@ -88,7 +95,11 @@ class PerLoop(Generic[T]):
             for loop in closed:
                 self.guards.pop(loop, None)
         for state in states:
-            self.close(state)
+            try:
+                self.close(state)
+            except Exception:  # the caller is another loop's: it must not fail for this
+                logger.warning("Closing the connections of a closed event loop failed",
+                               exc_info=True)
 
     def after_fork(self) -> None:
         """Forget the parent's loops (their sockets are the parent's)."""

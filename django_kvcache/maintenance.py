@@ -14,21 +14,23 @@ meant to be called from a periodic task (Celery beat, RQ scheduler...)::
     def cull_caches():
         return cull_all()
 
-It lives above the backend (the helper package ``django_kvcache.mysql`` never imports it).
+It lives above the backend (the helper package ``django_kvcache.mysql`` never imports it),
+and imports the backend only through ``CACHES``: a site without a MySQLCache (without
+mysqlclient, say) runs ``migrate`` without importing any of it.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
 from django.db import DatabaseError, connections, router
 
-from django_kvcache.backends.mysql import MySQLCache, is_mysql_cache, mysql_cache_aliases
-from django_kvcache.mysql import blocking
-from django_kvcache.mysql.connect import is_test_database_of, remember_mirror
-from django_kvcache.mysql.sql import MARIADB_COLLATION, MYSQL_COLLATION
+from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases
+
+if TYPE_CHECKING:  # the MySQL backend is imported only by a site that configures it
+    from django_kvcache.backends.mysql import MySQLCache
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
         statements = []
         for database in cache.database_aliases():
             if cache.table_exists(database):
+                refuse_other_layout(cache, database)
                 continue
             statement = cache.create_table_sql(database)
             if not dry_run:
@@ -81,12 +84,23 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
         if not router.allow_migrate_model(database, cache.cache_model_class):
             continue
         if cache.table_exists(database):
+            refuse_other_layout(cache, database)
             continue
         done[alias] = cache.create_table_sql(database)
         if not dry_run:
             cache.create_table(database)
             logger.info("Created table %r of cache %r in database %r", cache.table, alias, database)
     return done
+
+
+def refuse_other_layout(cache: MySQLCache, database: str) -> None:
+    """An existing table of another layout (django-mysql's, DatabaseCache's...) is no
+    table of the cache's: ``CacheTableLayout``, saying whose it looks like and the fix."""
+    from django_kvcache.mysql.layouts import CacheTableLayout
+
+    problem = cache.table_layout_problem(database)
+    if problem is not None:
+        raise CacheTableLayout(" ".join(problem))
 
 
 def caches_in(database: str) -> dict[str, MySQLCache]:
@@ -135,6 +149,8 @@ def follow_test_mirror(database: str) -> None:
         for alias in cache.database_aliases():
             if alias == database or mirrored(alias) != database:
                 continue
+            from django_kvcache.mysql.connect import is_test_database_of  # (MySQLCache only)
+
             mirror = connections[alias]
             if is_test_database_of(primary, mirror.settings_dict):
                 mirror.close()  # an open connection would stay on the real database
@@ -145,7 +161,9 @@ def follow_test_mirror(database: str) -> None:
 def follow_mirror(alias: str, settings: dict[str, Any]) -> None:
     """The cache's own connections to ``alias`` reach the database of ``settings`` from
     now on, in every thread (idle ones to the real database are closed)."""
-    remember_mirror(alias, settings)
+    from django_kvcache.mysql import blocking, connect  # (a site with MySQLCache only)
+
+    connect.remember_mirror(alias, settings)
     blocking.retire_pools([alias])
 
 
@@ -230,6 +248,8 @@ def python_literal(sql: str) -> str:
 def migration_source(aliases: Iterable[str] | None = None) -> str:
     """A migration module creating each cache's table (dropping it when reversed), with
     the collation of the server it is applied to."""
+    from django_kvcache.mysql.sql import MARIADB_COLLATION, MYSQL_COLLATION
+
     selected = mysql_caches(aliases)
     tables: dict[str, MySQLCache] = {}
     for cache in selected.values():  # two aliases may share one table

@@ -114,17 +114,45 @@ def nearest(name: Any, known: Collection[str]) -> str | None:
     return found[0] if found else None
 
 
-def check_known(mapping: Any, known: Collection[str], what: str) -> Mapping[str, Any]:
+#: Stands for the cache in a message (``CACHES['x']``), filled in when the cache is named.
+THIS_CACHE = "{this cache}"
+#: The settings of a CACHES entry that are not OPTIONS, and what a user who puts one in
+#: OPTIONS is told (a backend adds to TIMEOUT's).
+TOP_LEVEL = f"it belongs at the top level of {THIS_CACHE}, beside BACKEND, not in OPTIONS"
+TOP_LEVEL_HINTS = {
+    name: TOP_LEVEL for name in ("TIMEOUT", "KEY_PREFIX", "VERSION", "KEY_FUNCTION", "LOCATION",
+                                 "BACKEND")
+}
+
+
+def hint_for(name: Any, hints: Mapping[str, str]) -> str | None:
+    """What ``hints`` say of an unknown key: under its exact name, else in lower case
+    (``TIMEOUT`` is Django's setting, ``timeout`` pymemcache's)."""
+    if not isinstance(name, str):
+        return None
+    return hints.get(name) or hints.get(name.lower())
+
+
+def check_known(
+    mapping: Any, known: Collection[str], what: str, hints: Mapping[str, str] | None = None
+) -> Mapping[str, Any]:
     """``mapping`` itself, after checking it is a dict whose keys are all in ``known``;
-    each unknown key comes with the nearest known one."""
+    each unknown key comes with what ``hints`` say of it (a name carried over from another
+    client, and its equivalent here), else with the nearest known one."""
     if not isinstance(mapping, Mapping):
         raise ImproperlyConfigured(f"{what} must be a dict, got {mapping!r}")
     unknown = sorted(set(mapping) - set(known), key=str)
     if unknown:
         described = []
         for name in unknown:
+            hint = hint_for(name, hints or {})
             suggestion = nearest(name, known)
-            described.append(f"{name} (did you mean {suggestion}?)" if suggestion else str(name))
+            if hint:
+                described.append(f"{name} ({hint})")
+            elif suggestion:
+                described.append(f"{name} (did you mean {suggestion}?)")
+            else:
+                described.append(str(name))
         raise ImproperlyConfigured(
             f"{what} has unknown keys: {', '.join(described)}. "
             f"Known: {', '.join(sorted(known))}"
@@ -225,6 +253,7 @@ def name_the_cache(message: str, cache: str) -> str:
     """``message`` about a setting of ``cache`` (``CACHES['mc']``, or a description of
     a cache built outside CACHES), naming it: ``OPTIONS['X'] must be ...`` becomes
     ``CACHES['mc']['OPTIONS']['X'] must be ...``; any other message is prefixed."""
+    message = message.replace(THIS_CACHE, cache if ONE_CACHE.fullmatch(cache) else "its settings")
     match = SETTING_AT_START.match(message)
     if match and ONE_CACHE.fullmatch(cache):
         return f"{cache}[{match.group(1)!r}]{message[match.end():]}"

@@ -12,17 +12,19 @@ to the caller that has waited longest, so a burst of newcomers cannot starve it.
 * :class:`BlockingPool` — threads (a process-wide pool per server): a waiting thread
   blocks on a lock of its own (:class:`ThreadLine`). A forked child starts empty, without
   closing the parent's sockets.
-* :class:`LoopPool` — coroutines of one event loop (one pool per loop and server, only
-  touched from that loop's thread): a waiting coroutine awaits a future
-  (:class:`LoopLine`).
+* :class:`LoopPool` — coroutines of one event loop (one pool per loop and server, used
+  from that loop's thread; once the loop is closed it may be closed from another):
+  a waiting coroutine awaits a future (:class:`LoopLine`).
 
 A subclass says how a connection is opened (:meth:`Pool.open`), whether an idle one may
 still be used (:meth:`Pool.usable`), what a timed-out wait raises
 (:meth:`Pool.exhausted`), and each connection how it closes (its ``close()``).
 
-Whatever stops a wait — a timeout, a cancelled coroutine, an exception a signal handler
-raises in a waiting thread — the waiter leaves the line, or, if it was served at that
-very moment, passes on what it was given: no slot and no connection is ever lost.
+Whatever ends a wait — a timeout, a cancelled coroutine, an exception a signal handler
+raises in a waiting thread (Celery's soft time limit) — the waiter leaves the line, or,
+if it was served meanwhile, passes on what it was given: a wait loses no slot and no
+connection. (What a caller does with a connection once ``checkout`` returned it is the
+caller's.)
 
 Taking and returning an idle connection while nobody waits is a plain ``list.pop`` /
 ``list.append`` (atomic under the GIL); the lock is taken only when the pool is empty or
@@ -47,19 +49,35 @@ class Connection(Protocol):
     def close(self) -> None: ...
 
 
+class Line(Protocol):
+    """The callers waiting for a pool, oldest first (guarded by the pool's lock)."""
+
+    def __len__(self) -> int: ...
+
+    def hand_over(self, item: Any) -> bool:
+        """Give ``item`` to the oldest caller still waiting; False if none is."""
+
+    def forget(self, waiter: Any) -> bool:
+        """Take ``waiter`` out of the line; False if it was not in it (served)."""
+
+
 C = TypeVar("C", bound=Connection)
+#: What :meth:`Pool._take_now` gives when the caller must wait.
+WAIT: Any = object()
+#: The names of :meth:`Pool.figures`.
+FIGURES = ("size", "idle", "waiters", "waits", "wait_seconds", "connects", "reuses")
 
 
 class Pool(Generic[C]):
     """The core both ways of waiting share: slots, idle connections, hand-over, counters.
 
-    Counters (read from any thread, for monitoring): ``size`` (open), ``idle``,
-    ``waiting`` (callers in the line now), ``connects`` (opened), ``reuses`` (checkouts an
+    Counters (read from any thread, for monitoring; :meth:`figures`): ``size`` (open),
+    ``idle``, the callers waiting now, ``connects`` (opened), ``reuses`` (checkouts an
     idle connection served), ``waits`` (checkouts that waited) and ``wait_time``
     (seconds they waited, in all).
     """
 
-    line: ThreadLine | LoopLine
+    line: Line
 
     def __init__(self, max_size: int, timeout: float) -> None:
         self.max_size = max_size
@@ -67,6 +85,9 @@ class Pool(Generic[C]):
         self.lock = threading.Lock()
         self.idle: list[C] = []
         self.size = 0
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.connects = 0
         self.reuses = 0
         self.waits = 0
@@ -87,19 +108,12 @@ class Pool(Generic[C]):
 
     def try_checkout(self) -> C | None:
         """A connection if one is idle or may be opened now; None instead of waiting."""
-        if not self.line:
-            connection = self._pop_usable()
-            if connection is not None:
-                return connection
+        connection = self._idle_now()
+        if connection is not None:
+            return connection
         with self.lock:
-            if not self.line:
-                connection = self._pop_usable(locked=True)
-                if connection is not None:
-                    return connection
-            if self.size >= self.max_size:
-                return None
-            self.size += 1
-        return self._opened()
+            got = self._take_now()
+        return None if got is WAIT else self._served(got)
 
     def checkin(self, connection: C) -> None:
         self.idle.append(connection)
@@ -131,33 +145,62 @@ class Pool(Generic[C]):
             connection.close()
 
     def figures(self) -> dict[str, float]:
+        """The counters, named as ``metrics()`` shows them (after a prefix)."""
         return {
-            "size": self.size, "idle": len(self.idle), "waiting": len(self.line),
-            "connects": self.connects, "reuses": self.reuses, "waits": self.waits,
-            "wait_time": self.wait_time,
+            "size": self.size, "idle": len(self.idle), "waiters": len(self.line),
+            "waits": self.waits, "wait_seconds": round(self.wait_time, 6),
+            "connects": self.connects, "reuses": self.reuses,
         }
 
     # --- inside ---------------------------------------------------------------------------
+
+    def _idle_now(self) -> C | None:
+        """An idle connection, taken without the lock while nobody waits."""
+        if self.line:
+            return None
+        while (connection := self._pop_idle()) is not None:
+            if self._usable(connection, locked=False):
+                return connection
+        return None
+
+    def _take_now(self) -> Any:
+        """With the lock held: an idle connection, ``None`` for a slot reserved for a new
+        one, or :data:`WAIT`."""
+        if not self.line:
+            while (connection := self._pop_idle()) is not None:
+                if self._usable(connection, locked=True):
+                    return connection
+        if self.size < self.max_size:
+            self.size += 1
+            return None
+        return WAIT
+
+    def _usable(self, connection: C, locked: bool) -> bool:
+        """Whether an idle connection just taken may be used; if not (or if asking
+        fails) it is closed and its slot freed — given up directly when the lock is
+        held, since nobody waits then."""
+        try:
+            if self.usable(connection):
+                self.reuses += 1
+                return True
+        except BaseException:
+            self._drop(connection, locked)
+            raise
+        self._drop(connection, locked)
+        return False
+
+    def _drop(self, connection: C, locked: bool) -> None:
+        if not locked:
+            self.discard(connection)
+            return
+        self.size -= 1
+        connection.close()
 
     def _pop_idle(self) -> C | None:
         try:
             return self.idle.pop()
         except IndexError:  # another thread took the last one since we looked
             return None
-
-    def _pop_usable(self, locked: bool = False) -> C | None:
-        """An idle connection that may still be used; ``locked``: the lock is held and
-        nobody waits, so the slot of one that may not is simply given up."""
-        while (connection := self._pop_idle()) is not None:
-            if self.usable(connection):
-                self.reuses += 1
-                return connection
-            if locked:
-                connection.close()
-                self.size -= 1
-            else:
-                self.discard(connection)
-        return None
 
     def _hand_over_idle(self) -> None:
         """Give idle connections to waiters, first come first served (lock held)."""
@@ -166,29 +209,12 @@ class Pool(Generic[C]):
                 self.idle.append(connection)
                 return
 
-    def _reserve_or_join(self) -> tuple[bool, Any]:
-        """Under the lock: (True, connection-or-None-for-a-new-slot) when served at once,
-        else (False, the waiter now in the line)."""
-        with self.lock:
-            if not self.line:
-                connection = self._pop_usable(locked=True)
-                if connection is not None:
-                    return True, connection
-            if self.size < self.max_size:
-                self.size += 1
-                return True, None
-            waiter = self.line.join(self.timeout)
-            self.waits += 1
-            # Look again after joining: a checkin that read the line before we joined
-            # has put its connection in ``idle`` by now (see the module docstring).
-            self._hand_over_idle()
-            return False, waiter
-
     def _served(self, handed: C | None) -> C:
+        """What a caller was given: a connection, or a slot to open one in."""
         return handed if handed is not None else self._opened()
 
     def _give_back(self, handed: C | None) -> None:
-        """A waiter was served just as it stopped waiting: pass on what it got."""
+        """A caller was served but will not use what it got: pass it on."""
         if handed is None:
             self.free_slot()
         else:
@@ -204,24 +230,34 @@ class Pool(Generic[C]):
         self.connects += 1
         return connection
 
+    def _waited(self, seconds: float) -> None:
+        with self.lock:
+            self.wait_time += seconds
+
 
 # --- waiting threads ------------------------------------------------------------------------
 
 
 class ThreadWaiter:
-    """A thread in the line; ``ready`` is released when it is served."""
+    """A thread waiting for a :class:`BlockingPool`: ``ready`` is released when it is
+    served (``served``, with ``handed``); ``taken`` once its caller owns what it got."""
 
-    __slots__ = ("handed", "ready", "deadline")
+    __slots__ = ("ready", "served", "handed", "taken")
 
-    def __init__(self, deadline: float) -> None:
-        self.handed: Any = None
+    def __init__(self) -> None:
         self.ready = threading.Lock()
         self.ready.acquire()
-        self.deadline = deadline
+        self.served = False
+        self.handed: Any = None
+        self.taken = False
+
+    def serve(self, item: Any) -> None:
+        self.handed, self.served = item, True
+        self.ready.release()
 
 
 class ThreadLine:
-    """Threads waiting for one :class:`BlockingPool`, oldest first (its lock guards it)."""
+    """Threads waiting for one :class:`BlockingPool`, oldest first."""
 
     def __init__(self) -> None:
         self.waiters: deque[ThreadWaiter] = deque()
@@ -229,17 +265,20 @@ class ThreadLine:
     def __len__(self) -> int:
         return len(self.waiters)
 
-    def join(self, timeout: float) -> ThreadWaiter:
-        waiter = ThreadWaiter(time.monotonic() + timeout)
+    def join(self, waiter: ThreadWaiter) -> None:
         self.waiters.append(waiter)
-        return waiter
 
     def hand_over(self, item: Any) -> bool:
         if not self.waiters:
             return False
-        waiter = self.waiters.popleft()
-        waiter.handed = item
-        waiter.ready.release()
+        self.waiters.popleft().serve(item)
+        return True
+
+    def forget(self, waiter: ThreadWaiter) -> bool:
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            return False
         return True
 
 
@@ -248,43 +287,53 @@ class BlockingPool(Pool[C]):
 
     def __init__(self, max_size: int, timeout: float) -> None:
         super().__init__(max_size, timeout)
-        self.line = ThreadLine()
+        self.line: ThreadLine = ThreadLine()
         forks.register(self)
 
     def checkout(self) -> C:
-        if not self.line:
-            connection = self._pop_usable()
-            if connection is not None:
-                return connection
-        served, got = self._reserve_or_join()
-        if served:
-            return got if got is not None else self._opened()
-        return self._wait(got)
-
-    def _wait(self, waiter: ThreadWaiter) -> C:
-        started = time.monotonic()
+        connection = self._idle_now()
+        if connection is not None:
+            return connection
+        waiter = ThreadWaiter()  # before anything can be handed to it
         try:
-            served = waiter.ready.acquire(timeout=max(waiter.deadline - started, 0.0))
-        except BaseException:  # raised by a signal handler while it waited
+            with self.lock:
+                got = self._take_now()
+                if got is WAIT:
+                    self.line.join(waiter)
+                    self.waits += 1
+                    # Look again after joining: a checkin that read the line before we
+                    # joined has put its connection in ``idle`` (see the module docstring).
+                    self._hand_over_idle()
+                else:
+                    waiter.handed, waiter.served = got, True
+            if not waiter.served:
+                self._wait(waiter)
+            handed, waiter.taken = waiter.handed, True
+            return self._served(handed)
+        except BaseException:  # a timeout, or an exception from a signal handler
             self._leave(waiter)
             raise
+
+    def _wait(self, waiter: ThreadWaiter) -> None:
+        """Until ``waiter`` is served; :meth:`exhausted` once the time is up."""
+        started = time.monotonic()
+        try:
+            served = waiter.ready.acquire(timeout=self.timeout)
         finally:
-            self.wait_time += time.monotonic() - started
+            self._waited(time.monotonic() - started)
         if not served:
             with self.lock:
-                if waiter in self.line.waiters:
-                    self.line.waiters.remove(waiter)
+                if self.line.forget(waiter):
                     raise self.exhausted()
-            # served just as it gave up: take what it got
-        return self._served(waiter.handed)
+            # served just as it gave up: it takes what it got
 
     def _leave(self, waiter: ThreadWaiter) -> None:
-        """The wait ended in an exception (a timeout, or one a signal handler raised):
-        out of the line, or — served meanwhile — what it got passed on."""
+        """The checkout ended in an exception: out of the line, or — served and not yet
+        taken — what it got passed on. Safe to call whatever point it was at."""
         with self.lock:
-            if waiter in self.line.waiters:
-                self.line.waiters.remove(waiter)
+            if self.line.forget(waiter) or not waiter.served or waiter.taken:
                 return
+            waiter.taken = True
         self._give_back(waiter.handed)
 
     def after_fork(self) -> None:
@@ -293,6 +342,7 @@ class BlockingPool(Pool[C]):
         self.idle = []
         self.line = ThreadLine()
         self.size = 0
+        self.reset_counters()
 
 
 # --- waiting coroutines ---------------------------------------------------------------------
@@ -328,7 +378,6 @@ class LoopLine:
         return waiter
 
     def hand_over(self, item: Any) -> bool:
-        """Give ``item`` to the oldest waiter still waiting; False if none is."""
         while self.waiters:
             waiter, _ = self.waiters.popleft()
             if not waiter.done():
@@ -336,11 +385,12 @@ class LoopLine:
                 return True
         return False
 
-    def forget(self, waiter: asyncio.Future) -> None:
+    def forget(self, waiter: asyncio.Future) -> bool:
         for entry in self.waiters:
             if entry[0] is waiter:
                 self.waiters.remove(entry)
-                return
+                return True
+        return False
 
     def _expire(self) -> None:
         """Fail the waiters whose time is up; set the timer again for the next one."""
@@ -355,37 +405,41 @@ class LoopLine:
                 self.timer = loop.call_at(deadline, self._expire)
                 return
             else:
+                error = self.exhausted()  # before it leaves the line: nothing can strand it
                 self.waiters.popleft()
-                waiter.set_exception(self.exhausted())
+                waiter.set_exception(error)
 
 
 class LoopPool(Pool[C]):
     """One event loop's connections to one server; :meth:`checkout` is a coroutine (see
-    the module docstring). It belongs to its loop and is only touched from that loop's
-    thread: the lock is never contended."""
+    the module docstring)."""
 
     def __init__(self, max_size: int, timeout: float) -> None:
         super().__init__(max_size, timeout)
-        self.line = LoopLine(self.exhausted)
+        self.line: LoopLine = LoopLine(self.exhausted)
 
     async def checkout(self) -> C:
-        if not self.line:
-            connection = self._pop_usable()
-            if connection is not None:
-                return connection
-        served, got = self._reserve_or_join()
-        if served:
-            return got if got is not None else self._opened()
+        connection = self._idle_now()
+        if connection is not None:
+            return connection
+        with self.lock:
+            got = self._take_now()
+            if got is WAIT:
+                waiter = self.line.join(self.timeout)
+                self.waits += 1
+                self._hand_over_idle()
+        if got is not WAIT:
+            return self._served(got)
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            handed = await got
+            handed = await waiter
         except BaseException:
-            if got.done() and not got.cancelled() and got.exception() is None:
-                self._give_back(got.result())  # cancelled just as it was served
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._give_back(waiter.result())  # cancelled just as it was served
             else:
-                self.line.forget(got)
+                self.line.forget(waiter)
             raise
         finally:
-            self.wait_time += loop.time() - started
+            self._waited(loop.time() - started)
         return self._served(handed)

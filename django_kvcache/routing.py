@@ -8,13 +8,16 @@ bytes. With weights, ``score = -weight / ln((hash + 0.5) / 2**32)``, which order
 exactly like the plain hash when every weight is equal.
 
 Removing a node moves only that node's keys; adding one of N+1 moves about 1/(N+1).
+
+mmh3 is imported when a router is built: a cache on one server never needs it. The
+backends require it first (:func:`django_kvcache.dependencies.require`), so that a
+process without it is told which extra brings it.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Iterable, Sequence
 
-import mmh3
 from django.core.exceptions import ImproperlyConfigured
 
 from django_kvcache.options import check_known, is_number
@@ -101,13 +104,16 @@ class KvcacheRouter(Router):
     """Our scheme (see the module docstring): ``HASHING="kvcache"`` for memcached."""
 
     def __init__(self, names: Sequence[str], weights: Sequence[float]) -> None:
+        import mmh3
+
         super().__init__(names, weights)
+        self.murmur3 = mmh3.hash
         self.seeds = [mmh3.hash(name.encode(), 0, False) for name in self.names]
         self.name_bytes = [name.encode() for name in self.names]
 
     def scores(self, key: str) -> list[float]:
-        data = key.encode()
-        hashes = [mmh3.hash(data, seed, False) for seed in self.seeds]
+        data, murmur3 = key.encode(), self.murmur3
+        hashes = [murmur3(data, seed, False) for seed in self.seeds]
         if not self.weighted:
             return hashes
         return [

@@ -19,20 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from django.conf import settings
 from django.core.cache import caches
 from django.db import DatabaseError
-from django.utils.module_loading import import_string
 
-from django_kvcache.base import KVCache
+from django_kvcache.configured import kvcache_aliases  # noqa: F401  (the commands' list)
 
 #: Figures whose value only grows (Prometheus counters); every other figure is a gauge.
 COUNTERS = frozenset({
     "ops", "hits", "misses", "errors", "timeouts", "ignored", "skipped", "reruns",
     "bytes_sent", "bytes_received", "bytes_saved", "bytes_encoded", "values_encoded",
     "pool_waits", "pool_wait_seconds", "pool_connects", "pool_reuses", "pool_reconnects",
-    "async_pool_waits", "async_pool_wait_seconds", "async_pool_connects", "async_pool_reuses",
-    "async_pool_reconnects",
 })
 #: What each known figure means (the collector's HELP, the table's order).
 MEANINGS = {
@@ -60,6 +56,7 @@ MEANINGS = {
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",
+    "pool_waiters": "threads waiting for a blocking connection now",
     "pool_waits": "times a thread waited for a blocking connection",
     "pool_wait_seconds": "seconds threads waited for a blocking connection, in all",
     "pool_connects": "blocking connections opened",
@@ -70,11 +67,13 @@ MEANINGS = {
     "async_pool_size": "open asyncio connections",
     "async_pool_idle": "idle asyncio connections",
     "async_pool_waiters": "coroutines waiting for an asyncio connection now",
-    "async_pool_waits": "times a coroutine waited for an asyncio connection",
-    "async_pool_wait_seconds": "seconds coroutines waited for an asyncio connection, in all",
-    "async_pool_connects": "asyncio connections opened",
-    "async_pool_reuses": "calls served by an idle asyncio connection",
-    "async_pool_reconnects": "idle asyncio connections the server had closed, replaced",
+    "async_pool_waits": "times a coroutine waited for an asyncio connection (open loops)",
+    "async_pool_wait_seconds": "seconds coroutines waited for an asyncio connection, in all "
+                               "(open loops)",
+    "async_pool_connects": "asyncio connections opened (open loops)",
+    "async_pool_reuses": "calls served by an idle asyncio connection (open loops)",
+    "async_pool_reconnects": "idle asyncio connections the server had closed, replaced "
+                             "(open loops)",
 }
 #: memcached ``stats`` worth showing, in order.
 MEMCACHED_SERVER_STATS = (
@@ -98,19 +97,6 @@ class CacheFigures:
     backend: str  # the backend's class name
     figures: dict[str, int | float]  # of the cache as a whole
     places: list[Place]
-
-
-def kvcache_aliases() -> list[str]:
-    """The aliases of every kvcache cache in CACHES, in settings order (nothing built)."""
-    found = []
-    for alias, entry in settings.CACHES.items():
-        try:
-            backend = import_string(entry["BACKEND"])
-        except (ImportError, KeyError):
-            continue
-        if isinstance(backend, type) and issubclass(backend, KVCache):
-            found.append(alias)
-    return found
 
 
 def number(value: Any) -> int | float | None:

@@ -7,9 +7,10 @@ Runs ``python -m build`` on a copy of the files git tracks (the sdist, then the 
 built from that sdist, so a file missing from the sdist breaks the wheel too) into a
 temporary directory, checks what each archive holds — every package of the tree,
 ``kvcache_bench`` (the benchmark app, shipped from ``benchmark_app/``) included — then
-installs each one with the ``mysql`` and ``memcached`` extras into its own new venv and,
-from outside the checkout, imports both backends and lists the management commands of
-both apps through Django. Needs ``build`` (the ``dev`` extra) in the interpreter
+installs each one with one extra into its own new venv (the wheel with ``mysql``, the
+sdist with ``memcached``: what a user installs) and, from outside the checkout, imports
+that extra's backend and lists the management commands of both apps through Django.
+(tox's ``py311-extra-*`` environments run a whole site on each extra, and on none.) Needs ``build`` (the ``dev`` extra) in the interpreter
 running it, and what mysqlclient needs to compile (``scripts/services.py deps``).
 
 Exits non-zero, saying what is wrong, at the first problem.
@@ -28,14 +29,17 @@ import zipfile
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
-EXTRAS = "mysql,memcached"
-COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_stats")
+#: The extra each archive is installed with, and the backend module it must import.
+EXTRAS = {"whl": ("mysql", "django_kvcache.backends.mysql"),
+          "gz": ("memcached", "django_kvcache.backends.memcached")}
+COMMANDS = ("kvcache_createtable", "kvcache_cull", "kvcache_migration", "kvcache_rotate_key",
+            "kvcache_stats")
 BENCH_COMMANDS = ("kvcache_benchmark",)
 # Where each top-level package of the wheel lives in the tree (setup.cfg's package_dir).
 PACKAGE_ROOTS = {"django_kvcache": "django_kvcache", "kvcache_bench": "benchmark_app/kvcache_bench"}
 # Paths inside the package, and inside the sdist's top folder.
 PACKAGE_FILES = ("py.typed", *(f"management/commands/{c}.py" for c in COMMANDS))
-SDIST_FILES = ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
+SDIST_FILES = ("LICENSE", "README.md", "CHANGELOG.md", "setup.cfg", "pyproject.toml", "tests/settings.py", "docs/conf.py")
 
 # Run by the fresh venv's interpreter, in an empty directory, so nothing comes from the checkout.
 INSTALLED_CHECK = f"""
@@ -46,10 +50,10 @@ from pathlib import Path
 import django
 from django.conf import settings
 
+import importlib
 import django_kvcache
-import django_kvcache.backends.memcached
-import django_kvcache.backends.mysql
 
+importlib.import_module(sys.argv[1])
 package = Path(django_kvcache.__file__).parent
 assert package.is_relative_to(sys.prefix), f"imported from {{package}}, not the venv"
 for name in {PACKAGE_FILES!r}:
@@ -146,7 +150,9 @@ def check_wheel(wheel: Path, source: Path) -> None:
     if strays:
         raise PackageError(f"{wheel.name} installs more than {sorted(PACKAGE_ROOTS)}: {strays}")
     metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
-    check_classifiers(zipfile.ZipFile(wheel).read(metadata_name).decode())
+    metadata = zipfile.ZipFile(wheel).read(metadata_name).decode()
+    check_classifiers(metadata)
+    check_changelog(metadata)
 
 
 def check_classifiers(metadata: str) -> None:
@@ -157,6 +163,13 @@ def check_classifiers(metadata: str) -> None:
     missing = [v for v in tested if f"Classifier: Framework :: Django :: {v}" not in metadata]
     if not tested or missing:
         raise PackageError(f"classifiers lack the Django versions tox tests: {missing or 'none found'}")
+
+
+def check_changelog(metadata: str) -> None:
+    """The long description (the package's page) ends with the changelog, whole."""
+    changelog = (PROJECT / "CHANGELOG.md").read_text().strip()
+    if changelog.splitlines()[0] not in metadata or "## Unreleased" not in metadata:
+        raise PackageError("the long description lacks CHANGELOG.md (setup.cfg long_description)")
 
 
 def check_sdist(sdist: Path) -> None:
@@ -170,8 +183,9 @@ def install_and_import(archive: Path, workdir: Path) -> None:
     venv = workdir / f"venv-{archive.name}"
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    run(python, "-m", "pip", "install", "-q", f"django-kvcache[{EXTRAS}] @ {archive.as_uri()}")
-    run(python, "-c", INSTALLED_CHECK, cwd=workdir)
+    extra, backend = EXTRAS[archive.name.rsplit(".", 1)[-1]]
+    run(python, "-m", "pip", "install", "-q", f"django-kvcache[{extra}] @ {archive.as_uri()}")
+    run(python, "-c", INSTALLED_CHECK, backend, cwd=workdir)
 
 
 def main() -> int:

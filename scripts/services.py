@@ -5,7 +5,7 @@
     python3 scripts/services.py up     # start (or reuse) the servers, print their env vars
     python3 scripts/services.py env    # print the env vars for running servers
     python3 scripts/services.py down   # stop only what `up` started (by pid file)
-    python3 scripts/services.py galera up|env|down   # a 3-node MariaDB Galera cluster
+    python3 scripts/services.py galera up|env|down|clean   # a 3-node MariaDB Galera cluster
 
 Everything lives under ``.runtime/`` in the project (git-ignored): data directory,
 sockets, logs, pid files and ``services.env``. Servers listen on loopback only, on
@@ -25,6 +25,9 @@ Settings (environment variables, all optional):
                               for clients on PORT + 4N and uses the next three ports for
                               group communication, IST and SST (23410-23421 for 3 nodes)
     KVCACHE_RUNTIME_DIR       where state lives (default <project>/.runtime)
+    KVCACHE_GALERA_DIR        where the Galera nodes keep their data when started as root
+                              (they run as the mysql user, who may not enter the checkout:
+                              default /var/tmp/kvcache-galera-<a digest of the runtime dir>)
 
 Only the standard library is used: this runs before any virtualenv exists. SQL is sent with
 the ``mariadb`` command-line client.
@@ -32,6 +35,7 @@ the ``mariadb`` command-line client.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import signal
@@ -517,6 +521,26 @@ def memcached_up() -> None:
 GALERA_START_TIMEOUT = 240.0
 
 
+def galera_dir() -> Path:
+    """Where the Galera nodes keep their data directories, temporary directories and init
+    files. Started by root they run as the ``mysql`` user (see ``mariadb_argv``), who cannot
+    enter a checkout in a home directory or in a ``mktemp -d`` (mode 700): then a directory
+    outside it, named after RUNTIME so that two clones never share one, which
+    ``.runtime/galera`` links to. Otherwise RUNTIME itself."""
+    if os.geteuid() != 0:
+        return RUNTIME
+    digest = hashlib.sha256(str(RUNTIME.resolve()).encode()).hexdigest()[:12]
+    directory = Path(os.environ.get("KVCACHE_GALERA_DIR") or f"/var/tmp/kvcache-galera-{digest}")
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o755)  # the mysql user passes through to its own directories
+    link = RUNTIME / "galera"
+    if not (link.is_symlink() and link.resolve() == directory.resolve()):
+        RUNTIME.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(directory)
+    return directory
+
+
 def galera_ports(index: int) -> tuple[int, int, int, int]:
     """Node ``index``'s ports: clients, group communication, IST and SST."""
     base = GALERA_PORT + 4 * index
@@ -573,11 +597,11 @@ def bootstrap_node() -> int:
     stopped last (safe_to_bootstrap: 1). Without one (a crash, or no data yet) the
     cluster starts afresh: it is a throwaway."""
     for index in range(GALERA_SIZE):
-        state = RUNTIME / f"{galera_name(index)}-data" / "grastate.dat"
+        state = galera_dir() / f"{galera_name(index)}-data" / "grastate.dat"
         if state.exists() and "safe_to_bootstrap: 1" in state.read_text():
             return index
     for index in range(GALERA_SIZE):
-        shutil.rmtree(RUNTIME / f"{galera_name(index)}-data", ignore_errors=True)
+        shutil.rmtree(galera_dir() / f"{galera_name(index)}-data", ignore_errors=True)
     return 0
 
 
@@ -586,7 +610,7 @@ def galera_start(index: int, bootstrap: bool) -> None:
     stop(name)
     for other in galera_ports(index):
         ensure_port_free(other, f"Galera node {index}", "KVCACHE_GALERA_PORT")
-    argv = galera_argv(index, GALERA_SIZE, RUNTIME / f"{name}-data", bootstrap)
+    argv = galera_argv(index, GALERA_SIZE, galera_dir() / f"{name}-data", bootstrap)
     started = time.monotonic()
     pid = spawn(name, argv)
     wait_synced(index, pid)
@@ -620,6 +644,21 @@ def galera_down() -> None:
     """The nodes one at a time, the first last: it restarts the cluster next time."""
     for index in reversed(range(GALERA_SIZE)):
         stop(galera_name(index))
+
+
+def galera_clean() -> None:
+    """The nodes stopped and their data removed (``make clean``)."""
+    galera_down()
+    directory = galera_dir()
+    if directory != RUNTIME:
+        shutil.rmtree(directory, ignore_errors=True)
+        (RUNTIME / "galera").unlink(missing_ok=True)
+        return
+    for path in RUNTIME.glob(f"{GALERA_PREFIX}*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def galera_environment() -> dict[str, str]:
@@ -672,6 +711,10 @@ def cmd_galera(action: str | None) -> None:
         if RUNTIME.is_dir():
             galera_down()
         return
+    if action == "clean":
+        if RUNTIME.is_dir():
+            galera_clean()
+        return
     if action == "up":
         galera_up()
     RUNTIME.mkdir(parents=True, exist_ok=True)
@@ -681,12 +724,13 @@ def cmd_galera(action: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["deps", "up", "down", "env", "galera"])
-    parser.add_argument("action", nargs="?", choices=["up", "down", "env"],
-                        help="with 'galera': start, print the env vars of, or stop the cluster")
+    parser.add_argument("action", nargs="?", choices=["up", "down", "env", "clean"],
+                        help="with 'galera': start, print the env vars of, or stop the "
+                        "cluster, or stop it and remove its data")
     arguments = parser.parse_args(argv)
     command = arguments.command
     if (command == "galera") != (arguments.action is not None):
-        parser.error("an action (up, env, down) goes with 'galera', and only with it")
+        parser.error("an action (up, env, down, clean) goes with 'galera', and only with it")
     if command == "deps":
         install_deps()
     elif command == "up":

@@ -1,10 +1,29 @@
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable, Iterator
 
 import pytest
 
-from tests.servers import MariaDBServer, MemcachedNode, Replica, configured_replica
+from tests.servers import (
+    MariaDBServer,
+    MemcachedNode,
+    Replica,
+    configured_replica,
+    missing_servers,
+)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The server groups named by KVCACHE_REQUIRE_SERVERS (``make test`` names the ones it
+    started) must answer: a test whose servers are not there would skip, and a run that
+    was meant to test them would pass having tested nothing."""
+    required = [g for g in os.environ.get("KVCACHE_REQUIRE_SERVERS", "").split(",") if g]
+    problems = missing_servers(required)
+    if problems:
+        pytest.exit("servers that were meant to run are not there: " + "; ".join(problems),
+                    returncode=3)
 
 
 @pytest.fixture(autouse=True)
@@ -20,10 +39,12 @@ def new_corrupt_entry_episode() -> None:
 def new_mysql_failure_episodes() -> None:
     """Each test's first MySQL failure of a kind is logged (the logs are rate-limited:
     an earlier test's episode would only count it)."""
-    from django_kvcache.backends.mysql import oversized
-    from django_kvcache.mysql.policy import ignored_failures, maintenance_failures
-
-    for failure_log in (oversized, ignored_failures, maintenance_failures):
+    # Only where the MySQL backend is in use: the extra-memcached environment has none.
+    backend, policy = (sys.modules.get(f"django_kvcache.{name}")
+                       for name in ("backends.mysql", "mysql.policy"))
+    logs = ([backend.oversized] if backend else []) + (
+        [policy.ignored_failures, policy.maintenance_failures] if policy else [])
+    for failure_log in logs:
         failure_log.episodes.clear()
 
 

@@ -26,7 +26,7 @@ import datetime
 import decimal
 import pickle
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 from django.core.cache import caches
@@ -106,6 +106,20 @@ class AsyncAPI:
             return getattr(self.cache, name)
         method = getattr(self.cache, f"a{name}")
         return lambda *args, **kwargs: self.loop.run_until_complete(method(*args, **kwargs))
+
+
+@pytest.fixture(params=["sync", "async"])
+def api(request: Any) -> Iterator[Callable[[Any], Any]]:
+    """How a test drives its cache: as it is, or through its native async methods
+    (``cache.get`` runs ``await cache.aget`` on an event loop of the test's own). Import
+    it into a test module to use it there."""
+    if request.param == "sync":
+        yield lambda cache: cache
+        return
+    loop = asyncio.new_event_loop()
+    yield lambda cache: AsyncAPI(cache, loop)
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 class CacheContract(CacheFixture):

@@ -284,8 +284,8 @@ class GaleraNode:
     def __init__(self, index: int = services.GALERA_SIZE) -> None:
         self.index = index
         self.port = services.galera_ports(index)[0]
-        self.datadir = services.RUNTIME / f"{services.galera_name(index)}-data"
-        self.tmpdir = services.RUNTIME / f"{services.galera_name(index)}-tmp"
+        self.datadir = services.galera_dir() / f"{services.galera_name(index)}-data"
+        self.tmpdir = services.galera_dir() / f"{services.galera_name(index)}-tmp"
         self.log = services.RUNTIME / f"{services.galera_name(index)}.log"
         self.process: subprocess.Popen | None = None
 
@@ -315,4 +315,41 @@ class GaleraNode:
     def remove_data(self) -> None:
         shutil.rmtree(self.datadir, ignore_errors=True)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-        (services.RUNTIME / f"{services.galera_name(self.index)}-init.sql").unlink(missing_ok=True)
+        (services.galera_dir() / f"{services.galera_name(self.index)}-init.sql").unlink(
+            missing_ok=True)
+
+
+def missing_servers(groups: list[str]) -> list[str]:
+    """What is wrong with each server group of ``groups`` (``mysql``, ``shards``,
+    ``replica``, ``memcached``, ``galera``) as the test settings name them; [] when all
+    answer."""
+    from django.conf import settings
+
+    mysql_ports = {
+        "mysql": [settings.MYSQL["PORT"]],
+        "shards": settings.MYSQL_SHARD_PORTS if len(settings.MYSQL_SHARD_PORTS) >= 2 else [],
+        "replica": [settings.MYSQL_REPLICA_PORT] if settings.MYSQL_REPLICA_PORT else [],
+        "galera": [node.rsplit(":", 1)[1] for node in settings.GALERA_NODES],
+    }
+    problems = []
+    for group in groups:
+        if group == "memcached":
+            down = [node for node in settings.MEMCACHED_NODES
+                    if not services.port_answers(int(node.rsplit(":", 1)[1]))]
+            if down or not settings.MEMCACHED_NODES:
+                problems.append(f"memcached: {', '.join(down) or 'no KVCACHE_MEMCACHED'}")
+            continue
+        if group not in mysql_ports:
+            problems.append(f"{group}: no such server group")
+            continue
+        ports = [int(port) for port in mysql_ports[group]]
+        if not ports:
+            problems.append(f"{group}: not configured (see scripts/services.py)")
+        elif group == "galera":
+            states = {port: services.galera_state(port) for port in ports}
+            problems += [f"galera: node on port {port} is {state or 'unreachable'}"
+                         for port, state in states.items() if state != "Synced"]
+        else:
+            problems += [f"{group}: nothing answers on port {port}"
+                         for port in ports if not services.mysql_answers(port)]
+    return problems

@@ -3,6 +3,7 @@
 The defaults match the script's defaults, so `pytest` works right after `services.py up`.
 Point the tests at your own servers by setting the KVCACHE_* variables.
 """
+import importlib.util
 import os
 
 MYSQL = {
@@ -110,6 +111,11 @@ for number, node in enumerate(GALERA_NODES, start=1):
         if number == 1 else {"MIRROR": "galera1"},
     }
 GALERA_ALIASES = [f"galera{number}" for number in range(1, len(GALERA_NODES) + 1)]
+if importlib.util.find_spec("MySQLdb") is None:
+    # The memcached extra alone (tox's py311-extra-memcached): no MySQL driver, so no
+    # MySQL database; the memcached tests that store models need a database all the same.
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    SHARD_ALIASES, GALERA_ALIASES = [], []
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }

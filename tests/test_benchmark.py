@@ -41,7 +41,8 @@ ROWS = (100, 300)
 NODES = (1, 2)
 WORKERS = (1, 2)
 MIXES = ("realistic", "random")
-SCENARIOS = ["ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec"]
+SCENARIOS = ["ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec",
+             "encryption"]
 STORAGE_ENTRIES = 60
 CAPACITY_MB, CAPACITY_FILL = 16, 2.5
 OPERATIONS = {"set", "set large", "set_many", "get hit", "get miss", "get large", "get_many hit",
@@ -104,7 +105,7 @@ def test_every_requested_cache_ran_and_nothing_else(data: dict[str, Any]) -> Non
 
 def test_each_mix_reruns_the_scenarios_that_depend_on_the_values(runs: dict[str, dict[str, Any]]) -> None:
     random_run = runs["random"]
-    assert random_run["scenarios_run"] == ["ops", "storage", "capacity", "codec"]
+    assert random_run["scenarios_run"] == ["ops", "storage", "capacity", "codec", "encryption"]
     assert random_run["failures"] == []
     for mix, results in runs.items():
         assert results["values"]["name"] == results["parameters"]["values"] == mix
@@ -235,9 +236,10 @@ def test_text_table_and_plots_are_written(run: tuple[subprocess.CompletedProcess
         assert f"ops, {mix} values: median per call" in completed.stdout
         assert f"capacity, {mix} values: entries still readable" in completed.stdout
         assert f"codec, {mix} values: CPU per value" in completed.stdout
+        assert f"encryption, {mix} values: ENCRYPTION_KEYS against" in completed.stdout
     pngs = {(mix, name): results / f"benchmark-{mix}-{name}.png"
             for mix in MIXES for name in SCENARIOS
-            if mix == MIXES[0] or name in ("ops", "storage", "capacity", "codec")}
+            if mix == MIXES[0] or name in ("ops", "storage", "capacity", "codec", "encryption")}
     assert sorted(results.glob("*.png")) == sorted(pngs.values())
     for png in pngs.values():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -510,3 +512,22 @@ def test_stampede_computes_once_with_protection_and_once_per_caller_without(
         else:  # Django's and django-mysql's get_or_set: every caller computes
             assert entry["computations"] == entry["callers"], entry
 
+
+
+def test_encryption_times_both_backends_with_and_without_keys_and_counts_the_bytes(
+        runs: dict[str, dict[str, Any]]) -> None:
+    for mix, results in runs.items():
+        scenario = results["scenarios"]["encryption"]
+        measured = {(e["cache"], e["operation"]) for e in scenario["results"]}
+        assert measured == {(cache, operation) for cache in ("kv-mysql-innodb", "kv-memcached-1")
+                            for operation in ("get hit", "get_many hit", "set", "set_many")}
+        for entry in scenario["results"]:
+            assert entry["samples"] == ROUNDS * CALLS
+            assert entry["plain_cpu_us"] > 0 and entry["encrypted_cpu_us"] > 0
+            assert entry["time_ratio"] == round(
+                entry["encrypted_median_us"] / entry["plain_median_us"], 3)
+        for sizes in scenario["bytes"]:
+            # Every value but the mix's integers carries a 12-byte nonce and a 16-byte tag.
+            assert 0 < sizes["extra_bytes_per_entry"] <= 28
+            if mix == "random":
+                assert sizes["extra_bytes_per_entry"] == 28

@@ -113,7 +113,7 @@ def test_counting_goes_on_from_a_negative_value(counters):
 # --- results out of range: OverflowError, value unchanged ---------------------------------
 
 
-def test_memcached_wraps_of_issue_9_raise_instead(counters):
+def test_the_wraps_of_memcached_s_own_incr_raise_instead(counters):
     counters.set("n", INT64_MAX)
     with pytest.raises(OverflowError):
         counters.incr("n", 2**63)  # memcached's incr gave 2**64 - 1 ...
@@ -216,3 +216,56 @@ def test_counting_keeps_long_and_endless_lifetimes(backend, timeout, expected):
         assert remaining is None
     else:  # memcached's clock lags ours by up to 2 s, once, when set() sends a Unix time
         assert expected - 60 < remaining <= expected + 3
+
+
+# --- messages: the same words on both backends, naming the caller's key -------------------
+
+
+@BOTH_WAYS
+@pytest.mark.parametrize("delta", [1, 2**70, -(2**70)])
+def test_a_missing_key_is_named_as_the_caller_wrote_it(counters, how, delta):
+    with pytest.raises(ValueError) as raised:
+        add(counters, how, "missing", delta)
+    assert str(raised.value) == "Key 'missing' not found"
+
+
+def test_a_missing_key_of_another_version_names_the_version(counters):
+    counters.set("v1", 1)  # at the default version
+    with pytest.raises(ValueError) as raised:
+        counters.incr("v1", version=3)
+    assert str(raised.value) == "Key 'v1' (version 3) not found"
+    with pytest.raises(ValueError) as raised:
+        counters.decr("v1", version=3)
+    assert str(raised.value) == "Key 'v1' (version 3) not found"
+    with pytest.raises(ValueError) as raised:
+        counters.incr_version("v1", version=3)
+    assert str(raised.value) == "Key 'v1' (version 3) not found"
+    with pytest.raises(ValueError) as raised:
+        counters.incr_version("nothing")
+    assert str(raised.value) == "Key 'nothing' not found"
+
+
+def test_async_counters_say_the_same(counters):
+    import asyncio
+
+    async def missing() -> str:
+        try:
+            await counters.aincr("missing", version=2)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    assert asyncio.run(missing()) == "Key 'missing' (version 2) not found"
+
+
+@pytest.mark.parametrize("start, delta", [(INT64_MAX, 1), (INT64_MIN, -1), (0, 2**70)])
+def test_overflow_and_type_errors_name_the_callers_key(counters, start, delta):
+    counters.set("n", start)
+    with pytest.raises(OverflowError) as raised:
+        counters.incr("n", delta)
+    assert str(raised.value) == (
+        f"Adding {delta} to key 'n' leaves the signed 64-bit range; value unchanged")
+    counters.set("s", "text")
+    with pytest.raises(TypeError) as raised:
+        counters.incr("s", delta)
+    assert str(raised.value) == "The value of key 's' is not an integer"

@@ -7,7 +7,6 @@ a silent node on ``get``) with load, every operation and the stale-value scenari
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import selectors
@@ -22,7 +21,7 @@ import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError
-from tests.contract import AsyncAPI
+from tests.contract import api  # noqa: F401  (fixture)
 
 RETRY = 0.3  # RETRY_TIMEOUT: how long a failed node is left alone
 IO_TIMEOUT = 0.3
@@ -403,19 +402,6 @@ OPERATIONS: dict[str, Callable[[MemcachedCache, str, str], Any]] = {
     "delete_many": lambda c, k, other: c.delete_many([k, other]),
     "get_or_set": lambda c, k, other: c.get_or_set(k, 1),
 }
-
-
-@pytest.fixture(params=["sync", "async"])
-def api(request) -> Iterator[Callable[[MemcachedCache], Any]]:
-    """How a test drives its cache: as it is, or through its native async methods
-    (``cache.get`` runs ``await cache.aget`` on an event loop of the test's own)."""
-    if request.param == "sync":
-        yield lambda cache: cache
-        return
-    loop = asyncio.new_event_loop()
-    yield lambda cache: AsyncAPI(cache, loop)
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.close()
 
 
 @pytest.mark.parametrize("ignore_exceptions", [False, True])

@@ -40,3 +40,11 @@ class TestUnbatchedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheCont
 
     def backend_params(self):
         return {**super().backend_params(), "OPTIONS": {"AUTOBATCH": False}}
+
+
+class TestEncryptedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    """ENCRYPTION_KEYS: every value AES-GCM encrypted, integers plain (tests/test_encryption)."""
+
+    def backend_params(self):
+        return {**super().backend_params(),
+                "OPTIONS": {"ENCRYPTION_KEYS": ["the contract's encryption key, 0123456789"]}}

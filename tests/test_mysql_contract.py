@@ -52,3 +52,11 @@ class TestReplicatedMySQLCacheMeetsTheContract(CacheContract):
 
     def prepare(self, cache):
         ensure_table(cache)
+
+
+class TestEncryptedMySQLCacheMeetsTheContract(TestMySQLCacheMeetsTheContract):
+    """ENCRYPTION_KEYS: every value AES-GCM encrypted, integers plain (tests/test_encryption)."""
+
+    def backend_params(self):
+        return {**super().backend_params(), "LOCATION": "kvcache_contract_encrypted",
+                "OPTIONS": {"ENCRYPTION_KEYS": ["the contract's encryption key, 0123456789"]}}

@@ -25,11 +25,18 @@ from django.test import override_settings
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.base import unreadable_entries
 from django_kvcache.codec import FLAG_PICKLE
 from django_kvcache.forks import Registry
 from django_kvcache.mysql import dictionaries
 from django_kvcache.mysql.dictionaries import dictionary_table, table_dictionaries
-from django_kvcache.zstd import FLAG_ZSTD, Dictionary, train_dictionary, zstd_engine
+from django_kvcache.zstd import (
+    DICTIONARY_MAGIC,
+    FLAG_ZSTD,
+    Dictionary,
+    train_dictionary,
+    zstd_engine,
+)
 from tests.settings import MYSQL_SHARD_PORTS
 from tests.test_zstd import api_response
 from tests.zstd_support import frame_dictionary_id
@@ -67,11 +74,14 @@ def second() -> bytes:
 @pytest.fixture(autouse=True)
 def new_process(monkeypatch) -> Iterator[None]:
     monkeypatch.setattr(dictionaries, "_tables", Registry())
+    dictionaries.failures.episodes.clear()  # each test's first failure is logged
     yield
 
 
 def new_process_now() -> None:
     dictionaries._tables.items.clear()
+    dictionaries.failures.episodes.clear()
+    unreadable_entries.episodes.clear()
 
 
 def make(table: str = TABLE, **options: Any) -> MySQLCache:
@@ -264,6 +274,60 @@ def test_another_dictionary_with_a_taken_id_is_refused(cache, first, second):
     assert frame_dictionary_id(stored(cache, "key")) == installed.id
 
 
+# --- with ENCRYPTION_KEYS --------------------------------------------------------------------
+
+ENCRYPTED = {"ENCRYPTION_KEYS": ["the key of the dictionary tests, 0123456789abcdef"]}
+
+
+def dictionary_row(cache: MySQLCache, dictionary_id: int) -> bytes:
+    with connections["cache"].cursor() as cursor:
+        cursor.execute(f"SELECT `content` FROM `{dictionary_table(cache.table)}` "
+                       "WHERE `dictionary_id` = %s", [dictionary_id])
+        return bytes(cursor.fetchone()[0])
+
+
+def test_an_encrypting_cache_keeps_its_dictionaries_sealed(cache, first):
+    """A dictionary is made of the site's values: in the database it is encrypted too."""
+    sealed = make(**ENCRYPTED)
+    installed = install(sealed, first)
+    row = dictionary_row(sealed, installed.id)
+    assert not row.startswith(DICTIONARY_MAGIC)
+    assert first[-64:] not in row and len(row) <= len(first) + 64
+    sealed.set("key", value(1))
+    new_process_now()
+    reader = make(**ENCRYPTED)
+    assert reader.get("key") == value(1)
+    assert reader.codec.compressor.dictionaries.for_writing().id == installed.id
+
+
+def test_an_encrypting_cache_never_uses_a_dictionary_row_it_cannot_authenticate(cache, first,
+                                                                                 caplog):
+    """Whoever can write the dictionary table could otherwise choose bytes of what an
+    authentic entry decompresses to, and so of what is unpickled."""
+    sealed = make(**ENCRYPTED)
+    installed = install(sealed, first)
+    sealed.set("key", value(1))
+    for replacement in (first, dictionary_row(sealed, installed.id)[:-1] + b"?"):
+        with connections["cache"].cursor() as cursor:
+            cursor.execute(f"UPDATE `{TABLE}_dictionaries` SET `content` = %s", [replacement])
+        new_process_now()
+        reader = make(**ENCRYPTED)
+        with caplog.at_level(logging.WARNING):
+            assert reader.get("key", "missing") == "missing"
+        assert f"dictionary {installed.id}" in caplog.text
+        caplog.clear()
+
+
+def test_a_cache_without_keys_cannot_use_a_sealed_dictionary(cache, first, caplog):
+    installed = install(make(**ENCRYPTED), first)
+    new_process_now()
+    with caplog.at_level(logging.WARNING):
+        cache.set("key", value(1))
+    assert frame_dictionary_id(stored(cache, "key")) == 0  # plain zstd: no dictionary to use
+    assert f"dictionary {installed.id}" in caplog.text and "encrypted" in caplog.text
+    assert cache.get("key") == value(1)
+
+
 # --- shards ----------------------------------------------------------------------------------
 
 
@@ -292,7 +356,7 @@ def test_every_shard_holds_the_dictionaries(first):
             reader = MySQLCache("kvcache_auto_shards", {"OPTIONS": options})
             found = reader.get_many([f"k{n}" for n in range(60)])
             assert found == {f"k{n}": value(500 + n) for n in range(60)}
-            ids = {frame_dictionary_id(data) for data, flags in reader.sample_entries(100)
+            ids = {frame_dictionary_id(data) for _, data, flags in reader.sample_entries(100)
                    if flags & FLAG_ZSTD}
             assert len(ids - {0}) == 1 and f"zstd dictionary {max(ids)}" in out.getvalue()
     finally:

@@ -474,7 +474,8 @@ def test_sample_entries_draws_from_every_shard(cache):
     cache.set_many({f"s{i}": f"value {i}" for i in range(60)})
     sample = cache.sample_entries(30)
     assert len(sample) == 30
-    assert all(isinstance(data, bytes) for data, _ in sample)
+    assert all(isinstance(data, bytes) for _, data, _ in sample)
+    assert {key for key, _, _ in sample} <= {cache.make_key(f"s{i}") for i in range(60)}
 
 
 # --- resharding -----------------------------------------------------------------------------

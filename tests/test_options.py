@@ -156,7 +156,6 @@ def cluster(cache: MemcachedCache) -> Any:
 
 MEMCACHED_NUMBERS = [
     *SHARED_NUMBERS,
-    ("MAX_ENTRIES", "100", 100, {}, lambda c: c._max_entries),
     *(
         (name, text, number, {}, cluster)
         for name, text, number in [
@@ -331,3 +330,78 @@ def test_a_cache_built_outside_caches_is_described(build, described):
         with pytest.raises(ImproperlyConfigured) as raised:
             build()
     assert str(raised.value).startswith(described), raised.value
+
+
+# --- settings carried over from Django, pymemcache, django-redis and django-mysql -----------
+
+
+def configured_error(backend: str, location: str, options: dict[str, Any]) -> str:
+    configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": options}
+    with override_settings(CACHES={"x": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["x"]
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
+@pytest.mark.parametrize("name", ["TIMEOUT", "KEY_PREFIX", "VERSION", "KEY_FUNCTION"])
+def test_a_top_level_setting_in_options_says_where_it_belongs(backend, location, name):
+    message = configured_error(backend, location, {name: 60})
+    assert message.startswith(
+        f"CACHES['x']['OPTIONS'] has unknown keys: {name} (it belongs at the top level of "
+        "CACHES['x'], beside BACKEND, not in OPTIONS"
+    ), message
+    assert "did you mean" not in message
+
+
+def test_timeout_in_options_names_the_socket_timeouts_too():
+    memcached = configured_error(MEMCACHED, NOWHERE, {"TIMEOUT": 60})
+    assert "TIMEOUT (it belongs at the top level of CACHES['x'], beside BACKEND, not in " \
+        "OPTIONS: the entries' default expiry in seconds; the socket timeouts are " \
+        "CONNECT_TIMEOUT and IO_TIMEOUT)" in memcached
+    mysql = configured_error(MYSQL, "kvcache_options", {"TIMEOUT": 60})
+    assert "the connection's timeouts are connect_timeout, read_timeout and write_timeout " \
+        "in the OPTIONS of its DATABASES entry)" in mysql
+
+
+@pytest.mark.parametrize("name, said", [
+    ("ignore_exc", "ignore_exc (pymemcache's name: here IGNORE_EXCEPTIONS, True by default)"),
+    ("no_delay", "no_delay (pymemcache's option: TCP_NODELAY is always on here)"),
+    ("connect_timeout", "connect_timeout (pymemcache's name: here CONNECT_TIMEOUT, in seconds)"),
+    ("timeout", "timeout (pymemcache's socket timeout: here IO_TIMEOUT, in seconds; the "
+                "entries' default expiry is TIMEOUT, at the top level of CACHES['x'])"),
+    ("dead_timeout", "dead_timeout (pymemcache's name: here RETRY_TIMEOUT, the seconds a "
+                     "node that failed is skipped)"),
+    ("use_pooling", "use_pooling (pymemcache's option: connections are always pooled here, "
+                    "see MAX_POOL_SIZE and POOL_TIMEOUT)"),
+    ("serde", "serde (pymemcache's option: here SERIALIZER)"),
+    ("SOCKET_TIMEOUT", "SOCKET_TIMEOUT (django-redis's name: here IO_TIMEOUT)"),
+])
+def test_memcached_names_the_equivalent_of_a_carried_over_option(name, said):
+    message = configured_error(MEMCACHED, NOWHERE, {name: 1})
+    assert f"has unknown keys: {said}. Known: " in message, message
+
+
+@pytest.mark.parametrize("name, said", [
+    ("ignore_exc", "ignore_exc (pymemcache's name: here IGNORE_EXCEPTIONS)"),
+    ("CONNECT_TIMEOUT", "CONNECT_TIMEOUT (a connection setting: connect_timeout in the "
+                        "OPTIONS of the cache's DATABASES entry)"),
+    ("IO_TIMEOUT", "IO_TIMEOUT (a connection setting: read_timeout and write_timeout in the "
+                   "OPTIONS of the cache's DATABASES entry)"),
+    ("REVERSE_KEY_FUNCTION", "REVERSE_KEY_FUNCTION (django-mysql's option: not needed here, "
+                             "the prefix operations read keys made by the default "
+                             "KEY_FUNCTION)"),
+])
+def test_mysql_names_the_equivalent_of_a_carried_over_option(name, said):
+    message = configured_error(MYSQL, "kvcache_options", {name: 1})
+    assert f"has unknown keys: {said}. Known: " in message, message
+
+
+@pytest.mark.parametrize("name", ["MAX_ENTRIES", "CULL_FREQUENCY"])
+def test_an_option_memcached_has_no_use_for_says_why(name):
+    message = configured_error(MEMCACHED, NOWHERE, {name: 100})
+    assert message == (
+        f"CACHES['x']['OPTIONS'][{name!r}] does not apply to MemcachedCache: memcached evicts "
+        "the least recently used items when its memory (memcached -m) is full, so there is "
+        "no entry count to keep. Remove it."
+    )

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import linecache
+import os
 import signal
 import socket
+import struct
+import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 
+import django_kvcache.pool
+
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import PoolExhausted
+from django_kvcache.memcached import aio as memcached_aio
 from django_kvcache.memcached.pool import ConnectionSettings, NodePool
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.mysql import aio
@@ -163,3 +171,152 @@ def test_mysql_loops_closed_without_shutting_down_close_their_connections(mysql_
     assert not [raw for raw in opened if raw.open]
     gc.collect()
     assert not [ref for ref in loops if ref() is not None]
+
+
+# --- found by review: every point of a wait, a reset peer, a fork inside a loop ----------
+
+
+def test_an_exception_at_any_line_of_a_wait_loses_nothing(memcached_node_factory):
+    """An exception a signal handler raises (Celery's soft time limit) lands between two
+    lines anywhere in a waiting checkout — before it joined the line, while it waits, or
+    once it was served and before its caller took the connection: no slot and no
+    connection may be lost (one point after another, each in a new pool)."""
+    address = parse_location(memcached_node_factory().address)[0]
+    pool_file = django_kvcache.pool.__file__
+    point = 0
+    while True:
+        point += 1
+        pool = NodePool(address, ConnectionSettings(max_size=1, pool_timeout=2.0))
+        held = pool.checkout()
+        returner = threading.Timer(0.05, pool.checkin, (held,))
+        events = 0
+        where: list[tuple[str, int]] = []
+
+        def taken(frame) -> bool:
+            while frame is not None and frame.f_code.co_name != "checkout":
+                frame = frame.f_back
+            waiter = frame.f_locals.get("waiter") if frame is not None else None
+            return waiter is not None and waiter.taken
+
+        def trace(frame, event, arg):
+            nonlocal events
+            if frame.f_code.co_filename != pool_file:
+                return None
+            # Not at a ``with`` line: leaving the block, Python reports it before calling
+            # __exit__, and an exception there leaks the lock whatever the code does
+            # (CPython's own limit, bpo-29988).
+            if event == "line" and not linecache.getline(pool_file, frame.f_lineno).lstrip(
+                    ).startswith("with "):
+                if not taken(frame):  # taken: the caller's from now on
+                    events += 1
+                    if events == point:
+                        sys.settrace(None)
+                        where.append((frame.f_code.co_name, frame.f_lineno))
+                        raise Interrupted
+            return trace
+
+        returner.start()
+        sys.settrace(trace)
+        try:
+            got = pool.checkout()
+        except Interrupted:
+            got = None
+        finally:
+            sys.settrace(None)
+            returner.join()
+        if got is not None:
+            pool.checkin(got)
+        assert pool.size == 1 and pool.idle == [held] and not pool.line, where
+        assert pool.checkout() is held
+        if events < point:  # the checkout ran to the end: every point was tried
+            break
+    assert point > 10
+
+
+class ResettingProxy:
+    """Forwards to a memcached; ``reset()`` resets every client connection (a fault)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.clients: list[socket.socket] = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.clients.append(client)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self.pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            sock.close()
+
+    def reset(self) -> None:
+        for client in self.clients:
+            if client.fileno() == -1:  # its client closed it already
+                continue
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.shutdown(socket.SHUT_RDWR)  # the pipes close both ends: the RST goes out
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_reset_connection_of_a_closed_loop_does_not_fail_the_next_loop(memcached_node_factory):
+    proxy = ResettingProxy(memcached_node_factory().address)
+    try:
+        cache = MemcachedCache([proxy.address], {"OPTIONS": {"IGNORE_EXCEPTIONS": False}})
+        for index in range(2):
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(cache.aset(f"k{index}", index))
+            loop.close()
+        proxy.reset()  # the idle connections of both closed loops are reset by the peer
+        time.sleep(0.1)
+        assert asyncio.run(cache.aget("k1")) == 1  # closing the closed loops' raised ENOTCONN
+        assert memcached_aio._loops.every() == []  # both closed loops' states were closed, not one
+    finally:
+        proxy.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_inside_a_loop_leaves_its_parent_s_connections_alone(
+        memcached_node_factory):
+    """The child goes back to the loop it was forked in, which shuts down: it must not
+    close the parent's asyncio connections (it unregistered the parent's socket from the
+    epoll instance both share, and the parent's next call timed out)."""
+    node = memcached_node_factory()
+    cache = MemcachedCache([node.address], {"OPTIONS": {"IGNORE_EXCEPTIONS": False,
+                                                       "IO_TIMEOUT": 1.0}})
+    parent = os.getpid()
+    outcome: list[Any] = []
+
+    async def main() -> None:
+        await cache.aset("k", "v")
+        pid = os.fork()
+        if pid == 0:
+            return  # the child: its asyncio.run shuts this loop down
+        os.waitpid(pid, 0)
+        started = time.monotonic()
+        outcome.append(await cache.aget("k"))
+        outcome.append(time.monotonic() - started)
+
+    try:
+        asyncio.run(main())
+    finally:
+        if os.getpid() != parent:
+            os._exit(0)
+    assert outcome[0] == "v" and outcome[1] < 0.5

@@ -90,3 +90,39 @@ def test_own_mariadb_keeps_data_across_restart(mariadb_server):
     cursor.execute("SELECT id FROM t")
     assert cursor.fetchall() == ((1,),)
     conn.close()
+
+
+# --- a run that was meant to test a server group fails when the group is not there ----------
+
+
+def test_missing_servers_names_each_group_that_does_not_answer(monkeypatch):
+    from tests.servers import free_port, missing_servers
+
+    assert missing_servers(["mysql", "memcached"]) == []
+    monkeypatch.setattr(settings, "MEMCACHED_NODES", [f"127.0.0.1:{free_port()}"])
+    monkeypatch.setattr(settings, "GALERA_NODES", [])
+    problems = missing_servers(["memcached", "galera", "nonsense"])
+    assert problems == [
+        f"memcached: {settings.MEMCACHED_NODES[0]}",
+        "galera: not configured (see scripts/services.py)",
+        "nonsense: no such server group",
+    ]
+
+
+def test_a_required_group_that_is_not_up_stops_the_run_instead_of_skipping(tmp_path):
+    """What ``make test-galera`` relies on: without a cluster the galera tests would all
+    be skipped and the run would pass."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "KVCACHE_REQUIRE_SERVERS": "galera", "KVCACHE_GALERA": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "galera",
+         "tests/test_galera.py"],
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 3, result.stdout[-2000:]
+    assert "servers that were meant to run are not there: galera: not configured" in (
+        result.stdout + result.stderr)

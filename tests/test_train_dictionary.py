@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 
 import pytest
 from django.core.cache import caches
@@ -28,20 +29,28 @@ MYSQL_CACHE = {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"CULL_PROBABIL
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 
-@pytest.fixture(params=["mysql", "memcached"])
+ENCRYPTED = {"ENCRYPTION_KEYS": ["the key of the sampled cache, 0123456789abcdef"]}
+
+
+@pytest.fixture(params=["mysql", "memcached", "mysql encrypted", "memcached encrypted"])
 def sampled(request, memcached_node_factory):
-    """The "sampled" cache: a MySQLCache table, or a memcached node of the test's own."""
-    if request.param == "memcached":
+    """The "sampled" cache: a MySQLCache table, or a memcached node of the test's own;
+    with ENCRYPTION_KEYS, whose entries are sampled through its keys."""
+    backend = request.param.partition(" ")[0]
+    if backend == "memcached":
         node = memcached_node_factory()
         CACHES["sampled"] = {"BACKEND": MEMCACHED, "LOCATION": [node.address]}
     else:
         CACHES["sampled"] = MYSQL_CACHE
+    if request.param.endswith("encrypted"):
+        options = CACHES["sampled"].get("OPTIONS", {})
+        CACHES["sampled"] = {**CACHES["sampled"], "OPTIONS": {**options, **ENCRYPTED}}
     with override_settings(CACHES=CACHES):
         cache = caches["sampled"]
-        if request.param == "mysql":
+        if backend == "mysql":
             ensure_table(cache)
         yield cache
-        if request.param == "mysql":
+        if backend == "mysql":
             drop_table(TABLE)
 
 
@@ -113,11 +122,12 @@ def test_too_few_entries_is_a_clear_error(sampled, tmp_path):
 def test_sample_entries_picks_distinct_live_entries_at_random(sampled):
     fill(sampled, 100)
     values = sampled.get_many([f"api:{n}" for n in range(100)]).values()
-    stored = {sampled.codec.encode(value)[0] for value in values}
+    payloads = {sampled.codec.payload(value)[0] for value in values}
     first, second = sampled.sample_entries(30), sampled.sample_entries(30)
     assert len(first) == len(second) == 30
-    assert all(flags != FLAG_INTEGER or data.isdigit() for data, flags in first)
-    api_entries = [data for data, _ in first if data in stored]
+    assert all(flags != FLAG_INTEGER or data.isdigit() for _, data, flags in first)
+    opened = [sampled.codec.opened(data, flags, key)[0] for key, data, flags in first]
+    api_entries = [payload for payload in opened if payload in payloads]
     assert len(set(api_entries)) == len(api_entries) > 10  # no entry twice
     assert first != second  # a random pick, not the first 30 in storage order
 
@@ -147,15 +157,19 @@ def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
     assert f"wrote {tmp_path / 'copy.zstd'} and the table of cache 'sampled' " \
            f"(zstd dictionary {dictionary.id}" in out
     assert "set its OPTIONS['COMPRESS_DICTIONARY'] to 'auto'" in err  # this one does not read it
-    rows = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
-    assert rows == [(dictionary.id, dictionary.content)]
-    auto = {**MYSQL_CACHE, "OPTIONS": {**MYSQL_CACHE["OPTIONS"], "COMPRESS_DICTIONARY": "auto",
-                                       "COMPRESS_MIN_LENGTH": 400}}
+    (found_id, content), = sql(f"SELECT `dictionary_id`, `content` FROM `{TABLE}_dictionaries`")
+    encrypted = "ENCRYPTION_KEYS" in CACHES["sampled"]["OPTIONS"]
+    assert found_id == dictionary.id
+    assert (bytes(content) != dictionary.content) is encrypted  # sealed with the cache's keys
+    auto = {**CACHES["sampled"], "OPTIONS": {**CACHES["sampled"]["OPTIONS"],
+                                             "COMPRESS_DICTIONARY": "auto",
+                                             "COMPRESS_MIN_LENGTH": 400}}
     with override_settings(CACHES={**CACHES, "auto": auto}):
         caches["auto"].set("new", [api_response(random.Random(5)) for _ in range(3)])
         data, flags = [row[1:] for row in sql(
             f"SELECT `cache_key`, `value`, `flags` FROM `{TABLE}` WHERE `cache_key` = ':1:new'")][0]
-        assert frame_dictionary_id(bytes(data)) == dictionary.id
+        payload, _ = caches["auto"].codec.opened(bytes(data), flags, ":1:new")
+        assert frame_dictionary_id(payload) == dictionary.id
         # Trained again on entries now compressed with it: sampling reads them through the
         # table (none skipped), and the new dictionary is installed beside the first.
         caches["auto"].set_many({f"api:{n}": value for n, value in enumerate(
@@ -164,3 +178,31 @@ def test_install_stores_it_in_the_caches_table_for_auto(sampled, tmp_path):
         assert "Skipped" not in err
         assert len(sql(f"SELECT 1 FROM `{TABLE}_dictionaries`")) == 2
     sql(f"DROP TABLE `{TABLE}_dictionaries`")
+
+
+def test_the_report_measures_the_gain_at_the_cache_s_own_threshold(sampled, tmp_path):
+    """The values here (about 700 bytes) are under MySQLCache's COMPRESS_MIN_LENGTH (1000)
+    and over MemcachedCache's (400): the dictionary's gain is one the MySQL cache does not
+    take until its threshold comes down, and the report says so and by how much."""
+    fill(sampled, 300)
+    out, _ = train(tmp_path, "sampled", output=tmp_path / "d", samples=1000, size=4096)
+    assert re.search(r"On 60 other entries \([\d,]+ bytes serialized, \d+ bytes on average\):",
+                     out), out
+    assert "  every entry compressed:\n" in out
+    threshold = sampled.codec.compress_min_length
+    if isinstance(sampled, MySQLCache):
+        assert f"  as this cache compresses (from COMPRESS_MIN_LENGTH {threshold} bytes: 0% " \
+            "of these entries):\n" in out, out
+        assert re.search(r"    zstd-3 \+ dictionary +1\.00x smaller\n", out), out
+        suggested = re.search(
+            rf"The dictionary's gain is on entries under {threshold} bytes, which this cache "
+            r"stores as they are: COMPRESS_MIN_LENGTH (\d+) would compress (\d+)% of these "
+            r"entries, (\d+\.\d\d)x smaller with the dictionary \((\d+)% of its gain\)\.", out)
+        assert suggested, out
+        assert int(suggested[1]) < 600 and int(suggested[2]) >= 90 and int(suggested[4]) >= 90
+        assert float(suggested[3]) > 2
+    else:
+        assert f"  as this cache compresses (from COMPRESS_MIN_LENGTH {threshold} bytes: 100% " \
+            "of these entries):\n" in out, out
+        assert re.search(rf"This cache's COMPRESS_MIN_LENGTH of {threshold} bytes takes "
+                         r"100% of the dictionary's gain\.", out), out

@@ -21,6 +21,7 @@ IDENTITY = {
     "stampede": ("cache", "callers", "state"),
     "shards": ("operation", "shards"),
     "async": ("client", "operation", "setting"),
+    "encryption": ("cache", "operation"),
 }
 
 
@@ -206,6 +207,24 @@ def codec_text(codec: dict[str, Any], mix: str = "") -> str:
             "serialized on average), no server\n\n" + table(header, lines))
 
 
+def encryption_text(scenario: dict[str, Any], mix: str = "") -> str:
+    lines = [[e["cache"], e["operation"], micros(e["plain_median_us"]),
+              micros(e["encrypted_median_us"]), _ratio(e["time_ratio"]),
+              micros(e["plain_cpu_us"]), micros(e["encrypted_cpu_us"]), _ratio(e["cpu_ratio"]),
+              f"{e['cpu_added_us']:+.1f}"] for e in scenario["results"]]
+    header = ["cache", "operation", "plain", "encrypted", "x time", "plain CPU", "encrypted CPU",
+              "x CPU", "CPU added µs"]
+    sizes = [[e["cache"], f"{e['plain_bytes_per_entry']:,.1f}",
+              f"{e['encrypted_bytes_per_entry']:,.1f}", f"{e['extra_bytes_per_entry']:+.1f}"]
+             for e in scenario["bytes"]]
+    return (f"encryption, {mix} values: ENCRYPTION_KEYS against the same cache without, median "
+            f"wall time and process CPU per call (target: at most "
+            f"{scenario['target_time_ratio']:.2f}x the time)\n\n" + table(header, lines)
+            + f"\n\nvalue bytes as stored per entry (target: at most "
+            f"+{scenario['target_extra_bytes']})\n\n"
+            + table(["cache", "plain", "encrypted", "added"], sizes))
+
+
 def shards_text(shards: dict[str, Any]) -> str:
     counts = shards["counts"]
     latency = [e for e in shards["results"] if "median_us" in e]
@@ -293,9 +312,10 @@ def stampede_text(stampede: dict[str, Any]) -> str:
 
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
-        "shards": shards_text, "async": async_text, "stampede": stampede_text}
+        "shards": shards_text, "async": async_text, "stampede": stampede_text,
+        "encryption": encryption_text}
 #: The scenarios whose text names the value mix (the others use random filler).
-MIX_TEXT = {"ops", "storage", "capacity", "codec"}
+MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
 def text(results: dict[str, Any]) -> str:

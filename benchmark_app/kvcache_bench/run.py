@@ -4,17 +4,22 @@ from __future__ import annotations
 import contextlib
 import importlib
 import secrets
+import signal
+import threading
 import time
 from dataclasses import asdict, replace
 from typing import Any, Iterator, Sequence
 
+from django.db import connections
+
 from kvcache_bench import caches, data, machine, servers, storage
 from kvcache_bench.context import Context, Parameters
 
-SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec")
+SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capacity", "codec",
+             "encryption")
 #: The scenarios whose figures depend on the values: run once per value mix. The others
 #: use small random filler and run with the first mix only.
-MIX_SCENARIOS = ("ops", "storage", "capacity", "codec")
+MIX_SCENARIOS = ("ops", "storage", "capacity", "codec", "encryption")
 #: Run only when named with --scenario: they need servers beyond the default ones.
 ON_REQUEST_SCENARIOS = ("shards", "async")
 #: What runs on a site's own caches: nodes, storage, capacity, shards and async start
@@ -50,7 +55,7 @@ def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[
         context = Context(token, parameters, [], None, nodes, show_progress)
         runs = []
         try:
-            context.caches = _create_storage(selection, context)
+            _create_storage(selection, context)
             context.reference = caches.reference_of(context.caches)
             described.update(caches=[_describe(spec) for spec in context.caches],
                              skipped=selection.skipped)
@@ -113,30 +118,59 @@ def _run_scenario(name: str, context: Context) -> dict[str, Any]:
     return importlib.import_module(f"kvcache_bench.scenarios.{name}").run(context)
 
 
-def _create_storage(selection: caches.Selection, context: Context) -> list[caches.CacheSpec]:
-    """The caches whose table could be created; the others move to ``skipped``."""
-    ready = []
+def _create_storage(selection: caches.Selection, context: Context) -> None:
+    """``context.caches``: the caches whose table could be created; the others move to
+    ``skipped``. Each is listed before its table is made, so that a run interrupted here
+    drops what it made too."""
+    context.caches = []
     for spec in selection.caches:
+        context.caches.append(spec)
         try:
             storage.create_storage(spec, context.cache(spec))
         except Exception as exc:  # a cache that cannot start is reported, not fatal
+            context.caches.remove(spec)
             selection.skipped[spec.name] = f"could not create its table: {exc!r}"
-            continue
-        ready.append(spec)
-    return ready
+            storage.drop_storage(spec)
 
 
 def _clean_up(context: Context) -> None:
-    for spec in context.caches:
+    """Drop the run's tables and delete its keys, however the run ended: a second Ctrl-C
+    while this runs is ignored (the first one stopped the run and brought it here)."""
+    with _sigint_ignored():
+        _close_connections(context)
+        for spec in context.caches:
+            try:
+                storage.clean_up(spec, context.written)
+            except Exception as exc:  # keep cleaning the others
+                context.notes.append(f"clean-up of {spec.name} failed: {exc!r}")
+        for name, cache in context.instances.items():
+            try:
+                cache.close()
+            except Exception as exc:
+                context.notes.append(f"closing {name} failed: {exc!r}")
+
+
+def _close_connections(context: Context) -> None:
+    """This thread's Django connections closed, to be opened afresh: a statement that
+    Ctrl-C cut off leaves its connection out of sync ("Commands out of sync"), and every
+    table dropped through it would stay."""
+    for connection in connections.all(initialized_only=True):
         try:
-            storage.clean_up(spec, context.written)
-        except Exception as exc:  # keep cleaning the others
-            context.notes.append(f"clean-up of {spec.name} failed: {exc!r}")
-    for name, cache in context.instances.items():
-        try:
-            cache.close()
-        except Exception as exc:
-            context.notes.append(f"closing {name} failed: {exc!r}")
+            connection.close()
+        except Exception as exc:  # a broken connection: closing it is all that matters
+            context.notes.append(f"closing database {connection.alias!r} failed: {exc!r}")
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set signal handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 #: OPTIONS whose values stay out of the results (a site's secrets and key files).

@@ -41,13 +41,20 @@ def empty_storage(spec: CacheSpec, cache: BaseCache) -> None:
 
 
 def drop_storage(spec: CacheSpec) -> None:
-    """Drop the cache's table (the run's own), on every database holding it."""
+    """Drop the cache's tables (the run's own), on every database holding them: a
+    MySQLCache's dictionary table too (``COMPRESS_DICTIONARY: "auto"`` makes one)."""
     if spec.table is None:
         return
+    tables = [spec.table]
+    if spec.family.startswith("kv-mysql"):
+        from django_kvcache.mysql.dictionaries import dictionary_table
+
+        tables.append(dictionary_table(spec.table))
     for database in spec.table_databases:
         connection = connections[database]
         with connection.cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS {connection.ops.quote_name(spec.table)}")
+            for table in tables:
+                cursor.execute(f"DROP TABLE IF EXISTS {connection.ops.quote_name(table)}")
 
 
 def count_rows(spec: CacheSpec) -> int:

@@ -28,7 +28,14 @@ from typing import Any, Iterable, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, InvalidCacheKey
 
-from django_kvcache.base import MISSING, KVCache, check_delta, delegate_to_sync
+from django_kvcache.base import (
+    MISSING,
+    KVCache,
+    check_delta,
+    counter_overflow,
+    delegate_to_sync,
+    key_not_found,
+)
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError, PoolExhausted, Refused
@@ -46,7 +53,7 @@ from django_kvcache.memcached.plans import (
     run,
 )
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.options import flag
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 
 MAX_KEY_BYTES = 250
@@ -107,9 +114,43 @@ class MemcachedCache(KVCache):
             "AUTOBATCH",
         }
     )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the socket "
+        "timeouts are CONNECT_TIMEOUT and IO_TIMEOUT",
+        # pymemcache's HashClient (Django's PyMemcacheCache passes OPTIONS to it)
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS, True by default",
+        "no_delay": "pymemcache's option: TCP_NODELAY is always on here",
+        "connect_timeout": "pymemcache's name: here CONNECT_TIMEOUT, in seconds",
+        "timeout": "pymemcache's socket timeout: here IO_TIMEOUT, in seconds; the entries' "
+        f"default expiry is TIMEOUT, at the top level of {THIS_CACHE}",
+        "retry_attempts": "pymemcache's option: here a node is skipped after "
+        "FAILURE_THRESHOLD failures in a row, for RETRY_TIMEOUT seconds",
+        "retry_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "dead_timeout": "pymemcache's name: here RETRY_TIMEOUT, the seconds a node that "
+        "failed is skipped",
+        "use_pooling": "pymemcache's option: connections are always pooled here, see "
+        "MAX_POOL_SIZE and POOL_TIMEOUT",
+        "tls_context": "pymemcache's name: here TLS, an ssl.SSLContext or a dict",
+        "serde": "pymemcache's option: here SERIALIZER",
+        "allow_unicode_keys": "pymemcache's option: keys are always unicode here",
+        "default_noreply": "pymemcache's option: every reply is read here",
+        # pylibmc and django-redis
+        "behaviors": "pylibmc's option: here CONNECT_TIMEOUT, IO_TIMEOUT and HASHING",
+        "socket_timeout": "django-redis's name: here IO_TIMEOUT",
+        "socket_connect_timeout": "django-redis's name: here CONNECT_TIMEOUT",
+    }
+    inapplicable_options = dict.fromkeys(
+        ("MAX_ENTRIES", "CULL_FREQUENCY"),
+        "memcached evicts the least recently used items when its memory (memcached -m) is "
+        "full, so there is no entry count to keep",
+    )
 
     def __init__(self, server: Any, params: Mapping[str, Any]) -> None:
-        super().__init__(params)
+        # Every node's entries share one scope: a key may move between nodes (failover,
+        # a node added), never between caches (the stored key carries KEY_PREFIX).
+        super().__init__(params, encryption_scope="memcached")
         self.failover = flag(self.options, "FAILOVER")
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
@@ -261,9 +302,10 @@ class MemcachedCache(KVCache):
 
     # --- keys and expiry --------------------------------------------------------------
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        """A value as stored: ``(data, flags)`` (for the lease stores, ``memcached.lease``)."""
-        return self.codec.encode(value)
+    def encode(self, value: Any, key: str) -> tuple[bytes, int]:
+        """A value as stored under the stored key ``key``: ``(data, flags)`` (for the
+        lease stores, ``memcached.lease``)."""
+        return self.codec.encode(value, key)
 
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
@@ -338,7 +380,7 @@ class MemcachedCache(KVCache):
             return self._failed(exc, default)
         if found is None:
             return default
-        value = self.decode(found[0], found[1], key)
+        value = self.decode(found[0], found[1], stored_key)
         return default if value is MISSING else value
 
     def _write(
@@ -368,7 +410,7 @@ class MemcachedCache(KVCache):
             # copies get_or_set keeps, as after delete (and as on MySQL).
             yield from self._delete_entries({stored_key: key}, version)
             return None
-        data, flags, saved = self.codec.encode_measured(value)
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(name, stored_key.encode(), data, flags, expire)
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
@@ -451,7 +493,7 @@ class MemcachedCache(KVCache):
             self._failed(exc)
             value = None
         if value is None:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(caller_key, version)
         return value
 
     def _incr_on_server(
@@ -480,7 +522,7 @@ class MemcachedCache(KVCache):
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
             yield from node.exchange(wire.incr(key.encode(), 2**64 - delta), io)
-        raise self._overflow(key, delta)
+        raise counter_overflow(caller_key, delta)
 
     def _add_with_cas(
         self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
@@ -505,9 +547,9 @@ class MemcachedCache(KVCache):
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
-                raise self._overflow(key, delta)  # (a value beyond: another's undo is due)
+                raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
             ttl = yield from self._absolute_if_long(node, ttl, io)
-            new_data, new_flags = self.codec.encode(result)
+            new_data, new_flags = self.codec.encode(result, key)
             swapped = yield from node.exchange(
                 wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
             )
@@ -527,10 +569,11 @@ class MemcachedCache(KVCache):
             )
 
     def _counter_value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
-        """A stored integer; ``TypeError`` for any other value, MISSING when corrupt."""
+        """A stored integer (read under the stored ``key``); ``TypeError`` naming the
+        ``caller_key`` for any other value, MISSING when corrupt."""
         if flags not in (FLAG_INTEGER, FLAG_LONG):
-            raise TypeError(f"The value of key '{key}' is not an integer")
-        return self.decode(data, flags, caller_key)
+            raise TypeError(f"The value of key '{caller_key}' is not an integer")
+        return self.decode(data, flags, key)
 
     @staticmethod
     def _absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
@@ -540,12 +583,6 @@ class MemcachedCache(KVCache):
         if ttl <= THIRTY_DAYS:
             return ttl
         return ttl + (yield from node.exchange(wire.stats(), io))["time"]
-
-    @staticmethod
-    def _overflow(key: str, delta: int) -> OverflowError:
-        return OverflowError(
-            f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-        )
 
     # --- plans: many keys, one pipelined request per node, all nodes at once -----------
 
@@ -562,10 +599,10 @@ class MemcachedCache(KVCache):
             if batch.error is not None:
                 continue
             for key_bytes, (data, flags) in batch.result.items():
-                key = key_map[key_bytes.decode()]
-                value = decode(data, flags, key)
+                stored_key = key_bytes.decode()
+                value = decode(data, flags, stored_key)
                 if value is not MISSING:
-                    found[key] = value
+                    found[key_map[stored_key]] = value
         self._report(placement, batches)
         return found
 
@@ -604,7 +641,7 @@ class MemcachedCache(KVCache):
         encoded = []
         saved = 0
         for key in keys:
-            payload, flags, saving = self.codec.encode_measured(data[key_map[key]])
+            payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
             encoded.append((payload, flags))
             saved += saving
         return fanout.set_batch(node, keys, encoded, self.expire_time(timeout), saved)
@@ -727,13 +764,16 @@ class MemcachedCache(KVCache):
 
     # --- observability and maintenance (blocking only: not request-path calls) --------
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"memcached node {node.name}" for node in self._nodes)
+
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-node counters of this process, shared by every instance of this cache."""
         return {node.name: node.metrics() for node in self._nodes}
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` entries picked at random across the nodes, as stored:
-        ``(bytes, flags)``. For training a compression dictionary
+        ``(stored key, bytes, flags)`` (``codec.opened`` decrypts one). For training a compression dictionary
         (``kvcache_train_dictionary``): it lists every key of every node, so it is no
         request-path call. A node that fails raises (no IGNORE_EXCEPTIONS here)."""
         return sampling.sample_entries(self._nodes, count)

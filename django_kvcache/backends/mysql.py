@@ -38,12 +38,13 @@ from django.core.cache.backends.base import (
     MEMCACHE_MAX_KEY_LENGTH,
     default_key_func,
 )
-from django.utils.module_loading import import_string
 
 from django_kvcache import stampede
-from django_kvcache.base import MISSING, KVCache, check_delta
+from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
+from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
+from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, blocking, dictionaries, plans
+from django_kvcache.mysql import aio, blocking, dictionaries, layouts, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
@@ -58,7 +59,7 @@ from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for te
     now_ms,
     quote_name,
 )
-from django_kvcache.options import fraction
+from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, fraction
 from django_kvcache.stampede import Compute, LeaseStore
 from django_kvcache.steps import Plan, arun, run
 
@@ -90,6 +91,25 @@ class TableStats:
 #: (table, its shards' aliases) -> its counters: one table name on two databases is two.
 _stats: dict[tuple[str, tuple[str | None, ...]], TableStats] = {}
 
+#: Rows a batch of ``rotate_encryption_key`` examines (``kvcache_rotate_key --batch-size``).
+ROTATION_BATCH_ROWS = 1000
+
+
+@dataclass
+class Rotation:
+    """What ``rotate_encryption_key`` did: rows examined, re-encrypted, found encrypted
+    with the newest key already, found unreadable (another key, altered: left as they
+    are, misses until they expire); ``resume_after``: the key to continue after, or None
+    when every row was examined."""
+
+    key_id: int
+    examined: int = 0
+    resealed: int = 0
+    current: int = 0
+    unreadable: int = 0
+    batches: int = 0
+    resume_after: str | None = None
+
 
 class MySQLCache(KVCache):
     """Django cache backend storing entries in a MySQL/MariaDB table (LOCATION)."""
@@ -111,6 +131,25 @@ class MySQLCache(KVCache):
             "POOL_TIMEOUT",
         }
     )
+    option_hints = {
+        **TOP_LEVEL_HINTS,
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the connection's "
+        "timeouts are connect_timeout, read_timeout and write_timeout in the OPTIONS of its "
+        "DATABASES entry",
+        "timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS of "
+        "the cache's DATABASES entry; the entries' default expiry is TIMEOUT, at the top "
+        f"level of {THIS_CACHE}",
+        "connect_timeout": "a connection setting: connect_timeout in the OPTIONS of the "
+        "cache's DATABASES entry",
+        "io_timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS "
+        "of the cache's DATABASES entry",
+        "socket_timeout": "a connection setting: read_timeout and write_timeout in the "
+        "OPTIONS of the cache's DATABASES entry",
+        "tls": "a connection setting: ssl in the OPTIONS of the cache's DATABASES entry",
+        "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS",
+        "reverse_key_function": "django-mysql's option: not needed here, the prefix "
+        "operations read keys made by the default KEY_FUNCTION",
+    }
     #: Compress from 1000 bytes: with zstandard's reused decompressors, reading the
     #: realistic mix costs about what django-mysql's policy (zlib level 6 from 5000 bytes)
     #: costs, and it stores 0.64x its bytes; from 2000, 0.71x (docs/codec.rst, "Choosing
@@ -119,7 +158,10 @@ class MySQLCache(KVCache):
 
     def __init__(self, location: str, params: Mapping[str, Any]) -> None:
         # COMPRESS_DICTIONARY "auto": zstd dictionaries in a table beside the cache's.
-        super().__init__(params, partial(dictionaries.table_dictionaries, location))
+        super().__init__(
+            params, partial(dictionaries.table_dictionaries, location),
+            encryption_scope=f"mysql table {location}",
+        )
         self.table = check_table(location)
         self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
         self.cull_probability = fraction(
@@ -128,7 +170,7 @@ class MySQLCache(KVCache):
         self.cache_model_class = router_model(self.table)
         scope = own_keys_pattern(self.key_prefix, self.key_func is default_key_func)
         self.cluster = cluster_for(self.table, self.options, scope)
-        self.session = Session(self.cluster, self._missing_table_message)
+        self.session = Session(self.cluster, self._missing_table_message, self._layout_message)
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
@@ -297,6 +339,19 @@ class MySQLCache(KVCache):
     async def acull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
         return await arun(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
 
+    def rotate_encryption_key(
+        self,
+        batch_rows: int = ROTATION_BATCH_ROWS,
+        max_batches: int | None = None,
+        after: str = "",
+    ) -> Rotation:
+        """Re-encrypt with the first of ENCRYPTION_KEYS every live entry of this cache
+        that another of its keys encrypted, in batches of ``batch_rows`` rows in key
+        order on each shard (after the stored key ``after``); stops after ``max_batches``
+        batches, and tells where to resume. A row written or deleted meanwhile is left
+        as it is; running it again skips what is done (``kvcache_rotate_key``)."""
+        return run(self._rotate(batch_rows, max_batches, after))  # type: ignore[no-any-return]
+
     def close(self, **kwargs: Any) -> None:
         """Called at the end of every request: the pooled connections stay open."""
 
@@ -384,7 +439,7 @@ class MySQLCache(KVCache):
         if expires is None:
             yield plans.delete_row(self.session, stored)
             return None
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         too_large = yield plans.set(self.session, stored, data, flags, expires)
         if too_large is not None:
@@ -396,7 +451,7 @@ class MySQLCache(KVCache):
         expires = self._expires(timeout)
         if expires is None:  # nothing is stored; "added" when no live entry was there
             return not (yield plans.live_on_primary(self.session, stored))
-        data, flags = self._encode(value)
+        data, flags = self._encode(value, stored)
         yield from self._cull_before([stored])
         added = yield plans.add(self.session, stored, data, flags, expires)
         if isinstance(added, plans.TooLarge):
@@ -418,7 +473,7 @@ class MySQLCache(KVCache):
         for key, value in data.items():
             stored = self.make_and_validate_key(key, version)
             callers[stored] = key
-            rows[stored] = self._encode(value)
+            rows[stored] = self._encode(value, stored)
         yield from self._cull_before(list(rows))
         failed: list[Any] = []
         for answer in (yield plans.set_many(self.session, rows, expires)):
@@ -439,21 +494,22 @@ class MySQLCache(KVCache):
 
     def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         check_delta(delta)
-        outcome = yield plans.incr(self.session, self.make_and_validate_key(key, version), delta)
+        stored = self.make_and_validate_key(key, version)
+        outcome = yield plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
-            raise self._incr_refused(key, delta, outcome, version)
+            raise self._incr_refused(key, stored, delta, version, outcome)
         return outcome
 
     def _incr_refused(
-        self, key: Any, delta: int, refused: plans.Refused, version: int | None = None
+        self, key: Any, stored: str, delta: int, version: int | None, refused: plans.Refused
     ) -> Exception:
-        """The exception for an incr that did not apply, naming the caller's key."""
+        """The exception for an incr that did not apply, naming the caller's key and the
+        version it gave (the row, read back, is decoded under its stored key: with
+        ENCRYPTION_KEYS it opens under no other)."""
         if refused.reason == plans.OVERFLOW:
-            return OverflowError(
-                f"Adding {delta} to key '{key}' leaves the signed 64-bit range; value unchanged"
-            )
+            return counter_overflow(key, delta)
         if refused.reason == plans.NOT_INTEGER:
-            value = self.decode(refused.data, refused.flags, self.make_key(key, version))
+            value = self.decode(refused.data, refused.flags, stored)
             if isinstance(value, int) and not isinstance(value, bool):
                 return TypeError(
                     f"The value of key '{key}' is an int beyond the signed 64-bit range of "
@@ -461,20 +517,20 @@ class MySQLCache(KVCache):
                 )
             return TypeError(f"The value of key '{key}' is not an integer")
         if refused.reason == plans.CORRUPT:
-            stored = self.make_and_validate_key(key, version)
             self.report_unreadable(
                 "corrupt integer",
                 f"corrupt integer cache entry {stored!r} read as missing: {refused.error}",
             )
-        return ValueError(f"Key '{key}' not found")
+        return key_not_found(key, version)
 
     def _incr_version(self, key: Any, delta: int, version: int | None) -> Plan:
         """Django's ``incr_version``, as one plan for both APIs."""
+        asked = version
         if version is None:
             version = self.version
         value = yield from self._get(key, MISSING, version)
         if value is MISSING:
-            raise ValueError(f"Key '{key}' not found")
+            raise key_not_found(key, asked)
         yield from self._set(key, value, DEFAULT_TIMEOUT, version + delta)
         yield from self._delete(key, version)
         return version + delta
@@ -506,8 +562,8 @@ class MySQLCache(KVCache):
         if cull is not None:
             yield cull
 
-    def _encode(self, value: Any) -> tuple[bytes, int]:
-        data, flags, saved = self.codec.encode_measured(value)
+    def _encode(self, value: Any, stored: str) -> tuple[bytes, int]:
+        data, flags, saved = self.codec.encode_measured(value, stored)
         stats = self.stats
         stats.values_encoded += 1
         stats.bytes_encoded += len(data)
@@ -535,6 +591,57 @@ class MySQLCache(KVCache):
     def _cull(self, max_batches: int | None, fail_open: bool | None = None) -> Plan:
         strict = fail_open is False
         return sum((yield plans.cull(self.session, self._culling(), max_batches, strict)))
+
+    def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
+        encryption = self.codec.encryption
+        if encryption is None:
+            raise ValueError(f"{self.backend_name} on table {self.table!r} has no ENCRYPTION_KEYS")
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        done = Rotation(encryption.writer_id)
+        cursors = {shard.index: after for shard in self.shards}  # shards left to scan
+        keep_ms = self._culling().stale_ms
+        while cursors and (max_batches is None or done.batches < max_batches):
+            done.batches += 1
+            scans = yield plans.rotation_scan(
+                self.session, cursors, batch_rows, encryption.writer_id, keep_ms
+            )
+            work: dict[int, list[plans.Resealed]] = {}
+            for index, found in zip(list(cursors), scans):
+                work[index] = self._resealed(found, done)
+                if len(found) < batch_rows:
+                    del cursors[index]
+                else:
+                    cursors[index] = found[-1][0]
+            if any(work.values()):
+                done.resealed += sum((yield plans.reseal(self.session, work)))
+        done.resume_after = min(cursors.values()) if cursors else None
+        return done
+
+    def _resealed(self, found: list[tuple[str, int, Any]], done: Rotation) -> list[plans.Resealed]:
+        """The rows of a scan that need the newest key, encrypted with it."""
+        encryption = self.codec.encryption
+        assert encryption is not None
+        resealed = []
+        for key, flags, data in found:
+            done.examined += 1
+            if not flags & FLAG_ENCRYPTED:
+                continue  # an integer, a lease row, another cache's unencrypted entry
+            if key_id_of(flags) == encryption.writer_id:
+                done.current += 1
+                continue
+            if data is None:
+                continue  # expired: culling deletes it
+            data = bytes(data)
+            try:
+                new = encryption.resealed(data, flags, key)
+            except NotOpened as exc:
+                done.unreadable += 1
+                self.report_unreadable(exc.reason, f"cache entry {key!r} not re-encrypted: {exc}")
+                continue
+            assert new is not None
+            resealed.append(plans.Resealed(key, flags, data[:NONCE_BYTES], *new))
+        return resealed
 
     @property
     def _drops_stale(self) -> bool:
@@ -595,6 +702,10 @@ class MySQLCache(KVCache):
         shard = self.shards[0]
         return shard.primary() if write else self.session.reader(shard)
 
+    def storage(self) -> frozenset[str]:
+        return frozenset(f"table {self.table!r} in database {alias!r}"
+                         for alias in self.database_aliases())
+
     def database_aliases(self) -> list[str]:
         """Every shard's primary alias, in OPTIONS order (one alias without shards)."""
         return [shard.primary() for shard in self.shards]
@@ -644,9 +755,9 @@ class MySQLCache(KVCache):
             metrics["replicas"] = replicas
         return metrics
 
-    def sample_entries(self, count: int) -> list[tuple[bytes, int]]:
-        """Up to ``count`` live entries picked at random, as stored: ``(bytes, flags)``,
-        the same share from each shard.
+    def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
+        """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
+        flags)``, the same share from each shard (``codec.opened`` decrypts one).
 
         For training a compression dictionary (``kvcache_train_dictionary``); it scans
         the table, so it is no request-path call.
@@ -654,7 +765,7 @@ class MySQLCache(KVCache):
         per_shard = -(-count // len(self.shards))
         rows = [row for rows in run(self._sample(per_shard)) for row in rows]
         random.shuffle(rows)
-        return [(bytes(data), flags) for data, flags in rows[:count]]
+        return [(key, bytes(data), flags) for key, data, flags in rows[:count]]
 
     def _sample(self, per_shard: int) -> Plan:
         return (yield plans.sample(self.session, per_shard))
@@ -707,6 +818,28 @@ class MySQLCache(KVCache):
         present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
         return [table for table in tables if table not in present]
 
+    def table_layout_problem(self, database: str) -> tuple[str, str] | None:
+        """What is wrong with the layout of the table in ``database`` (another library's
+        table under this name, say) and the fix, or ``None``: it is ours, or missing."""
+        columns = table_columns(database, self.table)
+        return self._layout_problem(database, columns) if columns else None
+
+    def _layout_message(self, database: str, error: BaseException) -> str:
+        """After a statement's ``error`` (1054): the table's columns are read (on the
+        cache's own connections), at most once a minute per table."""
+        columns = layouts.columns_once(database, self.table,
+                                       partial(table_columns, database, self.table))
+        return " ".join(self._layout_problem(database, columns, error) or (str(error),))
+
+    def _layout_problem(
+        self, database: str, columns: list[str] | None, error: BaseException | None = None
+    ) -> tuple[str, str] | None:
+        aliases = self.configured_aliases()
+        owner = "cache " + ", ".join(map(repr, aliases)) if aliases else f"a {self.backend_name}"
+        return layouts.describe(
+            self.table, owner, database, columns, " ".join(aliases) or "<alias>", error
+        )
+
     def _missing_table_message(self, database: str) -> str:
         aliases = self.configured_aliases()
         if not aliases:  # built outside CACHES
@@ -738,23 +871,14 @@ class MySQLCache(KVCache):
         ]
 
 
+def table_columns(database: str, table: str) -> list[str]:
+    """``table``'s columns in ``database``, in order ([] if there is no such table)."""
+    return [row[0] for row in blocking.query(database, layouts.COLUMNS_QUERY, [table])]
+
+
 def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:
     """The DATABASE and DATABASES of a CACHES entry: where its table lives."""
     options = cache_settings.get("OPTIONS") or {}
     databases = options.get("DATABASES")
     return options.get("DATABASE"), None if databases is None else tuple(databases)
-
-
-def is_mysql_cache(alias: str) -> bool:
-    """Whether ``CACHES[alias]`` is a MySQLCache (or a subclass), without building it."""
-    try:
-        backend = import_string(settings.CACHES[alias]["BACKEND"])
-    except (KeyError, ImportError):
-        return False
-    return isinstance(backend, type) and issubclass(backend, MySQLCache)
-
-
-def mysql_cache_aliases() -> list[str]:
-    """The aliases of every MySQLCache in ``CACHES``, in settings order."""
-    return [alias for alias in settings.CACHES if is_mysql_cache(alias)]
 

@@ -3,10 +3,10 @@ connections, no thread.
 
 Per event loop and per node, a small pool of connections (:class:`AsyncPool`, at most
 MAX_POOL_SIZE, waiting at most POOL_TIMEOUT). A pool belongs to the loop that made it
-and is only touched from that loop's thread, so it needs no lock; a process running
-several loops (``async_to_sync`` in threads, several servers) has one pool per loop.
-When the loop shuts down (``asyncio.run``, asgiref and uvicorn call
-``loop.shutdown_asyncgens()``), its pools close their connections.
+and is used from that loop's thread; a process running several loops (``async_to_sync``
+in threads, several servers) has one pool per loop. When the loop shuts down
+(``asyncio.run``, asgiref and uvicorn call ``loop.shutdown_asyncgens()``), its pools
+close their connections (:mod:`django_kvcache.loops`).
 
 Nothing here decides anything: what to send, which deadline applies and what a failure
 or a cancellation does to a connection and its node are the exchange's
@@ -36,7 +36,7 @@ from django_kvcache.memcached.connection import (
 )
 from django_kvcache.memcached.pool import exhausted
 from django_kvcache.memcached.routing import NodeAddress
-from django_kvcache.pool import LoopPool
+from django_kvcache.pool import FIGURES, LoopPool
 
 
 class _Stream(asyncio.Protocol):
@@ -200,7 +200,10 @@ class AsyncConnection:
             stream.transport.abort()  # never waits: a failed server may not read anything
         except RuntimeError:  # its loop was closed (without shutting down): hang up at
             if self.sock is not None:  # least; the socket object closes when collected
-                self.sock.shutdown(socket.SHUT_RDWR)
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # the peer had already reset it
+                    pass
 
 
 async def settle(late: LateWrite, deadline: float | None) -> None:
@@ -312,20 +315,16 @@ def pool_of(node: Any) -> AsyncPool:
 
 
 def pool_figures(node: Any) -> dict[str, float]:
-    """The asyncio pools' figures for ``node``, summed over the process's event loops:
-    connections open (idle or in use), idle, and coroutines waiting for one. Read from
-    any thread: each figure is one read of a loop's own counters (monitoring, not exact)."""
+    """The asyncio pools' figures for ``node``, summed over the process's open event
+    loops (a loop's figures leave with it). Read from any thread: each figure is one read
+    of a loop's own counters (monitoring, not exact)."""
     pools = [p for p in (state.pools.get(node) for state in _loops.every()) if p is not None]
-    return {
-        "async_loops": len(pools),
-        "async_pool_size": sum(pool.size for pool in pools),
-        "async_pool_idle": sum(len(pool.idle) for pool in pools),
-        "async_pool_waiters": sum(len(pool.line) for pool in pools),
-        "async_pool_waits": sum(pool.waits for pool in pools),
-        "async_pool_wait_seconds": sum(pool.wait_time for pool in pools),
-        "async_pool_connects": sum(pool.connects for pool in pools),
-        "async_pool_reuses": sum(pool.reuses for pool in pools),
-    }
+    figures: dict[str, float] = {"async_loops": len(pools)}
+    figures.update((f"async_pool_{name}", 0) for name in FIGURES)
+    for pool in pools:
+        for name, value in pool.figures().items():
+            figures[f"async_pool_{name}"] += value
+    return figures
 
 
 def close_pools(nodes: Sequence[Any]) -> None:

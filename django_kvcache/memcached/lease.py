@@ -111,11 +111,12 @@ class LeaseHost(Protocol):
 
     def make_and_validate_key(self, key: Any, version: int | None = None) -> str: ...
 
-    def decode(self, data: bytes, flags: int, key: Any) -> Any:
-        """A stored value, or MISSING when it is corrupt (logged with ``key``)."""
+    def decode(self, data: bytes, flags: int, key: str) -> Any:
+        """The value stored under the stored key ``key``, or MISSING when it is corrupt
+        or fails authentication (logged with ``key``)."""
 
-    def encode(self, value: Any) -> tuple[bytes, int]:
-        """A value as stored: ``(data, flags)``."""
+    def encode(self, value: Any, key: str) -> tuple[bytes, int]:
+        """A value as stored under the stored key ``key``: ``(data, flags)``."""
 
     def timeout_seconds(self, timeout: Any = ...) -> float | None:
         """Seconds an entry stored with Django's ``timeout`` lives (None: forever)."""
@@ -167,8 +168,13 @@ class MetaLeaseStore:
         return b"kvcache-meta-lease:" + self.digest
 
     @cached_property
+    def stale_item(self) -> str:
+        """The stale copy's key, as its value is bound to it (ENCRYPTION_KEYS)."""
+        return meta_stale_key(self.key)
+
+    @cached_property
     def stale_key(self) -> bytes:
-        return meta_stale_key(self.key).encode()
+        return self.stale_item.encode()
 
     @cached_property
     def digest(self) -> bytes:
@@ -192,7 +198,7 @@ class MetaLeaseStore:
                 (yield from node.call_plan(wire.meta_get_fresh(self.encoded, self.recache)))
             )
             if found is not None:
-                value = self.host.decode(found[0], found[1], self.caller_key)
+                value = self.host.decode(found[0], found[1], self.key)
                 if value is not MISSING:
                     if not found[2]:
                         return Read(value, True, False)
@@ -276,20 +282,21 @@ class MetaLeaseStore:
             reason = (lease.value or b"").decode(errors="replace")
             return self.unprotected(Refused(node.name, f"lease not taken: {reason}"))
         won = self.hold(lease)
-        value = self.value_of(entry)
+        value = self.value_of(entry, self.key)
         if value is not MISSING:
             yield from self.release()  # stored (and released) by a winner since our read
             self.cas = None
             return Read(value, True, False)
         if won:
             return Read(MISSING, False, True)
-        stale = self.value_of(replies[2]) if len(replies) > 2 else MISSING
+        stale = self.value_of(replies[2], self.stale_item) if len(replies) > 2 else MISSING
         return Read(stale, False, False)
 
-    def value_of(self, reply: wire.MetaReply) -> Any:
+    def value_of(self, reply: wire.MetaReply, key: str) -> Any:
+        """The value in an ``mg`` reply of the item stored under ``key``."""
         if reply.code != b"VA" or reply.value is None:
             return MISSING
-        return self.host.decode(reply.value, reply.number(b"f"), self.caller_key)
+        return self.host.decode(reply.value, reply.number(b"f"), key)
 
     def stale_command(self, value: Any) -> bytes | None:
         """The ``ms`` of the stale copy: the entry's lifetime plus STALE_TIMEOUT."""
@@ -300,7 +307,7 @@ class MetaLeaseStore:
         if seconds is not None and seconds <= 0:
             return None
         expire = self.host.expire_time(None if seconds is None else seconds + stale_timeout)
-        data, flags = self.host.encode(value)
+        data, flags = self.host.encode(value, self.stale_item)
         return wire.meta_command(b"ms", self.stale_key, b"T%d" % expire, b"F%d" % flags,
                                  data=data)
 
@@ -357,7 +364,7 @@ class ClassicLeaseStore(stampede.AddLeaseStore):
             if found is None:
                 return
             data, flags, cas = found
-            if self.host.decode(data, flags, self.lease_key) != self.token:
+            if self.host.decode(data, flags, key) != self.token:
                 return  # not ours: a successor's, after ours expired
             yield from node.call_plan(wire.cas(key.encode(), b"", 0, -1, cas))
         except MemcachedError as exc:  # not raised: it would hide the computation's error

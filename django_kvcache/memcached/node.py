@@ -132,14 +132,8 @@ class Node:
 
     def metrics(self) -> dict[str, Any]:
         counters = {name: getattr(self, name) for name in COUNTERS}
-        pool = self.pool
+        counters.update({f"pool_{name}": value for name, value in self.pool.figures().items()})
         counters.update(
-            pool_size=pool.size,
-            pool_idle=len(pool.idle),
-            pool_waits=pool.waits,
-            pool_wait_seconds=pool.wait_time,
-            pool_connects=pool.connects,
-            pool_reuses=pool.reuses,
             down=self.health.down,
             consecutive_failures=self.health.failures,
             outdated_keys=len(self.outdated.keys),

@@ -13,10 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import mmh3
 from django.core.exceptions import ImproperlyConfigured
 
+from django_kvcache.dependencies import require
 from django_kvcache.routing import KvcacheRouter, Router
+
+mmh3 = require("mmh3", "MemcachedCache", extra="memcached")
 
 DEFAULT_PORT = 11211
 SCHEMES = ("kvcache", "pymemcache")

@@ -11,9 +11,9 @@ from django_kvcache.memcached import fanout, wire
 from django_kvcache.memcached.node import Node
 
 
-def sample_entries(nodes: list[Node], count: int) -> list[tuple[bytes, int]]:
-    """Up to ``count`` stored ``(bytes, flags)`` entries, about as many from each node.
-    A node that fails raises."""
+def sample_entries(nodes: list[Node], count: int) -> list[tuple[str, bytes, int]]:
+    """Up to ``count`` stored ``(key, bytes, flags)`` entries, about as many from each
+    node. A node that fails raises."""
     per_node = -(-count // len(nodes))
     batches = []
     for node in nodes:
@@ -22,11 +22,11 @@ def sample_entries(nodes: list[Node], count: int) -> list[tuple[bytes, int]]:
         if sample.keys:
             batches.append(fanout.get_batch(node, sample.keys))
     fanout.run(batches)
-    entries: list[tuple[bytes, int]] = []
+    entries: list[tuple[str, bytes, int]] = []
     for batch in batches:
         if batch.error is not None:
             raise batch.error
-        entries.extend(batch.result.values())
+        entries.extend((key.decode(), data, flags) for key, (data, flags) in batch.result.items())
     random.shuffle(entries)
     return entries[:count]
 

@@ -16,3 +16,9 @@
 None of them imports the backend; what works over every cache in ``CACHES`` (table
 creation, ``cull_all``) is in :mod:`django_kvcache.maintenance`.
 """
+
+from django_kvcache.dependencies import require
+
+# Every module here serves MySQLCache, which needs mysqlclient: whichever is imported
+# first tells a process without it which extra to install.
+require("MySQLdb", "MySQLCache", extra="mysql")

@@ -14,9 +14,9 @@ opening a connection (``connect``, up to ``connect_timeout``), sending a stateme
 than the socket's buffer, and reading a reply that has not fully arrived once the first
 bytes have (a large result).
 
-A pool belongs to the loop that made it and is only touched from that loop's thread, so
-it needs no lock; its connections close when the loop shuts down
-(``loop.shutdown_asyncgens()``, which ``asyncio.run``, asgiref and uvicorn call).
+A pool belongs to the loop that made it and is used from that loop's thread; its
+connections close when the loop shuts down (``loop.shutdown_asyncgens()``, which
+``asyncio.run``, asgiref and uvicorn call; :mod:`django_kvcache.loops`).
 """
 from __future__ import annotations
 

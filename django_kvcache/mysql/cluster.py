@@ -308,9 +308,15 @@ class Session:
     """One backend instance's view of its cluster: the cluster's shared records, and the
     read-your-writes window of the thread (or async context) the instance belongs to."""
 
-    def __init__(self, cluster: Cluster, describe_missing_table: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        describe_missing_table: Callable[[str], str],
+        describe_table_layout: Callable[[str, BaseException], str] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.describe_missing_table = describe_missing_table
+        self.describe_table_layout = describe_table_layout  # a table of another layout
         self._written_at: dict[int, float] = {}  # shard index -> monotonic time
 
     def wrote(self, shard: Shard) -> None:

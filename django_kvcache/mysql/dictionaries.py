@@ -19,6 +19,11 @@ builds one per thread and per ASGI request):
   process, never one per write. A check that fails (server down, no table) keeps the
   dictionary in use, logged at most once per episode.
 
+With ``ENCRYPTION_KEYS`` the dictionaries are sealed in the table too (a dictionary is
+made of the site's own values), and a row this cache cannot authenticate is never used:
+whoever can write the table could otherwise choose bytes of what an authentic entry
+decompresses to. A cache without keys cannot use a sealed dictionary.
+
 Queries run on the cache's own blocking connections (:mod:`~django_kvcache.mysql.blocking`),
 never Django's. Inside a running event loop they block it for one primary-key
 ``SELECT`` (once per dictionary id and process, and once per check).
@@ -34,6 +39,7 @@ from typing import Any, Callable, Mapping
 from django.db import DatabaseError
 
 from django_kvcache import forks
+from django_kvcache.encryption import Encryption, NotOpened
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.forks import Registry
 from django_kvcache.mysql.blocking import query
@@ -53,6 +59,8 @@ MISSING_RETRY = 60.0
 #: Ids remembered as missing; a flood of entries naming unknown ids cannot grow it past this.
 MAX_MISSING = 1024
 SUFFIX = "_dictionaries"
+#: The head of a sealed dictionary row: then the flags (4 bytes) and the sealed content.
+SEALED = b"kvcache-sealed-dictionary:"
 
 
 def dictionary_table(table: str) -> str:
@@ -95,9 +103,13 @@ class DictionaryConflict(ValueError):
 class TableDictionaries:
     """The dictionaries of one cache table, for every cache instance of this process."""
 
-    def __init__(self, table: str, shards: list[Shard]) -> None:
+    def __init__(
+        self, table: str, shards: list[Shard], encryption: Encryption | None = None
+    ) -> None:
         self.table = table
         self.shards = shards
+        #: Seals the rows this process installs and opens the ones it loads (ENCRYPTION_KEYS).
+        self.encryption = encryption
         self.lock = threading.Lock()  # one lookup or check at a time
         self.by_id: dict[int, Dictionary] = {}
         self.missing: dict[int, float] = {}  # id -> monotonic time it was not found
@@ -160,9 +172,9 @@ class TableDictionaries:
                 return self._dictionary(bytes(rows[0][0]), dictionary_id, alias)
         return None
 
-    def _dictionary(self, content: bytes, dictionary_id: int, alias: str) -> Dictionary | None:
+    def _dictionary(self, row: bytes, dictionary_id: int, alias: str) -> Dictionary | None:
         try:
-            dictionary = Dictionary(content)
+            dictionary = Dictionary(self._opened(row, dictionary_id))
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']").prepare(dictionary)
         except Exception as exc:  # the engines raise their own error classes
             failures.failed(self.table, f"dictionary {dictionary_id} in {alias!r} is unusable: {exc}")
@@ -174,6 +186,32 @@ class TableDictionaries:
             )
             return None
         return dictionary
+
+    def _sealed(self, content: bytes, dictionary_id: int) -> bytes:
+        """A dictionary as its row holds it: sealed under this table and its id when the
+        cache has ENCRYPTION_KEYS, else as it is."""
+        if self.encryption is None:
+            return content
+        data, flags = self.encryption.seal(content, 0, str(dictionary_id))
+        return SEALED + flags.to_bytes(4, "big") + data
+
+    def _opened(self, row: bytes, dictionary_id: int) -> bytes:
+        """A row's dictionary; ValueError for one this cache must not use."""
+        if not row.startswith(SEALED):
+            if self.encryption is not None:
+                raise ValueError(
+                    "stored unencrypted, and this cache has ENCRYPTION_KEYS: not used (install "
+                    "it again with kvcache_train_dictionary --install)"
+                )
+            return row
+        if self.encryption is None:
+            raise ValueError("encrypted, and this cache has no ENCRYPTION_KEYS")
+        flags = int.from_bytes(row[len(SEALED):len(SEALED) + 4], "big")
+        try:
+            content, _ = self.encryption.open(row[len(SEALED) + 4:], flags, str(dictionary_id))
+        except NotOpened as exc:
+            raise ValueError(str(exc)) from None
+        return content
 
     # --- the newest dictionary -----------------------------------------------------------
 
@@ -235,16 +273,17 @@ class TableDictionaries:
             try:
                 rows = query(alias, f"SELECT `content` FROM {table} WHERE `dictionary_id` = %s",
                              (dictionary.id,))
-                if rows and bytes(rows[0][0]) != dictionary.content:
+                if rows and self._held(bytes(rows[0][0]), dictionary) != dictionary.content:
                     raise DictionaryConflict(
                         f"database {alias!r} holds another dictionary with id {dictionary.id}: "
                         "train a new one"
                     )
-                query(
+                row = self._sealed(dictionary.content, dictionary.id)
+                query(  # the same dictionary again: sealed anew (or unsealed) as this cache is
                     alias,
                     f"INSERT INTO {table} (`dictionary_id`, `content`, `installed`) "
-                    "VALUES (%s, %s, %s) ON DUPLICATE KEY UPDATE `installed` = %s",
-                    (dictionary.id, dictionary.content, installed, installed),
+                    "VALUES (%s, %s, %s) ON DUPLICATE KEY UPDATE `content` = %s, `installed` = %s",
+                    (dictionary.id, row, installed, row, installed),
                 )
             except DatabaseError as exc:
                 error = error or exc
@@ -257,6 +296,15 @@ class TableDictionaries:
             self.checked = time.monotonic()
         return dictionary
 
+    def _held(self, row: bytes, dictionary: Dictionary) -> bytes | None:
+        """The dictionary a row holds, sealed or not (None: one this cache cannot open)."""
+        if not row.startswith(SEALED):
+            return row
+        try:
+            return self._opened(row, dictionary.id)
+        except ValueError:
+            return None
+
     # --- helpers ---------------------------------------------------------------------------
 
     def _primaries(self) -> list[str]:
@@ -267,7 +315,7 @@ class TableDictionaries:
         return quote_name(dictionary_table(self.table)).replace("%", "%%")
 
 
-#: (table, DATABASE, DATABASES) -> the table's dictionaries, process-wide.
+#: (table, DATABASE, DATABASES, encryption key ids) -> the table's dictionaries, process-wide.
 _tables: Registry[tuple[Any, ...], TableDictionaries] = Registry()
 
 
@@ -276,7 +324,10 @@ def table_dictionaries(location: str, options: Mapping[str, Any]) -> TableDictio
     one object per process, shared by every cache instance (and by ``--install``)."""
     table = check_table(location)
     databases = options.get("DATABASES")
-    key = (table, options.get("DATABASE"), None if databases is None else tuple(databases))
+    encryption = Encryption.from_options(options, f"mysql table {table} dictionaries")
+    key = (table, options.get("DATABASE"), None if databases is None else tuple(databases),
+           () if encryption is None else tuple(encryption.key_ids))
     return _tables.get(
-        key, lambda: TableDictionaries(table, make_shards(options, router_model(table))[0])
+        key,
+        lambda: TableDictionaries(table, make_shards(options, router_model(table))[0], encryption),
     )

@@ -36,7 +36,7 @@ from typing import Any, Callable, Generator, Sequence
 from django.db import DatabaseError
 
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import errors, replica_lag
+from django_kvcache.mysql import errors, layouts, replica_lag
 from django_kvcache.mysql import cluster as owed
 from django_kvcache.mysql.cluster import ANY_KEY, MissedWrites, Session
 from django_kvcache.mysql.query import Query
@@ -484,6 +484,11 @@ def _failed(session: Session, run: Run) -> Any:
         missing = errors.CacheTableMissing(session.describe_missing_table(alias))
         missing.__cause__ = error
         raise missing
+    if (isinstance(error, DatabaseError) and session.describe_table_layout is not None
+            and errors.error_code(error) == layouts.UNKNOWN_COLUMN):
+        wrong = layouts.CacheTableLayout(session.describe_table_layout(alias, error))
+        wrong.__cause__ = error
+        raise wrong
     if not errors.fails_open(error):  # the statement or the configuration is wrong
         raise error
     stats = cluster.stats(alias)

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence, cast
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, router
 
+from django_kvcache.dependencies import require
 from django_kvcache.options import seconds
 from django_kvcache.routing import KvcacheRouter, Router, parse_weights
 
@@ -136,6 +137,7 @@ def make_shards(options: Mapping[str, Any], model: type) -> tuple[list[Shard], R
         raise ImproperlyConfigured("OPTIONS['WEIGHTS'] needs OPTIONS['DATABASES'] (the shards)")
     if len(shards) == 1:
         return shards, None
+    require("mmh3", "A MySQLCache over several shards (OPTIONS['DATABASES'])", extra="mysql")
     names = [alias for alias in aliases if alias is not None]
     weights = parse_weights(options.get("WEIGHTS"), names, "aliases of OPTIONS['DATABASES']")
     return shards, KvcacheRouter(names, weights)

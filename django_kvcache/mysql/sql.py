@@ -15,6 +15,7 @@ from typing import Callable
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_kvcache.encryption import FLAG_ENCRYPTED, KEY_ID_SHIFT, NONCE_BYTES
 from django_kvcache.mysql.keys import LIKE_ESCAPE, MAX_KEY_LENGTH
 
 #: ``expires`` of an entry that never expires. The largest BIGINT sorts such rows last in
@@ -204,7 +205,29 @@ class Statements:
             "AND `expires` + 0 <= %s ORDER BY `cache_key` LIMIT %s"
         )
         # For training a compression dictionary: a scan, kept out of the request path.
-        self.sample = f"SELECT `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
+        self.sample = (
+            f"SELECT `cache_key`, `value`, `flags` FROM {t} WHERE {live} ORDER BY RAND() LIMIT %s"
+        )
+        # Re-encryption with the newest key (``kvcache_rotate_key``): a batch of rows in
+        # key order, each with its value only where it is encrypted with another key id
+        # and still readable (live, or kept for STALE_TIMEOUT); the rest costs a key and
+        # flags. The batch examines LIMIT rows however few need work.
+        older_key = (
+            f"`flags` & {FLAG_ENCRYPTED} AND `flags` >> {KEY_ID_SHIFT} <> %s AND `expires` > %s"
+        )
+        scan = f"SELECT `cache_key`, `flags`, IF({older_key}, `value`, NULL) FROM {t} WHERE "
+        self.rotation_scan = scan + "`cache_key` > %s ORDER BY `cache_key` LIMIT %s"
+        self.rotation_scan_prefix = (
+            scan + f"`cache_key` > %s AND `cache_key` LIKE %s ESCAPE '{LIKE_ESCAPE}' "
+            "ORDER BY `cache_key` LIMIT %s"
+        )
+        # Only the row as it was read (its flags and random nonce): a value written since
+        # is already encrypted with the newest key, and stays.
+        self.reseal_head = f"UPDATE {t} SET `value` = "
+        self.reseal_tail = (
+            f", `flags` = %s WHERE `cache_key` = %s AND `flags` = %s "
+            f"AND LEFT(`value`, {NONCE_BYTES}) = "
+        )
 
         # Culling walks the expiry index (whose entries end with the primary key).
         self.delete_expired = f"DELETE FROM {t} WHERE `expires` <= %s ORDER BY `expires` LIMIT %s"
@@ -272,6 +295,11 @@ class Statements:
         """Upsert one row per value's SQL (:func:`value_sql`)."""
         rows = ", ".join(["(%s, " + value + ", %s, %s)" for value in values])
         return self.insert + rows + self.new_row + self.overwrite_all()
+
+    def reseal(self, value: str, nonce: bytes) -> str:
+        """Replace a row's value and flags if it still holds the ciphertext of ``nonce``;
+        ``value`` is the new value's SQL (:func:`value_sql`)."""
+        return f"{self.reseal_head}{value}{self.reseal_tail}X'{nonce.hex()}'"
 
     def get_many(self, keys: int) -> str:
         return f"{self.select_many}({placeholders(keys)})"

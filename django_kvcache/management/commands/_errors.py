@@ -16,13 +16,23 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 from django.db import DatabaseError, OperationalError
 
-from django_kvcache.backends.mysql import CacheTableMissing
-from django_kvcache.memcached import MemcachedError
+from django_kvcache.configured import loaded_class
+
+# Each backend's errors, when that backend is in use: a site with one extra never imports
+# the other backend (a class not loaded has no instances to catch).
+MYSQL_ERRORS, MEMCACHED_ERRORS = "django_kvcache.mysql.errors", "django_kvcache.memcached"
+MYSQL_LAYOUTS = "django_kvcache.mysql.layouts"
+
+
+def _is(exc: BaseException, module: str, name: str) -> bool:
+    cls = loaded_class(module, name)
+    return cls is not None and isinstance(exc, cls)
 
 
 def failure_line(alias: str, cache: Any, exc: BaseException) -> str:
     """``exc`` met while working on the cache ``alias``, as one line saying what to do."""
-    if isinstance(exc, (CacheTableMissing, ImproperlyConfigured)):
+    if (isinstance(exc, ImproperlyConfigured) or _is(exc, MYSQL_ERRORS, "CacheTableMissing")
+            or _is(exc, MYSQL_LAYOUTS, "CacheTableLayout")):
         return f"{alias}: {exc}"  # these say what to fix already
     if isinstance(exc, OperationalError):
         where = " or ".join(f"DATABASES[{name!r}]" for name in _databases(alias, cache))
@@ -35,7 +45,7 @@ def failure_line(alias: str, cache: Any, exc: BaseException) -> str:
     if isinstance(exc, DatabaseError):
         code, reason = _database_error(exc)
         return f"{alias}: {type(exc).__name__} {code}: {reason}"
-    if isinstance(exc, MemcachedError):
+    if _is(exc, MEMCACHED_ERRORS, "MemcachedError"):
         return (
             f"{alias}: {exc}. Check that the memcached server is running and the cache's "
             "LOCATION."
@@ -61,8 +71,11 @@ def _databases(alias: str, cache: Any) -> list[str]:
     return list(getattr(cache, "database_aliases", list)())
 
 
-#: The failures a command reports as one line.
-EXPECTED = (DatabaseError, ImproperlyConfigured, MemcachedError, OSError)
+def expected(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure a command reports as one line."""
+    return isinstance(exc, (DatabaseError, ImproperlyConfigured, OSError)) or _is(
+        exc, MEMCACHED_ERRORS, "MemcachedError"
+    )
 
 
 @contextlib.contextmanager
@@ -70,5 +83,7 @@ def failing(alias: str, cache: Any = None) -> Iterator[None]:
     """Around the work on one cache: an expected failure becomes ``CommandError``."""
     try:
         yield
-    except EXPECTED as exc:
+    except Exception as exc:
+        if not expected(exc):
+            raise
         raise CommandError(failure_line(alias, cache, exc)) from exc

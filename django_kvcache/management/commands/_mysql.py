@@ -1,13 +1,15 @@
 """What the kvcache MySQL commands share: the cache aliases argument."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.maintenance import UnknownCache, mysql_caches
+
+if TYPE_CHECKING:  # imported through CACHES, by a site that has a MySQLCache
+    from django_kvcache.backends.mysql import MySQLCache
 
 
 class MySQLCacheCommand(BaseCommand):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.management.base import CommandError
+
 from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
 from django_kvcache.maintenance import migration_source
@@ -16,6 +18,8 @@ class Command(MySQLCacheCommand):
 
     def handle(self, *args: Any, aliases: list[str], **options: Any) -> None:
         selected = self.selected_caches(aliases)
+        if not selected:  # an empty migration saved in an app would only mislead
+            raise CommandError("No MySQLCache in CACHES: there is no table to create.")
         for alias, cache in selected.items():  # the SQL depends on the server: ask each
             with failing(alias, cache):
                 cache.create_table_sql()

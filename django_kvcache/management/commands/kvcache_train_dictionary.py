@@ -19,21 +19,25 @@ from django.core.cache import caches
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG
+from django_kvcache.configured import is_mysql_cache
 from django_kvcache.management.commands._errors import failing
-from django_kvcache.mysql.dictionaries import table_dictionaries
 from django_kvcache.zstd import (
     DEFAULT_DICTIONARY_SIZE,
     DEFAULT_LEVEL,
     Dictionary,
     Engine,
+    ZstdCompressor,
     require_zstd,
     train_dictionary,
 )
 
 #: Entries under this size are what dictionaries help; larger ones compress well alone.
 MAX_SAMPLE_BYTES = 64 * 1024
+#: The COMPRESS_MIN_LENGTH values the report weighs, and the share of the dictionary's
+#: gain (every entry compressed) a threshold must take to be enough.
+THRESHOLDS = (64, 128, 256, 400, 512, 1000, 2000, 4000, 8000)
+TAKEN = 0.9
 
 
 class Command(BaseCommand):
@@ -67,7 +71,7 @@ class Command(BaseCommand):
             raise CommandError(f"Cache {alias!r} is not a django-kvcache cache")
         if output is None and not install:
             raise CommandError("Say where the dictionary goes: --output FILE, --install, or both")
-        if install and not isinstance(cache, MySQLCache):
+        if install and not is_mysql_cache(alias):
             raise CommandError(
                 f"--install keeps the dictionary in a MySQLCache's database; cache {alias!r} "
                 "takes dictionary files: use --output and OPTIONS['COMPRESS_DICTIONARY']"
@@ -94,10 +98,16 @@ class Command(BaseCommand):
             where = [str(output)] if output is not None else []
             if install:
                 where.append(f"the table of cache {alias!r}")
+            compressor = cache.codec.compressor
+            level = getattr(compressor, "level", DEFAULT_LEVEL) if isinstance(
+                compressor, ZstdCompressor) else DEFAULT_LEVEL
             self.stdout.write(self.report(engine, alias, " and ".join(where), dictionary,
-                                          training, held_out))
+                                          training, held_out, cache.codec.compress_min_length,
+                                          level))
 
     def install(self, cache: Any, alias: str, dictionary: bytes) -> None:
+        from django_kvcache.mysql.dictionaries import table_dictionaries  # a MySQLCache's
+
         try:
             table_dictionaries(cache.table, cache.options).install(dictionary)
         except (DatabaseError, ValueError) as exc:  # a shard down, an id taken, no table
@@ -108,16 +118,18 @@ class Command(BaseCommand):
                 "'auto' to compress with the dictionaries in its table."
             )
 
-    def payloads(self, cache: Any, entries: list[tuple[bytes, int]]) -> list[bytes]:
-        """Serialized values as compressors see them; integers and unreadable entries dropped."""
+    def payloads(self, cache: Any, entries: list[tuple[str, bytes, int]]) -> list[bytes]:
+        """Serialized values as compressors see them (decrypted, with ENCRYPTION_KEYS);
+        integers and unreadable entries dropped."""
         payloads = []
         unreadable = 0
-        for data, flags in entries:
+        for key, data, flags in entries:
             if flags in (FLAG_INTEGER, FLAG_LONG):
                 continue
             try:
-                payload, _ = cache.codec.decompressed(data, flags)
-            except Exception:  # corrupt, or compressed with a dictionary not configured here
+                payload, _ = cache.codec.decompressed(*cache.codec.opened(data, flags, key))
+            except Exception:  # corrupt, another cache's (or key's), or compressed with a
+                # dictionary not configured here
                 unreadable += 1
                 continue
             if 0 < len(payload) <= MAX_SAMPLE_BYTES:
@@ -128,27 +140,61 @@ class Command(BaseCommand):
 
     @staticmethod
     def report(engine: Engine, alias: str, where: str, dictionary: bytes, training: list[bytes],
-               held_out: list[bytes]) -> str:
-        """The dictionary's effect on entries it was not trained on."""
+               held_out: list[bytes], threshold: int, level: int = DEFAULT_LEVEL) -> str:
+        """The dictionary's effect on entries it was not trained on: with every entry
+        compressed, then as the cache compresses them (from its COMPRESS_MIN_LENGTH,
+        ``threshold``), and, when that threshold leaves most of the gain untaken, the
+        highest one that would take it."""
         trained = Dictionary(dictionary)
         raw = sum(map(len, held_out))
-        sizes = {}
-        for name, compress in (
-            ("zlib-1", lambda data: zlib.compress(data, 1)),
-            (f"zstd-{DEFAULT_LEVEL}", lambda data: engine.compress(data, DEFAULT_LEVEL, None)),
-            (f"zstd-{DEFAULT_LEVEL} + dictionary",
-             lambda data: engine.compress(data, DEFAULT_LEVEL, trained)),
-        ):
-            start = time.perf_counter()
-            sizes[name] = (sum(len(compress(d)) for d in held_out), time.perf_counter() - start)
+        zstd, with_dictionary = f"zstd-{level}", f"zstd-{level} + dictionary"
+        compressors = {
+            "zlib-1": lambda data: zlib.compress(data, 1),
+            zstd: lambda data: engine.compress(data, level, None),
+            with_dictionary: lambda data: engine.compress(data, level, trained),
+        }
         lines = [
             f"{alias}: wrote {where} (zstd dictionary {trained.id}, {len(dictionary)} "
             f"bytes) trained on {len(training)} entries.",
-            f"On {len(held_out)} other entries ({raw} bytes serialized):",
+            f"On {len(held_out)} other entries ({raw:,} bytes serialized, "
+            f"{raw // len(held_out)} bytes on average):",
+            "  every entry compressed:",
         ]
-        for name, (total, seconds) in sizes.items():
-            lines.append(
-                f"  {name:20} {raw / total:5.2f}x smaller, "
-                f"{seconds / len(held_out) * 1e6:6.1f} us per entry"
-            )
+        sizes: dict[str, list[int]] = {}
+        for name, compress in compressors.items():
+            start = time.perf_counter()
+            sizes[name] = [min(len(compress(data)), len(data)) for data in held_out]
+            per_entry = (time.perf_counter() - start) / len(held_out) * 1e6
+            lines.append(f"    {name:20} {raw / sum(sizes[name]):5.2f}x smaller, "
+                         f"{per_entry:6.1f} us per entry")
+
+        def stored(name: str, minimum: int) -> int:
+            """Bytes stored with ``name`` compressing the entries from ``minimum`` bytes."""
+            return sum(size if len(data) >= minimum else len(data)
+                       for data, size in zip(held_out, sizes[name]))
+
+        def share(minimum: int) -> int:
+            return round(100 * sum(len(data) >= minimum for data in held_out) / len(held_out))
+
+        lines.append(f"  as this cache compresses (from COMPRESS_MIN_LENGTH {threshold} bytes: "
+                     f"{share(threshold)}% of these entries):")
+        for name in (zstd, with_dictionary):
+            lines.append(f"    {name:20} {raw / stored(name, threshold):5.2f}x smaller")
+        gain = raw - stored(with_dictionary, 0)  # the most the dictionary can save
+        if gain <= 0:
+            lines.append("The dictionary does not make these entries smaller.")
+            return "\n".join(lines) + "\n"
+        taken = (raw - stored(with_dictionary, threshold)) / gain
+        if taken >= TAKEN:
+            lines.append(f"This cache's COMPRESS_MIN_LENGTH of {threshold} bytes takes "
+                         f"{taken:.0%} of the dictionary's gain.")
+            return "\n".join(lines) + "\n"
+        better = max(minimum for minimum in [0, *THRESHOLDS]
+                     if raw - stored(with_dictionary, minimum) >= TAKEN * gain)
+        lines.append(
+            f"The dictionary's gain is on entries under {threshold} bytes, which this cache "
+            f"stores as they are: COMPRESS_MIN_LENGTH {better} would compress {share(better)}% "
+            f"of these entries, {raw / stored(with_dictionary, better):.2f}x smaller with the "
+            f"dictionary ({(raw - stored(with_dictionary, better)) / gain:.0%} of its gain)."
+        )
         return "\n".join(lines) + "\n"
