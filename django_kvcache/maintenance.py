@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from django.conf import settings
 from django.core.cache import caches
-from django.db import DatabaseError, connections
-from django.db.backends.base.creation import TEST_DATABASE_PREFIX
+from django.db import DatabaseError, connections, router
 
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases
 
@@ -76,10 +75,14 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
 
 
 def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
-    """Create the missing tables of the caches that live in ``database``; returns
-    ``{alias: SQL}`` as ``create_tables``."""
+    """Create the missing tables of the caches that live in ``database`` and that the
+    database routers let migrate there (``allow_migrate``, as Django's
+    ``createcachetable`` asks for DatabaseCache); returns ``{alias: SQL}`` as
+    ``create_tables``."""
     done = {}
     for alias, cache in caches_in(database).items():
+        if not router.allow_migrate_model(database, cache.cache_model_class):
+            continue
         if cache.table_exists(database):
             refuse_other_layout(cache, database)
             continue
@@ -146,12 +149,22 @@ def follow_test_mirror(database: str) -> None:
         for alias in cache.database_aliases():
             if alias == database or mirrored(alias) != database:
                 continue
+            from django_kvcache.mysql.connect import is_test_database_of  # (MySQLCache only)
+
             mirror = connections[alias]
-            test_name = (primary.get("TEST") or {}).get("NAME")
-            test_name = test_name or TEST_DATABASE_PREFIX + mirror.settings_dict["NAME"]
-            if primary["NAME"] == test_name != mirror.settings_dict["NAME"]:
+            if is_test_database_of(primary, mirror.settings_dict):
                 mirror.close()  # an open connection would stay on the real database
                 mirror.creation.set_as_test_mirror(primary)
+                follow_mirror(alias, primary)
+
+
+def follow_mirror(alias: str, settings: dict[str, Any]) -> None:
+    """The cache's own connections to ``alias`` reach the database of ``settings`` from
+    now on, in every thread (idle ones to the real database are closed)."""
+    from django_kvcache.mysql import blocking, connect  # (a site with MySQLCache only)
+
+    connect.remember_mirror(alias, settings)
+    blocking.retire_pools([alias])
 
 
 def prepare_migrate(
@@ -171,14 +184,15 @@ def prepare_migrate(
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:
     """Cull every MySQLCache (or the given ones); returns ``{alias: rows deleted}``.
 
-    A cache whose cull fails (a shard down, without IGNORE_EXCEPTIONS) is logged and the
-    others are culled all the same; then its error is raised (a cron job fails loudly).
+    A cache whose cull fails (a shard down, whatever IGNORE_EXCEPTIONS says) is logged and
+    the others are culled all the same; then its error is raised (a cron job fails
+    loudly).
     """
     culled: dict[str, int] = {}
     failure: DatabaseError | None = None
     for alias, cache in mysql_caches(aliases).items():
         try:
-            culled[alias] = cache.cull()
+            culled[alias] = cache.cull(fail_open=False)
         except DatabaseError as exc:
             logger.error("Cull of cache %r failed: %s: %s", alias, type(exc).__name__, exc)
             failure = failure or exc

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from django.core.cache import caches
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 from django_kvcache.configured import kvcache_aliases  # noqa: F401  (the commands' list)
 
@@ -28,7 +28,7 @@ from django_kvcache.configured import kvcache_aliases  # noqa: F401  (the comman
 COUNTERS = frozenset({
     "ops", "hits", "misses", "errors", "timeouts", "ignored", "skipped", "reruns",
     "bytes_sent", "bytes_received", "bytes_saved", "bytes_encoded", "values_encoded",
-    "pool_waits", "pool_wait_seconds", "pool_connects", "pool_reuses",
+    "pool_waits", "pool_wait_seconds", "pool_connects", "pool_reuses", "pool_reconnects",
 })
 #: What each known figure means (the collector's HELP, the table's order).
 MEANINGS = {
@@ -61,6 +61,8 @@ MEANINGS = {
     "pool_wait_seconds": "seconds threads waited for a blocking connection, in all",
     "pool_connects": "blocking connections opened",
     "pool_reuses": "calls served by an idle blocking connection",
+    "pool_reconnects": "idle blocking connections the server had closed, replaced",
+    "pool_waiters": "threads waiting for a blocking connection now",
     "async_loops": "event loops with a pool for this node",
     "async_pool_size": "open asyncio connections",
     "async_pool_idle": "idle asyncio connections",
@@ -70,6 +72,8 @@ MEANINGS = {
                                "(open loops)",
     "async_pool_connects": "asyncio connections opened (open loops)",
     "async_pool_reuses": "calls served by an idle asyncio connection (open loops)",
+    "async_pool_reconnects": "idle asyncio connections the server had closed, replaced "
+                             "(open loops)",
 }
 #: memcached ``stats`` worth showing, in order.
 MEMCACHED_SERVER_STATS = (
@@ -158,13 +162,13 @@ def table_size(database: str, table: str) -> dict[str, Any]:
         "SELECT TABLE_ROWS, DATA_LENGTH, INDEX_LENGTH FROM information_schema.TABLES "
         "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s"
     )
+    from django_kvcache.mysql.blocking import query as run  # the cache's own connections
+
     try:
-        with connections[database].cursor() as cursor:
-            cursor.execute(query, [table])
-            row = cursor.fetchone()
+        found = run(database, query, [table])
     except DatabaseError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    if row is None:
+    if not found:
         return {"error": f"no table {table!r}"}
-    rows, data, index = row
+    rows, data, index = found[0]
     return {"rows_estimate": rows, "data_bytes": data, "index_bytes": index}

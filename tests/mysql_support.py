@@ -1,8 +1,10 @@
 """Shared helpers and fixtures of the MySQLCache test modules.
 
-Tables are created once per session outside any test transaction (DDL commits whatever
-transaction is open), so most tests can run inside pytest-django's rolled-back
-transaction; the ones that need real commits use ``transaction=True``.
+The cache writes on connections of its own, in autocommit mode: a test's rolled-back
+transaction (pytest-django's ``db``) does not undo them, so the ``cache`` fixture empties
+the table before and after each test. ``sql()`` runs a statement the same way (on the
+cache's own connections, committed at once), so a row written behind the backend's back
+is visible to it and locks nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_kvcache.backends.mysql import MySQLCache, now_ms  # noqa: F401  (re-exported)
+from django_kvcache.mysql import aio, blocking, connect
 from django_kvcache.mysql.server import forget_server
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
@@ -36,15 +39,12 @@ def ensure_table(cache: MySQLCache) -> None:
 
 
 def drop_table(table: str, alias: str = "default") -> None:
-    with connections[alias].cursor() as cursor:
-        cursor.execute(f"DROP TABLE IF EXISTS {connections[alias].ops.quote_name(table)}")
+    blocking.query(alias, f"DROP TABLE IF EXISTS {connections[alias].ops.quote_name(table)}")
 
 
 def sql(statement: str, params: Any = None, alias: str = "default") -> list[tuple]:
-    """Run ``statement`` on the test database and return its rows."""
-    with connections[alias].cursor() as cursor:
-        cursor.execute(statement, params)
-        return list(cursor.fetchall()) if cursor.description else []
+    """Run ``statement`` on the test database (committed at once) and return its rows."""
+    return blocking.query(alias, statement, params)
 
 
 def rows(table: str = TABLE) -> list[tuple]:
@@ -84,6 +84,7 @@ def unregister_alias(alias: str) -> None:
             del connections[alias]
     del connections.settings[alias]
     forget_server(alias)
+    blocking.retire_pools([alias])
 
 
 @pytest.fixture(scope="session")
@@ -92,19 +93,40 @@ def mysql_tables(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]
         make_cache(TABLE)
         make_cache(MYISAM_TABLE, OPTIONS={"ENGINE": "MyISAM"})
         yield
-        # A fault test may have left this thread's connection dead (server restarted).
-        connections["default"].close()
         drop_table(TABLE)
         drop_table(MYISAM_TABLE)
 
 
 @pytest.fixture
 def cache(mysql_tables: None, db: None) -> Iterator[MySQLCache]:
-    """A MySQLCache on an empty InnoDB table, inside the test's rolled-back transaction."""
+    """A MySQLCache on an empty InnoDB table (its writes commit whatever the test's
+    transaction does: emptied before and after)."""
     cache = make_cache()
     cache.clear()
     yield cache
     cache.clear()
+
+
+@contextmanager
+def sent_statements(alias: str | None = None) -> Iterator[list[str]]:
+    """The statements the cache sends (on its own connections, either driver) while the
+    block runs, in order, as sent (parameters in place); with ``alias``, only those sent
+    to that database alias."""
+    sent: list[str] = []
+
+    def recording(before: Callable[..., bytes]) -> Callable[..., bytes]:
+        def record(raw: Any, statement: str, params: Any) -> bytes:
+            sent_bytes = before(raw, statement, params)
+            if alias is None or connect.alias_of(raw) == alias:
+                sent.append(sent_bytes.decode(raw.encoding, "replace"))
+            return sent_bytes
+
+        return record
+
+    with pytest.MonkeyPatch.context() as patch:
+        for driver in (blocking, aio):  # (around another recording block's, if any)
+            patch.setattr(driver, "statement_bytes", recording(driver.statement_bytes))
+        yield sent
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:

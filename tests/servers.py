@@ -205,6 +205,15 @@ class MariaDBServer:
             self.process.wait(timeout=60)
         self.process = None
 
+    def crash(self) -> None:
+        """Kill the server at once (SIGKILL): every socket, listening ones included, closes
+        in the same instant, so no connection made after its clients see theirs close
+        can reach it (a clean stop closes them one after another)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=60)
+        self.process = None
+
     def restart(self) -> None:
         self.stop()
         self.start()

@@ -133,3 +133,4 @@ DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 ROOT_URLCONF = "tests.urls"
 MIDDLEWARE = []
 LOGGING_CONFIG = None
+STATIC_URL = "/static/"

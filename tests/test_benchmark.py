@@ -145,11 +145,12 @@ def test_ops_has_checked_figures_for_every_cache_and_operation(data: dict[str, A
     assert all(by_key["db-mariadb", op]["ratio"] == 1 for op in OPERATIONS)
 
 
-def test_ops_times_the_bare_select_floor_under_each_kvcache_mysql_get(data: dict[str, Any]) -> None:
-    """On every kept round's rows, interleaved with the cache's own gets."""
+def test_ops_times_the_bare_select_floor_under_each_kvcache_mysql_read(data: dict[str, Any]) -> None:
+    """On every kept round's rows, interleaved with the cache's own get and get_many."""
     ops = data["scenarios"]["ops"]
     mysql = [cache for cache in REQUESTED if cache.startswith("kv-mysql")]
-    assert mysql and sorted(e["cache"] for e in ops["floor"]) == sorted(mysql)
+    assert mysql and sorted((e["cache"], e["operation"]) for e in ops["floor"]) == sorted(
+        (cache, operation) for cache in mysql for operation in ("get hit", "get_many hit"))
     for entry in ops["floor"]:
         assert entry["samples"] == ROUNDS * CALLS
         assert 0 < entry["min_us"] <= entry["median_us"] and entry["cpu_us"] > 0

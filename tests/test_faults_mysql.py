@@ -13,17 +13,19 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import MySQLdb
 import pytest
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
-from django.test.utils import CaptureQueriesContext
-
 from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql import errors
-from django_kvcache.mysql.server import PACKET_HEADROOM, forget_server, server_info
+from django_kvcache.mysql import blocking, errors
+from django_kvcache.mysql.blocking import server_info
+from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql.connect import connection_params
+from django_kvcache.mysql.server import PACKET_HEADROOM, forget_server
 from tests.lost_reply_proxy import LostReplyProxy
-from tests.mysql_support import register_alias, unregister_alias
+from tests.mysql_support import register_alias, sent_statements, unregister_alias
 
 ALIAS = "kvcache_faults"
 TABLE = "kvcache_faults"
@@ -49,14 +51,40 @@ def make_cache(**options: Any) -> MySQLCache:
 
 
 def statements(run: Callable[[], Any]) -> tuple[Any, list[str]]:
-    """What ``run`` returned, and the statements it sent (without session set-up)."""
+    """What ``run`` returned, and the statements it sent."""
     return statements_on(ALIAS, run)
 
 
 def statements_on(alias: str, run: Callable[[], Any]) -> tuple[Any, list[str]]:
-    with CaptureQueriesContext(connections[alias]) as captured:
+    with sent_statements(alias) as sent:
         result = run()
-    return result, [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
+    return result, sent
+
+
+def pool() -> blocking.AliasPool:
+    return blocking.pool_of(ALIAS, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+
+
+#: The server's counters of the statements the cache sends.
+COMMANDS = ("Com_select", "Com_insert", "Com_update", "Com_delete")
+
+
+def run_on_server(run: Callable[[], Any]) -> tuple[Any, int]:
+    """What ``run`` returned, and how many statements the server ran meanwhile (its own
+    counters, read on a connection of the test's own)."""
+    server = MySQLdb.connect(**connection_params(ALIAS).kwargs)
+    try:
+        before = command_count(server)
+        result = run()
+        return result, command_count(server) - before
+    finally:
+        server.close()
+
+
+def command_count(server: Any) -> int:
+    names = ", ".join(f"'{name}'" for name in COMMANDS)
+    server.query(f"SHOW GLOBAL STATUS WHERE Variable_name IN ({names})".encode())
+    return sum(int(value) for _, value in server.store_result().fetch_row(0))
 
 
 # --- restarts ------------------------------------------------------------------------------------
@@ -78,23 +106,48 @@ OPERATIONS: dict[str, tuple[Callable[[MySQLCache], Any], Any, dict[str, Any]]] =
 
 
 @pytest.mark.parametrize("name", OPERATIONS)
-def test_first_operation_after_a_server_restart_succeeds(own_server, name):
-    cache = make_cache()
+def test_first_operation_after_a_server_restart_succeeds_and_runs_once(own_server, name):
+    """The restart closed every pooled connection: the pool notices before sending (a
+    zero-timeout poll of the socket), so the call is lost on none and runs once, as the
+    server counts it."""
+    cache = make_cache(IGNORE_EXCEPTIONS=False)
     cache.set_many(BEFORE)
     own_server.restart()  # the connection the cache used is gone
     operation, expected, after = OPERATIONS[name]
-    result, sent = statements(lambda: operation(cache))
+    reconnects = pool().reconnects
+    (result, sent), ran = run_on_server(lambda: statements(lambda: operation(cache)))
     assert result == expected
-    # The one that met the dead connection, and the retry; add, incr and delete, which
-    # must not run twice, notice the closed connection before sending.
-    assert len(sent) == (1 if name in ("add", "incr", "delete") else 2)
+    assert len(sent) == 1 and ran == 1
+    assert pool().reconnects == reconnects + 1
     assert cache.get_many(["key", "n", "new"]) == after  # committed data survived
+
+
+@pytest.mark.parametrize("name", ["get", "set", "add", "incr", "delete"])
+def test_an_idle_connection_past_wait_timeout_costs_no_call_and_runs_nothing_twice(
+    own_server, name
+):
+    """The server closes a connection idle for wait_timeout (2 s here): the next call
+    finds out before sending, opens another, and runs once, as the server counts it."""
+    with MySQLdb.connect(**connection_params(ALIAS).kwargs) as admin:
+        admin.query(b"SET GLOBAL wait_timeout = 2")  # sessions opened from now on
+    blocking.close_pools([ALIAS])
+    cache = make_cache(IGNORE_EXCEPTIONS=False)
+    cache.set_many(BEFORE)
+    idle = list(pool().idle)
+    time.sleep(3)  # the server closes the idle connection
+    operation, expected, after = OPERATIONS[name]
+    (result, sent), ran = run_on_server(lambda: statements(lambda: operation(cache)))
+    assert result == expected
+    assert len(sent) == 1 and ran == 1
+    assert not set(pool().idle) & set(idle)  # a new connection served it
+    assert cache.get_many(["key", "n", "new"]) == after
 
 
 def test_restart_in_the_middle_of_a_running_load(own_server):
     """A thread keeps working while the server restarts: only calls made while it is down
-    fail, each with a connection error; every call once it is back succeeds."""
-    cache = make_cache()
+    fail (without IGNORE_EXCEPTIONS), each with a connection error; every call once it is
+    back succeeds."""
+    cache = make_cache(IGNORE_EXCEPTIONS=False)
     calls: list[tuple[float, float, BaseException | None]] = []
     stopping = threading.Event()
 
@@ -109,7 +162,6 @@ def test_restart_in_the_middle_of_a_running_load(own_server):
             except Exception as exc:  # recorded; checked below
                 error = exc
             calls.append((started, time.monotonic(), error))
-        connections[ALIAS].close()  # this thread's own connection
 
     worker = threading.Thread(target=work)
     worker.start()
@@ -132,29 +184,27 @@ def test_restart_in_the_middle_of_a_running_load(own_server):
             assert errors.is_unreachable(error), error  # can't connect
 
 
-def test_restart_inside_a_transaction_raises_and_is_not_retried(own_server):
+def test_a_restart_inside_a_caller_s_transaction_costs_the_cache_nothing(own_server):
+    """The caller's atomic() is not the cache's: after a restart the cache's next call
+    goes out on a fresh connection, and what it wrote before is committed."""
     cache = make_cache()
     cache.set("key", "value")
-    with pytest.raises(OperationalError) as raised:
-        with transaction.atomic(using=ALIAS):
+    with pytest.raises(RuntimeError):
+        with transaction.atomic(using=DEFAULT_DB_ALIAS):
             cache.set("inside", 1)
             own_server.restart()
-            with CaptureQueriesContext(connections[ALIAS]) as captured:
-                cache.get("key")
-    assert errors.classify(raised.value).connection_lost  # Django's own "server has gone away" error
-    assert len(captured.captured_queries) == 1  # not retried on a new connection
-    assert cache.get("key") == "value"  # outside the transaction the next call reconnects
-    assert cache.get("inside") is None  # the transaction's write died with it
+            assert cache.get("key") == "value"
+            raise RuntimeError("the view failed")
+    assert cache.get("inside") == 1
 
 
 # --- max_allowed_packet ------------------------------------------------------------------------
 
 
 def lower_max_allowed_packet(size: int) -> None:
-    """Lower the server's limit; sessions opened from now on get it."""
-    with connections[ALIAS].cursor() as cursor:
-        cursor.execute("SET GLOBAL max_allowed_packet = %s", (size,))
-    connections[ALIAS].close()
+    """Lower the server's limit; the cache's connections opened from now on get it."""
+    blocking.query(ALIAS, "SET GLOBAL max_allowed_packet = %s", (size,))
+    blocking.close_pools([ALIAS])
 
 
 @pytest.fixture
@@ -173,12 +223,12 @@ def test_a_value_over_max_allowed_packet_is_refused_clearly_and_the_connection_s
     small_packet, caplog
 ):
     cache = make_cache()
-    assert server_info(connections[ALIAS]).max_allowed_packet == small_packet
+    assert server_info(ALIAS).max_allowed_packet == small_packet
     near_limit = random_bytes(small_packet * 3 // 4)  # over the size that is never checked
     cache.set("near", near_limit)
     assert cache.get("near") == near_limit
     cache.set("big", "old")
-    connection = connections[ALIAS].connection
+    connects = pool().connects
 
     too_big = random_bytes(small_packet * 2)
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
@@ -189,7 +239,7 @@ def test_a_value_over_max_allowed_packet_is_refused_clearly_and_the_connection_s
     assert len(refusals) == 1 and "'big'" in refusals[0]  # one line per episode (issue 24)
     assert f"the limit of {small_packet - PACKET_HEADROOM} bytes" in refusals[0]
 
-    assert connections[ALIAS].connection is connection  # never dropped by the server
+    assert pool().connects == connects  # never dropped by the server
     assert cache.get_many(["big", "other", "small", "huge", "near"]) == {
         "small": 1,
         "near": near_limit,
@@ -222,11 +272,11 @@ def test_a_server_that_lowered_max_allowed_packet_refuses_clearly_after_a_reconn
     cache.set_many({"small": 1, "big": "old"})  # the server detected with its 16 MiB
     lower_max_allowed_packet(SMALL_PACKET)
     cache.get("small")  # a new session, with the new limit
-    connection = connections[ALIAS].connection
+    connects = pool().connects
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
         cache.set("big", random_bytes(SMALL_PACKET * 2))
     assert "max_allowed_packet" in caplog.text
-    assert connections[ALIAS].connection is connection
+    assert pool().connects == connects
     assert cache.get_many(["small", "big"]) == {"small": 1}
 
 
@@ -306,7 +356,9 @@ def lost_reply_proxy(django_db_setup, django_db_blocker) -> Iterator[LostReplyPr
 
 
 def proxied_cache() -> MySQLCache:
-    cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED, "CULL_PROBABILITY": 0}})
+    """Errors raised (not failed open): the outcome of each call is the subject."""
+    cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": PROXIED, "CULL_PROBABILITY": 0,
+                                           "IGNORE_EXCEPTIONS": False}})
     if not cache.table_exists():
         cache.create_table()
     cache.clear()

@@ -31,6 +31,8 @@ from django.test.utils import override_settings
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_engine_on_galera, is_galera_node
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.server import forget_server
 from tests.contract import CacheContract
@@ -60,15 +62,25 @@ def node_cache(alias: str, table: str = TABLE, **options: Any) -> MySQLCache:
 
 @contextmanager
 def causal_reads(alias: str) -> Iterator[None]:
-    """This thread's reads on ``alias`` wait until the node has applied every commit the
-    cluster had when they started (wsrep_sync_wait): what another node wrote is seen."""
-    with connections[alias].cursor() as cursor:
-        cursor.execute("SET SESSION wsrep_sync_wait = 1")
+    """Reads on ``alias`` — this thread's through Django's connection, and the cache's on
+    its own (every idle connection of its pool: the next call takes one) — wait until the
+    node has applied every commit the cluster had when they started (wsrep_sync_wait):
+    what another node wrote is seen."""
+    set_sync_wait(alias, 1)
     try:
         yield
     finally:
-        with connections[alias].cursor() as cursor:
-            cursor.execute("SET SESSION wsrep_sync_wait = 0")
+        set_sync_wait(alias, 0)
+
+
+def set_sync_wait(alias: str, value: int) -> None:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"SET SESSION wsrep_sync_wait = {value}")
+    pool = blocking.pool_of(alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+    if not pool.idle:
+        blocking.query(alias, "SELECT 1")  # one connection, idle now
+    for raw in list(pool.idle):
+        raw.query(f"SET SESSION wsrep_sync_wait = {value}".encode())
 
 
 def everywhere(read: Callable[[MySQLCache], Any], table: str = TABLE) -> list[Any]:
@@ -393,7 +405,7 @@ def fourth_node(galera_table: str, django_db_blocker: Any) -> Iterator[GaleraNod
 
 def test_a_node_killed_the_others_serve_a_cache_on_it_fails_open(fourth_node):
     doomed = node_cache(KILLED, IGNORE_EXCEPTIONS=True)
-    strict = node_cache(KILLED)
+    strict = node_cache(KILLED, IGNORE_EXCEPTIONS=False)
     doomed.set("before", 1)
     assert everywhere(lambda c: c.get("before")) == [1] * len(NODES)
     fourth_node.kill()
@@ -426,7 +438,7 @@ def test_a_node_cut_off_from_the_cluster_fails_open_and_serves_again(fourth_node
     yet prepared node for application use"): that is an unreachable server, not a failed
     statement. Once it rejoins, the cache uses it again."""
     doomed = node_cache(KILLED, IGNORE_EXCEPTIONS=True, RETRY_TIMEOUT=0.2)
-    strict = node_cache(KILLED)
+    strict = node_cache(KILLED, IGNORE_EXCEPTIONS=False)
     doomed.set("before", 1)
     doomed.set("during", 0)
     with connections[KILLED].cursor() as cursor:

@@ -35,7 +35,7 @@ from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
 from tests.contract import CacheFixture
 from tests.models import FencedRecord
 from tests.mysql_support import BACKEND as MYSQL_BACKEND, ensure_table, register_alias, \
-    unregister_alias
+    sent_statements, unregister_alias
 from tests.servers import MemcachedNode
 
 MEMCACHED_BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
@@ -402,16 +402,13 @@ class TestMySQLLocks(LockContract):
             return {name: (token, expires) for name, token, expires in cursor.fetchall()}
 
     def test_a_grant_is_one_statement(self, cache):
-        from django.test.utils import CaptureQueriesContext
-
         lock = cache.lock("job", timeout=10)
-        with CaptureQueriesContext(connections["default"]) as captured:
+        lock.locked()  # (the server's flavour is known from here on)
+        with sent_statements() as sent:
             lock.acquire()
-        sent = [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
         assert len(sent) == 1 and sent[0].startswith("INSERT INTO `kvcache_locks_test_locks`")
-        with CaptureQueriesContext(connections["default"]) as captured:
+        with sent_statements() as sent:
             lock.release()
-        sent = [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
         assert len(sent) == 1 and sent[0].startswith("UPDATE")
 
     def test_released_rows_stay_and_culling_clear_and_prefixes_leave_them(self, cache):
@@ -465,10 +462,17 @@ class TestMySQLLocks(LockContract):
         for lock in locks:
             lock.release()
 
-    def test_a_sync_lock_inside_a_transaction_on_its_database_is_refused(self, cache):
-        with transaction.atomic():
-            with pytest.raises(LockError, match="inside a transaction"):
-                cache.lock("job", timeout=10).acquire()
+    def test_a_lock_taken_inside_a_transaction_commits_on_its_own(self, cache):
+        """The cache's statements run on its own connections: a grant made inside the
+        caller's atomic() is seen by everyone at once and outlives a rollback."""
+        lock = cache.lock("job", timeout=10)
+        with pytest.raises(RuntimeError):
+            with transaction.atomic():
+                assert lock.acquire()
+                assert self.lock_rows(cache)  # committed: another connection sees it
+                raise RuntimeError("rolled back")
+        assert lock.owned() and not cache.lock("job").acquire(blocking=False)
+        lock.release()
 
     def test_a_missing_lock_table_is_named(self, cache):
         from django_kvcache.mysql.errors import CacheTableMissing

@@ -63,6 +63,30 @@ def test_createtable_for_named_aliases():
     assert tables() == {TABLES[1]}
 
 
+class NoCacheTablesOnDefault:
+    """A router that keeps the cache tables (app_label django_kvcache) off "default"."""
+
+    def allow_migrate(self, db, app_label, model_name=None, **hints):
+        if app_label == "django_kvcache":
+            return db != "default"
+        return None
+
+
+def test_table_creation_for_a_database_asks_the_routers(settings):
+    """As Django's createcachetable asks allow_migrate for DatabaseCache tables, so do
+    its override and the pre_migrate receiver (both create_tables_in) for MySQLCache's:
+    a router that says no keeps the table off that database."""
+    from django_kvcache.maintenance import create_tables_in
+
+    settings.DATABASE_ROUTERS = [f"{__name__}.NoCacheTablesOnDefault"]
+    assert create_tables_in("default") == {}
+    command("createcachetable", "--database", "default")
+    assert tables() == set()
+    settings.DATABASE_ROUTERS = []
+    command("createcachetable", "--database", "default")
+    assert tables() == set(TABLES)
+
+
 def test_createtable_dry_run_prints_sql_and_creates_nothing():
     out = command("kvcache_createtable", "--dry-run")
     assert out.count("CREATE TABLE IF NOT EXISTS") == 4  # each cache's table and lock table

@@ -8,15 +8,22 @@ import warnings
 import pytest
 from django.core.cache.backends.base import CacheKeyWarning, memcache_key_warnings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
-from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.base import unreadable_entries
 from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
 from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX, INT64_MIN
 from django_kvcache.mysql.keys import DIGEST_MARKER, MAX_KEY_LENGTH, stored_key
-from django_kvcache.mysql.server import ServerInfo, parse_version, server_info
-from django_kvcache.mysql.sql import FOREVER, HEX_LIMIT, Statements, create_table_sql, value_sql
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.blocking import server_info
+from django_kvcache.mysql.server import ServerInfo, parse_version
+from django_kvcache.mysql.sql import (
+    FOREVER,
+    HEX_LIMIT,
+    Statements,
+    create_table_sql,
+    quote_name,
+    value_sql,
+)
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     MYISAM_TABLE,
     TABLE,
@@ -26,6 +33,7 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     mysql_tables,
     now_ms,
     rows,
+    sent_statements,
     sql,
 )
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -106,9 +114,9 @@ def test_keys_differing_only_in_trailing_space_case_or_accent_are_distinct(cache
 
 
 def statements(cache, operation):
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements() as sent:
         result = operation()
-    return result, [query["sql"] for query in captured.captured_queries]
+    return result, sent
 
 
 @pytest.mark.parametrize(
@@ -247,6 +255,20 @@ def test_incr_of_a_corrupt_integer_row_is_a_logged_miss(cache, caplog):
     assert caplog.text.count("corrupt integer cache entry ':1:bad'") == 1
 
 
+def test_incr_with_a_version_names_that_version_s_entry(cache, caplog):
+    """incr(key, version=3) reads and reports the entry of version 3, not version 1's."""
+    insert_row(":3:bad", b"12abc", FLAG_INTEGER, FOREVER)
+    insert_row(":1:bad", b"1", FLAG_INTEGER, FOREVER)
+    with caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        with pytest.raises(ValueError, match="not found"):
+            cache.incr("bad", version=3)
+    assert "corrupt integer cache entry ':3:bad'" in caplog.text
+    assert ":1:bad" not in caplog.text
+    cache.set("big", 2**70, version=3)  # a Python int stored pickled
+    with pytest.raises(TypeError, match="beyond the signed 64-bit range"):
+        cache.incr("big", version=3)
+
+
 # --- corrupt rows ------------------------------------------------------------------------
 
 
@@ -361,7 +383,7 @@ def test_delete_of_an_expired_row_is_false(cache):
 
 @pytest.fixture
 def max_packet(cache):
-    return server_info(connections["default"]).max_allowed_packet
+    return server_info("default").max_allowed_packet
 
 
 def test_values_near_max_allowed_packet(cache, max_packet, caplog):
@@ -422,13 +444,11 @@ def test_bad_configuration_names_the_option(location, options, named):
         MySQLCache(location, {"OPTIONS": options})
 
 
-@pytest.mark.django_db(transaction=True, databases=["default", "cache"])
-def test_database_option_uses_that_connection(mysql_tables):
+@pytest.mark.django_db(transaction=True)
+def test_database_option_uses_that_alias(mysql_tables):
     dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
     dedicated.has_key("warm-up")  # the server is detected once per alias, on first use
-    with CaptureQueriesContext(connections["cache"]) as on_cache, CaptureQueriesContext(
-        connections["default"]
-    ) as on_default:
+    with sent_statements("cache") as on_cache, sent_statements("default") as on_default:
         dedicated.set("key", "value")
         assert dedicated.get("key") == "value"
     assert len(on_cache) == 2 and len(on_default) == 0
@@ -443,22 +463,20 @@ class ReadsFromCacheAlias:
         return "default" if model._meta.app_label == "django_kvcache" else None
 
 
-@pytest.mark.django_db(transaction=True, databases=["default", "cache"])
+@pytest.mark.django_db(transaction=True)
 def test_routers_choose_the_connection(mysql_tables, settings):
     settings.DATABASE_ROUTERS = [f"{__name__}.ReadsFromCacheAlias"]
     routed = make_cache()
     routed.has_key("warm-up"), routed.delete("warm-up")  # server detection, once per alias
     fresh = make_cache()  # has written nothing yet: reads go where db_for_read says
     fresh.has_key("warm-up")
-    with CaptureQueriesContext(connections["cache"]) as reads, CaptureQueriesContext(
-        connections["default"]
-    ) as writes:
+    with sent_statements("cache") as reads, sent_statements("default") as writes:
         fresh.get("key")
         fresh.get_many(["key"])
         routed.set("key", "value")
         routed.get("key")  # read-your-writes: from the alias just written to
-    assert [q["sql"].split()[0] for q in reads] == ["SELECT", "SELECT"]
-    assert [q["sql"].split()[0] for q in writes] == ["INSERT", "SELECT"]
+    assert [statement.split()[0] for statement in reads] == ["SELECT", "SELECT"]
+    assert [statement.split()[0] for statement in writes] == ["INSERT", "SELECT"]
     routed.clear()
 
 
@@ -478,7 +496,7 @@ def test_routers_choose_the_connection(mysql_tables, settings):
 def test_row_alias_form_only_where_the_server_has_it(version, row_alias):
     info = ServerInfo("mariadb" in version.lower(), parse_version(version), 16 << 20)
     assert info.row_alias is row_alias
-    statements = Statements("t", connections["default"].ops.quote_name, info.row_alias)
+    statements = Statements("t", quote_name, info.row_alias)
     hex_value = value_sql(b"v")[0]
     upserts = [
         statements.set_row(hex_value), statements.add_row(hex_value),
@@ -486,13 +504,28 @@ def test_row_alias_form_only_where_the_server_has_it(version, row_alias):
     ]
     for upsert in upserts:
         if row_alias:
-            assert " AS new ON DUPLICATE KEY UPDATE " in upsert and "VALUES(`" not in upsert
+            assert " AS `kvcache_new` ON DUPLICATE KEY UPDATE " in upsert
+            assert "VALUES(`" not in upsert
         else:
-            assert "VALUES(`value`)" in upsert and "new." not in upsert
+            assert "VALUES(`value`)" in upsert and "kvcache_new" not in upsert
+
+
+@pytest.mark.parametrize("table", ["new", "NEW", "kvcache_new", "Kvcache_New"])
+def test_the_row_alias_is_never_the_table_s_name(table):
+    """MySQL 8's upsert names the inserted row (``AS alias``) beside the table, whose
+    columns it qualifies by the table's name: the two names must differ, or every
+    qualified column is ambiguous (a table named ``new`` met ``AS new``)."""
+    statements = Statements(table, quote_name, row_alias=True)
+    hex_value = value_sql(b"v")[0]
+    for upsert in (statements.set_row(hex_value), statements.add_row(hex_value),
+                   statements.set_many([hex_value]), statements.lease_take):
+        alias = upsert.split(" AS ", 1)[1].split()[0].strip("`")
+        assert alias.lower() != table.lower(), upsert
+        assert f"`{alias}`.`value`" in upsert
 
 
 def test_table_collation_per_flavour():
-    quote = connections["default"].ops.quote_name
+    quote = quote_name
     assert "COLLATE utf8mb4_nopad_bin" in create_table_sql("t", quote, mariadb=True)
     assert "COLLATE utf8mb4_0900_bin" in create_table_sql("t", quote, mariadb=False)
 
@@ -529,12 +562,12 @@ def test_the_packet_limit_is_read_once_per_connection_and_only_for_large_stateme
         _, executed = statements(cache, operation)
         return sum("@@max_allowed_packet" in statement for statement in executed)
 
-    connections["default"].close()
+    blocking.close_pools(["default"])
     assert limit_reads(lambda: cache.set("small", "x" * 1000)) == 0
     assert limit_reads(lambda: cache.get_many([f"k{i}" for i in range(200)])) == 0
     assert limit_reads(lambda: cache.set("big", big)) == 1
     assert limit_reads(lambda: cache.set_many({"a": big, "b": big})) == 0
-    connections["default"].close()  # a new session may have another limit
+    blocking.close_pools(["default"])  # a new session may have another limit
     assert limit_reads(lambda: cache.set("big", big)) == 1
     assert cache.get("big") == big
     cache.clear()

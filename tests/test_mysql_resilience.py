@@ -8,23 +8,26 @@ import random
 import select
 import time
 from contextlib import contextmanager
+from typing import Any, Iterator
 
 import MySQLdb
 import pytest
-from django.conf import settings
 from django.core.cache import caches
 from django.db import OperationalError, ProgrammingError, connections, transaction
 from django.test import override_settings
-from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql.connect import connection_params
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
     insert_row,
     make_cache,
     mysql_tables,
+    registered_alias,
     rows,
-    sql,
+    sent_statements,
 )
 
 PROCESSES = 4
@@ -134,124 +137,137 @@ def test_racing_get_or_set_agrees_on_one_value(shared, pool):
 # --- dropped connections ------------------------------------------------------------------
 
 
-def kill(alias: str) -> None:
-    """Kill the server side of ``alias``'s connection, as a restart or wait_timeout would."""
-    with connections[alias].cursor() as cursor:
-        cursor.execute("SELECT CONNECTION_ID()")
-        (thread_id,) = cursor.fetchone()
-    params = settings.MYSQL
-    killer = MySQLdb.connect(
-        host=params["HOST"], port=int(params["PORT"]), user=params["USER"],
-        password=params["PASSWORD"],
-    )
+@contextmanager
+def monitor(alias: str = "default") -> Iterator[Any]:
+    """A connection of the test's own to ``alias``'s database."""
+    server = MySQLdb.connect(**connection_params(alias).kwargs)
     try:
-        killer.cursor().execute("KILL CONNECTION %s", (thread_id,))
+        yield server
     finally:
-        killer.close()
+        server.close()
+
+
+def kill(alias: str) -> None:
+    """Kill the server side of the cache's idle connections to ``alias``, as a restart or
+    wait_timeout would."""
+    victims = list(blocking.pool_of(alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT).idle)
+    assert victims
+    with monitor(alias) as killer:
+        for raw in victims:
+            killer.query(f"KILL CONNECTION {raw.thread_id()}".encode())
     # The server closes the socket right after KILL returns; wait (bounded) until that
     # reached the client, so the test does not race the server's close.
-    fd = connections[alias].connection.fileno()
-    assert select.select([fd], [], [], 10)[0], "the killed connection was never closed"
-
-
-def attempts(captured: CaptureQueriesContext) -> list[str]:
-    """Statements sent, without the session set-up Django runs on a new connection."""
-    return [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
+    for raw in victims:
+        assert select.select([raw.fileno()], [], [], 10)[0], "a killed connection stayed open"
 
 
 @pytest.mark.parametrize(
-    "operation, expected, sent",
+    "operation, expected",
     [
-        (lambda c: c.get("key"), "value", 2),
-        (lambda c: c.set("other", 1), None, 2),
-        (lambda c: c.get_many(["key", "n"]), {"key": "value", "n": 1}, 2),
-        (lambda c: c.keys_with_prefix("k"), ["key"], 2),
-        # Never sent twice: the closed connection is noticed before sending.
-        (lambda c: c.delete("key"), True, 1),
-        (lambda c: c.add("fresh", 1), True, 1),
-        (lambda c: c.incr("n", 2), 3, 1),
+        (lambda c: c.get("key"), "value"),
+        (lambda c: c.set("other", 1), None),
+        (lambda c: c.get_many(["key", "n"]), {"key": "value", "n": 1}),
+        (lambda c: c.keys_with_prefix("k"), ["key"]),
+        (lambda c: c.delete("key"), True),
+        (lambda c: c.add("fresh", 1), True),
+        (lambda c: c.incr("n", 2), 3),
     ],
 )
-def test_an_operation_after_a_dropped_connection_is_retried_once(
-    shared, operation, expected, sent
+def test_an_operation_after_a_dropped_connection_is_sent_once_on_a_fresh_one(
+    shared, operation, expected
 ):
+    """The pool notices the closed connection before sending (a zero-timeout poll of
+    its socket), whatever the operation: nothing is sent on it, nothing twice."""
     shared.set_many({"key": "value", "n": 1})
     kill("default")
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements() as sent:
         assert operation(shared) == expected
-    # 2: the one that met the dead connection, and the retry
-    assert len(attempts(captured)) == sent
+    assert len(sent) == 1
 
 
 def test_a_large_write_on_a_dropped_connection_reads_the_packet_limit_again(shared):
     big = random.Random(1).randbytes(ALWAYS_FITS * 2)
-    connections["default"].close()
-    kill("default")  # a new connection, never asked for its packet limit, then killed
+    blocking.close_pools(["default"])
+    shared.get("warm-up")  # a new connection, never asked for its packet limit
+    kill("default")
     shared.set("big", big)
     assert shared.get("big") == big
 
 
-def test_no_retry_inside_a_transaction(mysql_tables):
-    dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
-    dedicated.set("key", "value")
-    with pytest.raises(OperationalError):
+def test_inside_a_caller_s_transaction_a_dropped_connection_is_replaced(mysql_tables):
+    """The caller's atomic() is not the cache's: its connection, dropped, is replaced as
+    anywhere else, and its writes are committed."""
+    cache = make_cache(OPTIONS={"DATABASE": "cache"})
+    cache.set("key", "value")
+    with pytest.raises(RuntimeError):
         with transaction.atomic(using="cache"):
-            dedicated.get("key")
+            assert cache.get("key") == "value"
             kill("cache")
-            dedicated.get("key")
-    assert dedicated.get("key") == "value"  # outside the transaction it recovers
-    dedicated.clear()
+            cache.set("key", "inside")
+            raise RuntimeError("the view failed")
+    assert cache.get("key") == "inside"
+    cache.clear()
 
 
 def test_other_errors_are_not_retried(mysql_tables):
     missing = MySQLCache("kvcache_no_such_table", {})
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements() as sent:
         with pytest.raises(ProgrammingError):
             missing.get("key")
-    assert len(attempts(captured)) == 1
+    assert len(sent) == 1
 
 
-def test_a_dedicated_alias_keeps_cache_writes_out_of_the_request_transaction(mysql_tables):
+def test_no_alias_joins_the_caller_s_transaction(mysql_tables):
+    """On its own alias or on "default", the cache writes on connections of its own:
+    a failed view's transaction does not take its writes with it."""
     dedicated = make_cache(OPTIONS={"DATABASE": "cache"})
-    shared_connection = make_cache()
+    on_default = make_cache()
     dedicated.clear()
     with pytest.raises(RuntimeError):
         with transaction.atomic(using="default"):
             dedicated.set("dedicated", 1)
-            shared_connection.set("shared", 1)
+            on_default.set("shared", 1)
             raise RuntimeError("the view failed")
-    assert dedicated.get("dedicated") == 1  # committed on its own connection
-    assert shared_connection.get("shared") is None  # rolled back with the request
+    assert dedicated.get("dedicated") == 1
+    assert on_default.get("shared") == 1
     dedicated.clear()
 
 
 # --- lock conflicts -----------------------------------------------------------------------
 
+SHORT_WAITS = "kvcache_short_lock_waits"
+
+
+@pytest.fixture
+def short_lock_waits(mysql_tables, django_db_blocker) -> Iterator[str]:
+    """An alias of the test database whose sessions wait one second for a row lock
+    (InnoDB's default is 50)."""
+    entry = connections["default"].settings_dict
+    options = {**entry["OPTIONS"], "init_command": "SET SESSION innodb_lock_wait_timeout = 1"}
+    with registered_alias(SHORT_WAITS, {**entry, "OPTIONS": options, "TEST": {}},
+                          django_db_blocker):
+        yield SHORT_WAITS
+
 
 @contextmanager
-def short_lock_waits(alias: str = "default"):
-    """Lock waits of one second on ``alias``'s connection (InnoDB's default is 50)."""
-    (previous,) = sql("SELECT @@SESSION.innodb_lock_wait_timeout", alias=alias)[0]
-    sql("SET SESSION innodb_lock_wait_timeout = 1", alias=alias)
-    try:
-        yield
-    finally:
-        sql("SET SESSION innodb_lock_wait_timeout = %s", (previous,), alias=alias)
-
-
-@contextmanager
-def row_locked_elsewhere(stored_key: str):
+def row_locked_elsewhere(stored_key: str) -> Iterator[None]:
     """Another connection holds ``stored_key``'s row lock in an open transaction."""
-    with transaction.atomic(using="cache"):
-        lock = f"SELECT 1 FROM `{TABLE}` WHERE `cache_key` = %s FOR UPDATE"
-        sql(lock, (stored_key,), alias="cache")
-        yield
+    with monitor() as locker:
+        locker.query(b"BEGIN")
+        locker.query(f"SELECT 1 FROM `{TABLE}` WHERE `cache_key` = '{stored_key}' FOR UPDATE"
+                     .encode())
+        locker.store_result()
+        try:
+            yield
+        finally:
+            locker.query(b"ROLLBACK")
 
 
-def test_a_cull_blocked_by_locks_is_skipped_and_the_write_succeeds(shared, caplog):
-    culling_cache = make_cache(OPTIONS={"CULL_PROBABILITY": 1})
+def test_a_cull_blocked_by_locks_is_skipped_and_the_write_succeeds(shared, short_lock_waits,
+                                                                    caplog):
+    culling_cache = make_cache(OPTIONS={"CULL_PROBABILITY": 1, "DATABASE": short_lock_waits})
     insert_row(":1:old", b"x", 0, int(time.time() * 1000) - 1000)
-    with short_lock_waits(), row_locked_elsewhere(":1:old"):
+    with row_locked_elsewhere(":1:old"):
         with caplog.at_level(logging.INFO, logger="django_kvcache"):
             culling_cache.set("new", 1)
     assert "skipped after a lock conflict" in caplog.text
@@ -260,15 +276,16 @@ def test_a_cull_blocked_by_locks_is_skipped_and_the_write_succeeds(shared, caplo
     assert culling_cache.cull() == 1  # the next cull gets it
 
 
-def test_a_statement_that_timed_out_on_a_lock_is_retried_once(shared):
-    shared.set("key", 1)
-    with short_lock_waits(), row_locked_elsewhere(":1:key"):
-        with CaptureQueriesContext(connections["default"]) as captured:
+def test_a_statement_that_timed_out_on_a_lock_is_retried_once(shared, short_lock_waits):
+    waiting = make_cache(OPTIONS={"DATABASE": short_lock_waits, "IGNORE_EXCEPTIONS": False})
+    waiting.set("key", 1)
+    with row_locked_elsewhere(":1:key"):
+        with sent_statements() as sent:
             with pytest.raises(OperationalError) as raised:
-                shared.set("key", 2)
+                waiting.set("key", 2)
     assert raised.value.args[0] == 1205
-    assert len(attempts(captured)) == 2
-    assert shared.get("key") == 1
+    assert len(sent) == 2
+    assert waiting.get("key") is None  # the failed write's older copy is not served
 
 
 def test_a_missing_table_names_the_cache_and_the_command_that_creates_it(mysql_tables):

@@ -20,16 +20,17 @@ from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import OperationalError, connections, transaction
-from django.test.utils import CaptureQueriesContext, override_settings
+from django.test.utils import override_settings
 
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.maintenance import create_tables_in, cull_all, migration_source
 from django_kvcache.mysql import blocking, errors, policy
+from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
 from django_kvcache.mysql.query import Query, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
-from tests.mysql_support import BACKEND, now_ms, wait_for
+from tests.mysql_support import BACKEND, now_ms, sent_statements, wait_for
 from tests.servers import replica_caught_up
 
 SHARDS = list(settings.SHARD_ALIASES)
@@ -79,25 +80,23 @@ def cache() -> Iterator[MySQLCache]:
 
 
 class Statements:
-    """The statements sent to each shard alias while the block runs."""
+    """The statements the cache sends to each shard alias while the block runs."""
 
     def __init__(self, aliases: list[str]) -> None:
-        self.contexts = {alias: CaptureQueriesContext(connections[alias]) for alias in aliases}
+        self.stack = ExitStack()
+        self.aliases = aliases
+        self.sent: dict[str, list[str]] = {}
 
     def __enter__(self) -> "Statements":
-        for context in self.contexts.values():
-            context.__enter__()
+        self.sent = {alias: self.stack.enter_context(sent_statements(alias))
+                     for alias in self.aliases}
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for context in self.contexts.values():
-            context.__exit__(*exc)
+        self.stack.__exit__(*exc)
 
     def per_alias(self) -> dict[str, list[str]]:
-        return {
-            alias: [q["sql"] for q in context.captured_queries if not q["sql"].startswith("SET ")]
-            for alias, context in self.contexts.items()
-        }
+        return dict(self.sent)
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -212,14 +211,13 @@ def test_a_batch_on_one_shard_sends_nothing_to_the_others(cache):
 
 
 def session_counts(aliases: list[str]) -> dict[str, Counter]:
-    """The server's count of statements by kind on this thread's session of each alias
-    (counted by the server: no debug cursor involved, so the pipelined path runs)."""
+    """The server's count of statements by kind on the cache's session of each alias
+    (its one pooled connection here: one thread), as the server counts them."""
     counts = {}
     for alias in aliases:
-        with connections[alias].cursor() as cursor:
-            cursor.execute("SHOW SESSION STATUS WHERE Variable_name IN "
-                           "('Com_select', 'Com_insert', 'Com_delete')")
-            counts[alias] = Counter({name: int(value) for name, value in cursor.fetchall()})
+        found = blocking.query(alias, "SHOW SESSION STATUS WHERE Variable_name IN "
+                                      "('Com_select', 'Com_insert', 'Com_delete')")
+        counts[alias] = Counter({name: int(value) for name, value in found})
     return counts
 
 
@@ -318,19 +316,16 @@ def test_a_lost_reply_is_sent_again_only_for_an_idempotent_statement(cache, idem
     ]
 
     def call() -> None:
+        pool = blocking.pool_of("shard2", DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+        raw = pool.checkout()  # the connection the call takes next (the last one in)
+        session.append(raw.thread_id())
+        pool.checkin(raw)
         try:
-            connections["shard2"].ensure_connection()
-            session.append(connections["shard2"].connection.thread_id())
-            try:
-                outcome.append(blocking.execute(cache.session, calls))
-            except OperationalError as exc:
-                outcome.append(exc)
-            for alias in ("shard1", "shard2"):
-                with connections[alias].cursor() as cursor:
-                    cursor.execute("SELECT 1")
-                    outcome.append(cursor.fetchone())
-        finally:
-            connections.close_all()
+            outcome.append(blocking.execute(cache.session, calls))
+        except OperationalError as exc:
+            outcome.append(exc)
+        for alias in ("shard1", "shard2"):
+            outcome.append(blocking.query(alias, "SELECT 1")[0])
 
     thread = threading.Thread(target=call)
     thread.start()
@@ -369,17 +364,20 @@ def test_hits_and_misses_on_every_shard_with_awkward_keys_and_values(cache):
     assert cache.get_many(items) == dict(list(stored.items())[10:])
 
 
-def test_debug_logging_and_execute_wrappers_see_every_statement(cache, settings):
-    """While Django watches statements the shards are asked through its cursor, one
-    after another: connection.queries and execute wrappers see every statement."""
+def test_debug_logging_and_execute_wrappers_see_no_cache_statement(cache, settings):
+    """The shards are asked on the cache's own connections, pipelined, whatever Django
+    watches: its query log and execute wrappers see none of them."""
     items = {f"d{i}": i for i in range(30)}
     cache.set_many(items)
     settings.DEBUG = True
     for alias in SHARDS:
+        connections[alias].ensure_connection()
         reset_queries_of(alias)
+    before = session_counts(SHARDS)
     assert cache.get_many(items) == items
-    logged = {alias: [q["sql"] for q in connections[alias].queries] for alias in SHARDS}
-    assert all(len(sql) == 1 and sql[0].startswith("SELECT `cache_key`") for sql in logged.values())
+    after = session_counts(SHARDS)
+    assert all(not connections[alias].queries for alias in SHARDS)
+    assert all(after[alias] - before[alias] == Counter({"Com_select": 1}) for alias in SHARDS)
     settings.DEBUG = False
     seen: list[str] = []
 
@@ -391,17 +389,19 @@ def test_debug_logging_and_execute_wrappers_see_every_statement(cache, settings)
         for alias in SHARDS:
             stack.enter_context(connections[alias].execute_wrapper(wrapper))
         cache.delete_many(items)
-    assert seen == ["DELETE"] * len(SHARDS)
+    assert seen == []
+    assert cache.get_many(items) == {}
 
 
-def test_inside_transactions_the_shards_are_asked_through_the_cursor(cache):
+def test_inside_transactions_on_every_shard_the_cache_commits_on_its_own(cache):
     items = {f"t{i}": i for i in range(30)}
-    with ExitStack() as stack:
+    with pytest.raises(RuntimeError), ExitStack() as stack:
         for alias in SHARDS:
             stack.enter_context(transaction.atomic(using=alias))
         assert cache.set_many(items) == []
         assert cache.get_many(items) == items
         cache.delete_many(list(items)[:10])
+        raise RuntimeError("the view failed")
     assert cache.get_many(items) == dict(list(items.items())[10:])
 
 
@@ -664,13 +664,18 @@ def test_writes_and_prefix_deletes_always_go_to_the_primary():
 
 def test_metrics_list_every_shard_and_replica(cache):
     metrics = replicated().metrics()
-    assert set(metrics["shards"]) == {"shard2", REPLICA}
+    assert set(metrics["shards"]) == {"shard2"} and set(metrics["replicas"]) == {REPLICA}
+    assert "replicas" not in cache.metrics()  # no REPLICAS: none
     assert set(cache.metrics()["shards"]) == set(SHARDS)
-    assert cache.metrics()["shards"]["shard1"] == {
+    shard1 = cache.metrics()["shards"]["shard1"]
+    pools = {name: shard1.pop(name) for name in list(shard1) if name.startswith("pool_")}
+    assert shard1 == {
         "errors": 0, "ignored": 0, "skipped": 0, "reruns": 0, "down": False, "consecutive_failures": 0,
         "outdated_keys": 0, "flush_pending": False,
     }
-    assert "outdated_keys" not in metrics["shards"][REPLICA]  # a primary's record
+    assert set(pools) == {"pool_size", "pool_idle", "pool_waiters", "pool_waits",
+                          "pool_wait_seconds", "pool_connects", "pool_reuses", "pool_reconnects"}
+    assert "outdated_keys" not in metrics["replicas"][REPLICA]  # a primary's record
 
 
 def test_default_key_function_is_what_routing_hashes(cache):

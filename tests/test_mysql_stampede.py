@@ -23,7 +23,7 @@ import pytest
 from django.conf import settings
 from django.db import OperationalError, connections
 from django.core.management import call_command
-from django.test.utils import CaptureQueriesContext, override_settings
+from django.test.utils import override_settings
 
 from django_kvcache import stampede, steps
 from django_kvcache.backends.mysql import MySQLCache
@@ -31,7 +31,8 @@ from django_kvcache.maintenance import cull_all
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, DIGEST_MARKER, MAX_KEY_LENGTH
 from django_kvcache.mysql.lease import LEASE_KEY_HEAD, RELEASED, MySQLLeaseStore, lease_key
 from django_kvcache.stampede import recompute_early
-from tests.mysql_support import MYISAM_TABLE, register_alias, unregister_alias
+from django_kvcache.mysql import blocking
+from tests.mysql_support import MYISAM_TABLE, register_alias, sent_statements, unregister_alias
 from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
 from tests.servers import free_port, replica_caught_up
 from tests.test_stampede import Computation, in_threads
@@ -73,8 +74,8 @@ def expire(cache: MySQLCache, key: str, seconds_ago: float, alias: str = "defaul
                        (expires, stored))
 
 
-def statements(captured: CaptureQueriesContext) -> list[str]:
-    return [q["sql"] for q in captured.captured_queries if not q["sql"].startswith("SET ")]
+def statements(sent: list[str]) -> list[str]:
+    return sent
 
 
 def store_of(cache: MySQLCache, key: str = "hot", timeout: Any = 60) -> MySQLLeaseStore:
@@ -89,26 +90,26 @@ def store_of(cache: MySQLCache, key: str = "hot", timeout: Any = 60) -> MySQLLea
 def test_a_waiter_reads_in_one_statement_and_a_winner_takes_the_lease_in_one(cache):
     cache.set("hot", "old", 60)
     expire(cache, "hot", 1)  # stale: inside STALE_TIMEOUT
-    with CaptureQueriesContext(connections["default"]) as taking:
+    with sent_statements("default") as taking:
         holder = steps.run(store_of(cache).read())
     assert holder == stampede.Read(stampede.MISSING, False, True)
     sent = statements(taking)
     assert len(sent) == 2 and sent[0].startswith("SELECT") and sent[1].startswith("INSERT")
 
-    with CaptureQueriesContext(connections["default"]) as waiting:
+    with sent_statements("default") as waiting:
         waiter = steps.run(store_of(cache).read())
     assert waiter == stampede.Read("old", False, False)  # the stale value, at once
     assert len(statements(waiting)) == 1
 
     cache.set("hot", "new", 60)
-    with CaptureQueriesContext(connections["default"]) as hit:
+    with sent_statements("default") as hit:
         assert steps.run(store_of(cache).read()) == stampede.Read("new", True, False)
     assert len(statements(hit)) == 1
 
 
 def test_a_hit_through_get_or_set_is_one_statement(cache):
     cache.set("hot", "value", 60)
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements("default") as captured:
         assert cache.get_or_set("hot", Computation()) == "value"
     assert len(statements(captured)) == 1
 
@@ -116,7 +117,7 @@ def test_a_hit_through_get_or_set_is_one_statement(cache):
 def test_the_winner_stores_then_releases_its_own_lease(cache):
     store = store_of(cache)
     assert steps.run(store.read()).won
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements("default") as captured:
         steps.run(store.store("value"))
     sent = statements(captured)
     assert len(sent) == 2 and sent[1].startswith("UPDATE")
@@ -195,17 +196,17 @@ def test_stale_values_answer_the_others_within_a_few_ms(cache):
 def test_delete_of_an_expired_entry_drops_its_stale_value(cache):
     cache.set("hot", "old", 60)
     expire(cache, "hot", 1)
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements("default") as captured:
         assert cache.delete("hot") is False  # there was no live entry
     assert len(statements(captured)) == 2  # the live delete, then the stale row's
     assert steps.run(store_of(cache).read()).value is stampede.MISSING
     assert cache.make_and_validate_key("hot") not in rows()
     cache.set("live", 1, 60)
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements("default") as captured:
         assert cache.delete("live") is True
     assert len(statements(captured)) == 1
     plain = build()  # without STALE_TIMEOUT: one statement, as before
-    with CaptureQueriesContext(connections["default"]) as captured:
+    with sent_statements("default") as captured:
         assert plain.delete("missing") is False
     assert len(statements(captured)) == 1
 
@@ -570,7 +571,7 @@ def test_ttl_and_get_or_set_on_an_unreachable_shard_under_ignore_exceptions(dead
     assert any(DEAD in r.getMessage() for r in caplog.records)
 
     raising = MySQLCache(TABLE, {"OPTIONS": {"DATABASES": ["default", DEAD],
-                                             "CULL_PROBABILITY": 0}})
+                                             "CULL_PROBABILITY": 0, "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(OperationalError):
         raising.ttl(key)
 
@@ -616,8 +617,8 @@ def test_lease_reads_go_to_the_primary_and_do_not_count_as_writes():
     replica_caught_up()  # the table and the row, on the real replica
     cache = MySQLCache(TABLE, {"OPTIONS": options})  # another thread's instance: no writes
     cache.get("warm-up")  # the replica's server detection, out of the way
-    with CaptureQueriesContext(connections["shard2"]) as primary, \
-            CaptureQueriesContext(connections["shard2_replica"]) as replica:
+    with sent_statements("shard2") as primary, \
+            sent_statements("shard2_replica") as replica:
         assert cache.get_or_set("hot", Computation()) == "value"
         assert cache.get("hot") == "value"
     assert [q.split()[0] for q in statements(primary)] == ["SELECT"]  # the lease read
@@ -637,23 +638,23 @@ def test_delete_with_prefix_also_drops_stale_rows(cache):
     assert cache.get_or_set("page:1", lambda: "new", 60) == "new"
 
 
-def test_inside_a_transaction_get_or_set_takes_no_lease(cache):
-    """A lease row written in a transaction stays locked until it ends: every other caller
-    would wait on that lock, so inside one get_or_set is Django's, without a lease."""
+def test_inside_a_caller_s_transaction_get_or_set_takes_its_lease(cache):
+    """The lease row is written on the cache's own connection, committed at once: other
+    callers see it (and wait for LEASE_TIMEOUT at most), whatever transaction the caller
+    is in, so get_or_set is herd-proof there too."""
     from django.db import transaction
 
     with transaction.atomic():
-        assert cache._lease_store("x", 60, None) is None
+        assert cache._lease_store("x", 60, None) is not None
         assert cache.get_or_set("x", lambda: "value", 60) == "value"
-        assert not any(key.startswith(LEASE_KEY_HEAD) for key in rows())
-    assert cache._lease_store("x", 60, None) is not None
+        assert any(key.startswith(LEASE_KEY_HEAD) for key in rows())  # released, committed
 
 
 def test_the_lease_is_taken_under_simultaneous_assignment(cache):
     """MariaDB's SIMULTANEOUS_ASSIGNMENT makes an UPDATE's assignments read the old row:
     the take must not depend on reading the value it just assigned."""
-    with connections["default"].cursor() as cursor:
-        cursor.execute("SET SESSION sql_mode = CONCAT(@@sql_mode, ',SIMULTANEOUS_ASSIGNMENT')")
+    # On the cache's pooled connection (the one its next call takes: the last one in).
+    blocking.query("default", "SET SESSION sql_mode = CONCAT(@@sql_mode, ',SIMULTANEOUS_ASSIGNMENT')")
     try:
         first = store_of(cache, "k")
         assert steps.run(first.read()).won  # an insert
@@ -664,10 +665,8 @@ def test_the_lease_is_taken_under_simultaneous_assignment(cache):
         assert rows()[second.lease_key][0] == second.token
         assert not steps.run(store_of(cache, "k").read()).won  # held: nobody else wins
     finally:
-        with connections["default"].cursor() as cursor:
-            cursor.execute(
-                "SET SESSION sql_mode = REPLACE(@@sql_mode, 'SIMULTANEOUS_ASSIGNMENT', '')"
-            )
+        blocking.query("default",
+                       "SET SESSION sql_mode = REPLACE(@@sql_mode, 'SIMULTANEOUS_ASSIGNMENT', '')")
 
 
 def test_aget_or_set_called_inside_a_transaction_takes_its_lease_outside_it(cache):

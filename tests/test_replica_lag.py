@@ -180,7 +180,7 @@ def test_asked_at_most_once_per_interval_whatever_the_call_rate(api, replica, wr
         assert reads(api, cache, "page", 200) == [1] * 200
         assert status_questions(replica) - before == 1
         assert lag_monitor.seconds == 0.0
-        shard = cache.metrics()["shards"][REPLICA]
+        shard = cache.metrics()["replicas"][REPLICA]
         assert (shard["replica_lag"], shard["replica_behind"]) == (0.0, False)
         clock.now += 2.9
         reads(api, cache, "page", 100)
@@ -193,7 +193,7 @@ def test_asked_at_most_once_per_interval_whatever_the_call_rate(api, replica, wr
         cache.set("other", 1)
         assert read(api, bounded(replica, None), "page") == 1
         assert status_questions(replica) - before == 2
-        assert "replica_lag" not in bounded(replica, None).metrics()["shards"][REPLICA]
+        assert "replica_lag" not in bounded(replica, None).metrics()["replicas"][REPLICA]
     finally:
         replica_lag.forget(REPLICA)
 
@@ -253,7 +253,7 @@ def test_an_unreachable_replica_sends_reads_to_the_primary_logged_once(
                 assert read(api, cache, "page") == "fresh"
                 assert monitor(alias).seconds == INFINITE
                 clock.now += 1.0  # each read asks again
-            shard = cache.metrics()["shards"][alias]
+            shard = cache.metrics()["replicas"][alias]
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and f"MySQL replica lag failure on {alias}" in lines[0], lines
         assert shard["errors"] == shard["consecutive_failures"] == 0 and not shard["down"]

@@ -97,6 +97,44 @@ def test_mysql_hits_and_misses_are_counted_for_the_table_sync_and_async(configur
     assert "hit ratio" in stats("db").splitlines()[1]
 
 
+@pytest.mark.django_db(transaction=True, databases=["default", "shard2", "shard2_replica"])
+def test_one_table_name_on_two_databases_is_two_sets_of_counters(configured):
+    """The hits and misses of a table are its own on each database: two caches with the
+    same LOCATION on different databases do not share them."""
+    settings = {"here": {"BACKEND": MYSQL, "LOCATION": TABLE},
+                "there": {"BACKEND": MYSQL, "LOCATION": TABLE, "OPTIONS": {"DATABASE": "shard2"}}}
+    with override_settings(CACHES=settings):
+        here, there = caches["here"], caches["there"]
+        there.create_table()
+        try:
+            before_here, before_there = here.metrics(), there.metrics()
+            here.set("k", 1)
+            assert here.get("k") == 1 and here.get("nope") is None
+            assert there.get("k") is None
+            after_here, after_there = here.metrics(), there.metrics()
+        finally:
+            drop_table(TABLE, "shard2")
+    assert (after_here["hits"] - before_here["hits"], after_here["misses"] - before_here["misses"]) == (1, 1)
+    assert (after_there["hits"] - before_there["hits"], after_there["misses"] - before_there["misses"]) == (0, 1)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "shard2", "shard2_replica"])
+def test_a_replica_is_listed_as_a_replica_not_as_a_shard(configured):
+    settings = {"replicated": {"BACKEND": MYSQL, "LOCATION": TABLE, "OPTIONS": {
+        "DATABASE": "shard2", "REPLICAS": {"shard2": "shard2_replica"}}}}
+    with override_settings(CACHES=settings):
+        caches["replicated"].create_table()
+        try:
+            text = stats("replicated", "--no-server")
+            document = json.loads(stats("replicated", "--json", "--no-server"))
+        finally:
+            drop_table(TABLE, "shard2")
+    assert "replicated (MySQLCache, 1 shard, 1 replica)" in text
+    process = document["replicated"]["process"]
+    assert list(process["shards"]) == ["shard2"]
+    assert list(process["replicas"]) == ["shard2_replica"]
+
+
 def test_json_process_figures_are_metrics(configured):
     before = caches["mc"].metrics()
     nodes = json.loads(stats("mc", "--json", "--no-server"))["mc"]["process"]["nodes"]

@@ -18,7 +18,7 @@ KB = 1024
 RATIO_SAMPLES = 24
 RATIO_SIZES = (1 * KB, 4 * KB)
 KIND_NAMES = {"html": "HTML", "json": "JSON", "rows": "pickled rows", "scalar": "ints/short strings",
-              "bytes": "random bytes"}
+              "bytes": "random bytes", "text": "alphanumeric strings"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ MIXES: dict[str, Mix] = {mix.name: mix for mix in (
          Share("bytes", 20, 1 * KB, 2 * KB, log_sizes=False))),
     Mix("random", "random bytes of 1 B to 3 KB: incompressible, the benchmark's original values",
         (Share("bytes", 100, 1, 3 * KB, log_sizes=False),)),
+    Mix("strings", "alphanumeric strings of 1 KB to 3 KB: over MySQLCache's compression "
+        "threshold (1000 bytes), under django-mysql's (5000), barely compressible",
+        (Share("text", 100, 1 * KB, 3 * KB, log_sizes=False),)),
 )}
 DEFAULT_MIX = "realistic"
 

@@ -70,12 +70,14 @@ def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
 def _floor_block(floor: list[dict[str, Any]]) -> list[str]:
     if not floor:
         return []
-    rows = [[e["cache"], micros(e["interleaved_get_us"]), micros(e["interleaved_floor_us"]),
+    rows = [[e["cache"], e.get("operation", "get hit"), micros(e["interleaved_get_us"]),
+             micros(e["interleaved_floor_us"]),
              f"{e['get_over_floor']:.2f}x" if e.get("get_over_floor") else "-", micros(e.get("cpu_us"))]
             for e in floor]
-    return ["ops: the floor under a MySQL get: get and a bare mysqlclient primary-key SELECT of the "
-            "same row on the same connection, call after call (median per call)",
-            table(["cache", "get", "SELECT", "get / SELECT", "SELECT cpu"], rows)]
+    return ["ops: the floor under a MySQL read: the call and a bare mysqlclient SELECT of the same "
+            "rows (primary key; IN of the batch for get_many) on the same connection, call after "
+            "call (median per call)",
+            table(["cache", "operation", "call", "SELECT", "call / SELECT", "SELECT cpu"], rows)]
 
 
 def _blocks(operations: Sequence[str], caches: Sequence[str], cells: dict[tuple[str, str], str]) -> list[str]:

@@ -3,16 +3,19 @@
     CACHES = {
         "default": {
             "BACKEND": "django_kvcache.backends.mysql.MySQLCache",
-            "LOCATION": "kvcache",  # the table; create it with `manage.py kvcache_createtable`
-            "OPTIONS": {"DATABASE": "cache"},
+            "LOCATION": "kvcache",  # the table; `manage.py migrate` creates it
+            "OPTIONS": {"DATABASE": "default"},
         }
     }
 
+The cache opens connections of its own to the alias's database (never Django's
+connection: no transaction, test case or query log of the caller sees its statements).
 ``OPTIONS["DATABASES"]`` spreads the keys over several aliases (shards) instead, with
-optional read replicas and ``IGNORE_EXCEPTIONS`` (see ``docs/scale-out.rst``).
+optional read replicas (see ``docs/scale-out.rst``). An unreachable or overloaded
+server gives misses and no-ops (``IGNORE_EXCEPTIONS``, on by default).
 
-Each operation is written once, as a plan: ``get`` runs it on this thread's Django
-connection, ``aget`` on the event loop's own connections — native asyncio, no thread
+Each operation is written once, as a plan: ``get`` runs it on the process's pooled
+connections, ``aget`` on the event loop's own — native asyncio, no thread
 (docs/async.rst). The statements and the shards they go to are
 :mod:`django_kvcache.mysql.plans`'; what a failure does is
 :mod:`django_kvcache.mysql.policy`'s. See ``docs/mysql.rst`` for the schema, every
@@ -35,21 +38,20 @@ from django.core.cache.backends.base import (
     MEMCACHE_MAX_KEY_LENGTH,
     default_key_func,
 )
-from django.db import connections
 
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, dictionaries, layouts, plans
+from django_kvcache.mysql import aio, blocking, dictionaries, layouts, plans
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.lease import MySQLLeaseStore, Work
 from django_kvcache.mysql.locks import MySQLLockStore
-from django_kvcache.mysql.server import PACKET_HEADROOM, in_transaction, server_info
+from django_kvcache.mysql.server import PACKET_HEADROOM
 from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for tests and tools)
     FOREVER,
     check_engine,
@@ -59,6 +61,7 @@ from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for te
     drop_table_sql,
     lock_table,
     now_ms,
+    quote_name,
 )
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, fraction
 from django_kvcache.stampede import Compute, LeaseStore
@@ -73,12 +76,14 @@ oversized = FailureLog(logger, "MySQL oversized value")
 KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
 FOREVER_SECONDS = FOREVER // 1000
 ALWAYS_FITS = plans.ALWAYS_FITS
+#: Between the statements of a table's DDL (the table, then its dictionary table).
+STATEMENT_SEPARATOR = ";\n"
 
 
 @dataclass
 class TableStats:
-    """Process-wide counters of one table, shared by every instance (plain ints: cheap,
-    and exact enough under the GIL for monitoring)."""
+    """Process-wide counters of one table on its databases, shared by every instance
+    (plain ints: cheap, and exact enough under the GIL for monitoring)."""
 
     hits: int = 0  # keys read that were found (get, get_many, and get_or_set's reads)
     misses: int = 0  # keys read that were not found, or found unreadable
@@ -87,7 +92,8 @@ class TableStats:
     bytes_saved: int = 0  # what compression took off that
 
 
-_stats: dict[str, TableStats] = {}
+#: (table, its shards' aliases) -> its counters: one table name on two databases is two.
+_stats: dict[tuple[str, tuple[str | None, ...]], TableStats] = {}
 
 #: Rows a batch of ``rotate_encryption_key`` examines (``kvcache_rotate_key --batch-size``).
 ROTATION_BATCH_ROWS = 1000
@@ -172,7 +178,9 @@ class MySQLCache(KVCache):
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
-        self.stats = _stats.setdefault(self.table, TableStats())
+        self.stats = _stats.setdefault(
+            (self.table, tuple(shard.alias for shard in self.shards)), TableStats()
+        )
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -324,15 +332,16 @@ class MySQLCache(KVCache):
     async def adelete_with_prefix(self, prefix: str, version: int | None = None) -> int:
         return await arun(self._delete_with_prefix(prefix, version))  # type: ignore[no-any-return]
 
-    def cull(self, max_batches: int | None = None) -> int:
+    def cull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
         """On every shard, delete what it owes after an outage, then the expired entries,
         then evict the ones closest to expiry while its table holds more than
         MAX_ENTRIES. Returns the number of rows culled. A shard that fails is tried after
-        the others are done: raised then, or (IGNORE_EXCEPTIONS) logged and counted."""
-        return run(self._cull(max_batches))  # type: ignore[no-any-return]
+        the others are done: raised then, or (IGNORE_EXCEPTIONS, unless ``fail_open`` is
+        False: ``kvcache_cull`` fails loudly) logged and counted."""
+        return run(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
 
-    async def acull(self, max_batches: int | None = None) -> int:
-        return await arun(self._cull(max_batches))  # type: ignore[no-any-return]
+    async def acull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
+        return await arun(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
 
     def rotate_encryption_key(
         self,
@@ -348,14 +357,22 @@ class MySQLCache(KVCache):
         return run(self._rotate(batch_rows, max_batches, after))  # type: ignore[no-any-return]
 
     def close(self, **kwargs: Any) -> None:
-        """Called at the end of every request: Django's connections are Django's to close."""
+        """Called at the end of every request: the pooled connections stay open."""
 
     async def aclose(self, **kwargs: Any) -> None:
         """The event loop's own connections stay open (they close with their loop)."""
 
+    def disconnect_all(self) -> None:
+        """Close this process's idle connections to this cache's databases (e.g. before
+        a fork, or at shutdown)."""
+        blocking.close_pools([alias for _, alias in self.cluster.aliases()])
+
     async def adisconnect_all(self) -> None:
-        """Close the running loop's idle connections to this cache's databases."""
-        aio.close_pools([alias for _, alias in self.cluster.aliases()])
+        """Close the running loop's idle connections to this cache's databases, and the
+        process's idle blocking ones."""
+        aliases = [alias for _, alias in self.cluster.aliases()]
+        aio.close_pools(aliases)
+        blocking.close_pools(aliases)
 
     # --- plans: reading ------------------------------------------------------------------
 
@@ -575,8 +592,9 @@ class MySQLCache(KVCache):
         pattern = self._prefix_pattern(prefix, version)
         return sum((yield plans.delete_with_prefix(self.session, pattern, self._drops_stale)))
 
-    def _cull(self, max_batches: int | None) -> Plan:
-        return sum((yield plans.cull(self.session, self._culling(), max_batches)))
+    def _cull(self, max_batches: int | None, fail_open: bool | None = None) -> Plan:
+        strict = fail_open is False
+        return sum((yield plans.cull(self.session, self._culling(), max_batches, strict)))
 
     def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
         encryption = self.codec.encryption
@@ -642,17 +660,8 @@ class MySQLCache(KVCache):
 
     def _lease_store(self, key: Any, timeout: Any, version: Any) -> LeaseStore | None:
         """A lease row beside the entry, and expired rows kept for STALE_TIMEOUT
-        (``django_kvcache.mysql.lease``); on the sync API not inside a transaction."""
-        store = self._new_lease_store(key, timeout, version)
-        if store is None:
-            return None
-        primary = connections[self.cluster.shard_for(store.entry_key).primary()]
-        if in_transaction(primary):
-            # A lease row written inside a transaction stays locked, and invisible, until
-            # the transaction ends: every other caller's take would wait on that lock
-            # (innodb_lock_wait_timeout), not LEASE_TIMEOUT. Plain get_or_set instead.
-            return None
-        return store
+        (``django_kvcache.mysql.lease``)."""
+        return self._new_lease_store(key, timeout, version)
 
     def _new_lease_store(self, key: Any, timeout: Any, version: Any) -> MySQLLeaseStore | None:
         if self.stampede is None or self._expires(timeout) is None:
@@ -726,33 +735,44 @@ class MySQLCache(KVCache):
     def metrics(self) -> dict[str, Any]:
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
-        size), and under ``"shards"`` each alias's unreachable-server counters and health,
-        and for each primary the keys it missed writes of (``outdated_keys``, and
-        ``flush_pending`` past the record's limit or after a missed clear); with
-        MAX_REPLICA_LAG, for each replica the seconds it was behind at the last question
-        (``replica_lag``; ``None`` when stopped, unanswered or not asked yet) and whether
-        its shard's reads go to the primary for it (``replica_behind``)."""
+        size), hits and misses; under ``"shards"`` each shard's primary alias, under
+        ``"replicas"`` (with ``REPLICAS``) each replica alias, with its failure counters
+        and health and its connection pools (``pool_*`` for the sync API,
+        ``async_pool_*`` summed over the event loops); for each primary the keys it
+        missed writes of (``outdated_keys``, and ``flush_pending`` past the record's limit
+        or after a missed clear); with MAX_REPLICA_LAG, for each replica the seconds it
+        was behind at the last question (``replica_lag``; ``None`` when stopped,
+        unanswered or not asked yet) and whether its shard's reads go to the primary for
+        it (``replica_behind``)."""
         shards: dict[str, dict[str, Any]] = {}
+        replicas: dict[str, dict[str, Any]] = {}
         cluster = self.cluster
         for shard, alias in cluster.aliases():
             health = cluster.health(alias)
-            shards[alias] = {
+            figures = {
                 **asdict(cluster.stats(alias)),
                 "down": health.down,
                 "consecutive_failures": health.failures,
+                **blocking.pool_figures(alias, cluster.max_pool_size, cluster.pool_timeout),
+                **aio.pool_figures(alias),
             }
             if alias == shard.primary():
                 missed = cluster.missed(shard)
-                shards[alias].update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
-            else:
-                lag_monitor = cluster.lag_monitor(shard)
-                if lag_monitor is not None:  # the last answer: no question asked here
-                    lag = lag_monitor.seconds
-                    shards[alias].update(
-                        replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
-                        replica_behind=cluster.replica_behind(shard),
-                    )
-        return {**asdict(self.stats), "shards": shards}
+                figures.update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
+                shards[alias] = figures
+                continue
+            lag_monitor = cluster.lag_monitor(shard)
+            if lag_monitor is not None:  # the last answer: no question asked here
+                lag = lag_monitor.seconds
+                figures.update(
+                    replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
+                    replica_behind=cluster.replica_behind(shard),
+                )
+            replicas[alias] = figures
+        metrics: dict[str, Any] = {**asdict(self.stats), "shards": shards}
+        if replicas:
+            metrics["replicas"] = replicas
+        return metrics
 
     def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
@@ -778,24 +798,18 @@ class MySQLCache(KVCache):
     def create_table_sql(self, database: str | None = None, collation: str | None = None) -> str:
         """The table's DDL for ``database``'s server (``collation``: another name of its
         binary NO PAD collation, or a placeholder for a migration)."""
-        connection = connections[database or self.db_alias(write=True)]
-        mariadb = server_info(connection).mariadb
-        statement = create_table_sql(
-            self.table, connection.ops.quote_name, mariadb, self.engine, collation
-        )
-        statement += ";\n" + create_lock_table_sql(
-            self.table, connection.ops.quote_name, mariadb, collation
-        )
+        mariadb = blocking.server_info(database or self.db_alias(write=True)).mariadb
+        statement = create_table_sql(self.table, quote_name, mariadb, self.engine, collation)
+        statement += ";\n" + create_lock_table_sql(self.table, quote_name, mariadb, collation)
         if dictionaries.uses_stored_dictionaries(self.options):  # and its dictionary table
-            statement += ";\n" + dictionaries.create_table_sql(self.table, connection.ops.quote_name)
+            statement += STATEMENT_SEPARATOR + dictionaries.create_table_sql(self.table, quote_name)
         return statement
 
     def drop_table_sql(self, database: str | None = None) -> str:
-        connection = connections[database or self.db_alias(write=True)]
-        statement = drop_table_sql(self.table, connection.ops.quote_name)
-        statement += ";\n" + drop_lock_table_sql(self.table, connection.ops.quote_name)
+        statement = drop_table_sql(self.table, quote_name)
+        statement += ";\n" + drop_lock_table_sql(self.table, quote_name)
         if dictionaries.uses_stored_dictionaries(self.options):
-            statement += ";\n" + dictionaries.drop_table_sql(self.table, connection.ops.quote_name)
+            statement += STATEMENT_SEPARATOR + dictionaries.drop_table_sql(self.table, quote_name)
         return statement
 
     def create_table(self, database: str | None = None) -> str:
@@ -804,9 +818,8 @@ class MySQLCache(KVCache):
         statement = ""
         for alias in [database] if database else self.database_aliases():
             statement = self.create_table_sql(alias)
-            with connections[alias].cursor() as cursor:
-                for part in connections[alias].ops.prepare_sql_script(statement):
-                    cursor.execute(part)
+            for part in statement.split(STATEMENT_SEPARATOR):
+                blocking.query(alias, part)
         return statement
 
     def table_exists(self, database: str | None = None) -> bool:
@@ -823,22 +836,20 @@ class MySQLCache(KVCache):
         tables = [self.table, self.lock_table]
         if dictionaries.uses_stored_dictionaries(self.options):
             tables.append(dictionaries.dictionary_table(self.table))
-        present = set(connections[database].introspection.table_names())
+        present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
         return [table for table in tables if table not in present]
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:
         """What is wrong with the layout of the table in ``database`` (another library's
         table under this name, say) and the fix, or ``None``: it is ours, or missing."""
-        with connections[database].cursor() as cursor:
-            columns = layouts.table_columns(cursor, self.table)
+        columns = table_columns(database, self.table)
         return self._layout_problem(database, columns) if columns else None
 
     def _layout_message(self, database: str, error: BaseException) -> str:
-        """After a statement's ``error`` (1054): the table's columns are read on a
-        connection of its own (the caller may be in an event loop, or in a transaction),
-        at most once a minute per table."""
-        columns = layouts.columns_once(database, self.table, partial(
-            read_columns, connections[database].get_connection_params(), self.table))
+        """After a statement's ``error`` (1054): the table's columns are read (on the
+        cache's own connections), at most once a minute per table."""
+        columns = layouts.columns_once(database, self.table,
+                                       partial(table_columns, database, self.table))
         return " ".join(self._layout_problem(database, columns, error) or (str(error),))
 
     def _layout_problem(
@@ -881,15 +892,9 @@ class MySQLCache(KVCache):
         ]
 
 
-def read_columns(params: dict[str, Any], table: str) -> list[str]:
-    """``table``'s columns, on a mysqlclient connection of its own made with ``params``."""
-    import MySQLdb
-
-    connection = MySQLdb.connect(**params)
-    try:
-        return layouts.table_columns(connection.cursor(), table)
-    finally:
-        connection.close()
+def table_columns(database: str, table: str) -> list[str]:
+    """``table``'s columns in ``database``, in order ([] if there is no such table)."""
+    return [row[0] for row in blocking.query(database, layouts.COLUMNS_QUERY, [table])]
 
 
 def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -6,8 +6,9 @@
   ``MAX_ENTRIES``, ``lease`` is ``get_or_set``'s herd protection;
 * ``policy``: the one failure policy that runs a plan's calls on shards, as rounds of
   statements (no I/O of its own); ``errors`` classifies an error once for every path;
-* ``blocking`` and ``aio``: the two drivers that move those statements — this thread's
-  Django connections, or the event loop's own;
+* ``blocking`` and ``aio``: the two drivers that move those statements — on the
+  process's pooled connections, or the event loop's; ``connect`` opens both kinds, the
+  cache's own, from an alias's DATABASES entry (never Django's connection);
 * ``shards`` reads the shards and replicas from OPTIONS (and decides which alias serves a
   read), ``cluster`` keeps what is shared per configuration (health, counters, missed
   writes and their bounded clean-up), ``server`` what is known per server and connection.

@@ -2,11 +2,9 @@
 
 Per event loop and per database alias, a small pool of mysqlclient connections of the
 backend's own (:class:`AliasPool`, at most MAX_POOL_SIZE, waiting at most POOL_TIMEOUT),
-built from the alias's DATABASES entry the way Django builds its own (Django's
-``get_connection_params()``: host, port, user, database, charset, TLS, timeouts,
-``init_command``; then autocommit and the session's transaction isolation level, as
-Django sets them). Never Django's connection of the thread: async code never runs inside
-a caller's ``atomic()``, and a statement on the async API commits on its own.
+opened from the alias's DATABASES entry as the blocking driver's are
+(:mod:`~django_kvcache.mysql.connect`). Never Django's connection of the thread: a
+statement on the async API commits on its own.
 
 A statement is sent with ``send_query``, the loop waits for the socket to become
 readable (``loop.add_reader``; at most the alias's ``read_timeout``, after which the
@@ -25,20 +23,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
-import MySQLdb
 from django.db import OperationalError, connections
 
 from django_kvcache.loops import PerLoop
 from django_kvcache.mysql import errors, policy
 from django_kvcache.mysql.cluster import Session
-from django_kvcache.mysql.query import Query, Reply
-from django_kvcache.mysql.server import (
-    hung_up,
-    local_reply,
-    readable,
-    remember_reply,
-    statement_bytes,
+from django_kvcache.mysql.connect import (
+    ConnectionParams,
+    Retiring,
+    connection_params,
+    open_connection,
 )
+from django_kvcache.mysql.query import Query, Reply
+from django_kvcache.mysql.server import local_reply, remember_reply, statement_bytes
 from django_kvcache.pool import LoopPool
 
 
@@ -61,13 +58,15 @@ async def execute(session: Session, calls: Sequence[policy.Call]) -> list[Any]:
 
 
 class OwnConnection:
-    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop for
-    as long as it is open: readable while a statement is out means its reply is here;
-    readable while idle means the server has closed it (or sent an error before
-    closing), and it is no longer watched (one registration per connection, not one
-    per statement)."""
+    """One DB-API connection of a pool (``raw``: mysqlclient's), watched by the loop (one
+    registration per connection, not one per statement): readable while its reply is
+    awaited means the reply is here; readable while idle means the server has closed it
+    (or sent an error before closing), and it is no longer watched. A reply that
+    arrives before it is awaited (a round over several shards awaits them one after
+    another) is not watched either until it is awaited: the loop polls level-triggered,
+    and would wake for it on every turn until then."""
 
-    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up")
+    __slots__ = ("raw", "fd", "loop", "waiter", "sent", "hung_up", "watched", "arrived")
 
     def __init__(self, raw: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = raw
@@ -76,16 +75,26 @@ class OwnConnection:
         self.waiter: asyncio.Future | None = None
         self.sent = False  # a statement is out, its reply not read yet
         self.hung_up = False
+        self.arrived = False  # its reply came before it was awaited
         loop.add_reader(self.fd, self._readable)
+        self.watched = True
 
     def _readable(self) -> None:
         if self.sent:
             waiter = self.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-        elif readable(self.fd):  # (not an event of the reply just read: still readable)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif self.raw.has_input():
+                self.arrived = True  # nobody awaits it yet: stop watching until then
+                self._unwatch()
+        elif self.raw.has_input():  # (not an event of the reply just read: still readable)
             self.hung_up = True  # nothing was asked: the server is ending the session
-            self.loop.remove_reader(self.fd)
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        self.loop.remove_reader(self.fd)
+        self.watched = False
 
     def send(self, query: Query) -> None:
         raw = self.raw
@@ -95,6 +104,11 @@ class OwnConnection:
     async def reply(self, timeout: float | None, named: bool = False) -> Reply:
         """The reply of the statement sent, once it is here (at most ``timeout`` s);
         ``named``: its rows as dicts."""
+        if self.arrived:  # here already: watched again for the next one
+            self.arrived = False
+            self.loop.add_reader(self.fd, self._readable)
+            self.watched = True
+            return self._read(named)
         deadline = self.loop.time() + timeout if timeout else None
         while True:
             waiter = self.waiter = self.loop.create_future()
@@ -105,51 +119,52 @@ class OwnConnection:
                 self.waiter = None
                 if timer is not None:
                     timer.cancel()
-            if readable(self.fd):  # else woken by an event of the previous reply: wait on
+            if self.raw.has_input():  # else woken by an event of the previous reply: wait on
                 break
+        return self._read(named)
+
+    def _read(self, named: bool) -> Reply:
         reply = receive(self.raw, named)
         self.sent = False
         return reply
 
     def close(self) -> None:
-        if not self.hung_up and not self.loop.is_closed():
-            self.loop.remove_reader(self.fd)
-        try:
-            self.raw.close()
-        except Exception:  # already closed, or the server is gone: nothing to keep
-            pass
+        if self.watched and not self.loop.is_closed():
+            self._unwatch()
+        self.raw.close()
 
 
-class AliasPool(LoopPool[OwnConnection]):
+class AliasPool(Retiring, LoopPool[OwnConnection]):
     """One loop's connections to one alias (see the module docstring)."""
 
     def __init__(self, alias: str, max_size: int, timeout: float) -> None:
         super().__init__(max_size, timeout)
-        wrapper = connections[alias]  # this thread's: its settings, never its connection
-        self.settings = wrapper.settings_dict
+        self.alias = alias
         self.entry = connections.settings[alias]  # replaced when the alias is redefined
-        self.params = {**wrapper.get_connection_params(), "autocommit": True}
-        level = getattr(wrapper, "isolation_level", None)  # set by get_connection_params
-        self.session_sql = (
-            f"SET SESSION TRANSACTION ISOLATION LEVEL {level.upper()}".encode() if level else b""
-        )
-        self.read_timeout = self.params.get("read_timeout") or None
+        self.params: ConnectionParams | None = None  # of the last connection opened
+        self.read_timeout: float | None = None
+        self.reconnects = 0  # idle connections found closed by the server, replaced
 
     def open(self) -> OwnConnection:
-        """A new connection (blocking: mysqlclient has no asynchronous connect)."""
-        raw = MySQLdb.connect(**self.params)
-        if self.session_sql:
-            raw.query(self.session_sql)
-        return OwnConnection(raw, asyncio.get_running_loop())
+        """A new connection (blocking: mysqlclient has no asynchronous connect), with the
+        settings of now (a test database, a mirror)."""
+        params = self.params = connection_params(self.alias)
+        self.read_timeout = params.kwargs.get("read_timeout") or None
+        return OwnConnection(open_connection(params), asyncio.get_running_loop())
 
     def usable(self, connection: OwnConnection) -> bool:
-        return not connection.hung_up  # else closed by the server while idle
+        """Not closed by the server while idle: seen by the loop, or (before the loop
+        had a turn to see it) by a zero-timeout poll. No statement is sent on a
+        connection the server has closed, so none has to run twice."""
+        if connection.hung_up or connection.raw.has_input():
+            self.reconnects += 1
+            return False
+        return True
 
     def exhausted(self) -> errors.PoolExhausted:
         return errors.PoolExhausted(
-            f"all {self.max_size} connections of this event loop to "
-            f"{self.settings.get('NAME')!r} busy for {self.timeout} s (MAX_POOL_SIZE, "
-            "POOL_TIMEOUT)"
+            f"all {self.max_size} connections of this event loop to {self.alias!r} busy "
+            f"for {self.timeout} s (MAX_POOL_SIZE, POOL_TIMEOUT)"
         )
 
 
@@ -194,13 +209,10 @@ async def send(pool: AliasPool, query: Query) -> Any:
     """``query`` sent on a connection of ``pool``: the connection, or the answer when
     none was needed (a known packet limit) or a :class:`policy.Failed`."""
     try:
-        connection = await pool.checkout()
+        connection = await pool.checkout()  # one the server has not closed (usable())
     except Exception as exc:
         return policy.Failed(errors.translate(exc))
     try:
-        if not query.idempotent and hung_up(connection.raw):
-            pool.discard(connection)  # closed by the server while idle
-            connection = await pool.checkout()
         known = local_reply(connection.raw, query)
         if known is not None:
             pool.checkin(connection)
@@ -255,12 +267,15 @@ _pools: PerLoop[dict[str, AliasPool]] = PerLoop(dict, _close)
 
 
 def pool_of(alias: str, max_size: int, timeout: float) -> AliasPool:
-    """The running loop's pool for ``alias`` (made again if its DATABASES entry changed)."""
+    """The running loop's pool for ``alias`` (made again if its DATABASES entry was
+    replaced, or the database it names changed: a test database)."""
     pools = _pools.get()
     pool = pools.get(alias)
-    if pool is None or pool.entry is not connections.settings[alias]:
+    if pool is None or pool.entry is not connections.settings[alias] or (
+        pool.params is not None and not pool.params.current()
+    ):
         if pool is not None:
-            pool.close_idle()
+            pool.retire()
         pool = pools[alias] = AliasPool(alias, max_size, timeout)
     return pool
 
@@ -273,3 +288,22 @@ def close_pools(aliases: Sequence[str]) -> None:
             pool = pools.get(alias)
             if pool is not None:
                 pool.close_idle()
+
+
+def pool_figures(alias: str) -> dict[str, Any]:
+    """The counters of every event loop's pool for ``alias``, summed (read from any
+    thread: each figure is one read of a loop's own counters; for monitoring)."""
+    pools = [pool for pool in (state.get(alias) for state in _pools.every()) if pool is not None]
+    if not pools:
+        return {}
+    return {
+        "async_loops": len(pools),
+        "async_pool_size": sum(pool.size for pool in pools),
+        "async_pool_idle": sum(len(pool.idle) for pool in pools),
+        "async_pool_waiters": sum(len(pool.line) for pool in pools),
+        "async_pool_waits": sum(pool.waits for pool in pools),
+        "async_pool_wait_seconds": round(sum(pool.wait_time for pool in pools), 6),
+        "async_pool_connects": sum(pool.connects for pool in pools),
+        "async_pool_reuses": sum(pool.reuses for pool in pools),
+        "async_pool_reconnects": sum(pool.reconnects for pool in pools),
+    }

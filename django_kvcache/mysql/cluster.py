@@ -22,8 +22,6 @@ import threading
 import time
 from typing import Any, Callable, Collection, Generator, Iterator, Mapping
 
-from django.db import connections
-
 from django_kvcache.forks import Registry
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql.config import router_model
@@ -41,7 +39,7 @@ from django_kvcache.mysql.shards import (
     read_your_writes,
     shard_stats,
 )
-from django_kvcache.mysql.sql import Statements
+from django_kvcache.mysql.sql import Statements, quote_name
 from django_kvcache.options import flag, integer, seconds
 from django_kvcache.outdated import LIMIT, OutdatedCopies
 
@@ -53,8 +51,13 @@ OWED_BATCH_ROWS = 1000
 #: Owed-clean-up statements one call to a shard may run before its own work.
 OWED_BATCHES_PER_CALL = 1
 
-#: Connections per event loop and alias on the async API (OPTIONS["MAX_POOL_SIZE"]).
+#: Connections per process and alias on the sync API, and per event loop and alias on
+#: the async API (OPTIONS["MAX_POOL_SIZE"]).
 DEFAULT_POOL_SIZE = 16
+#: Seconds a thread or coroutine waits for a pooled connection (OPTIONS["POOL_TIMEOUT"]).
+DEFAULT_POOL_TIMEOUT = 1.0
+#: IGNORE_EXCEPTIONS when OPTIONS do not say: fail open, as MemcachedCache does.
+IGNORE_EXCEPTIONS_DEFAULT = True
 
 #: A call's ``keys`` when it reads or writes keys it cannot list (a prefix, a scan).
 ANY_KEY: Any = object()
@@ -203,14 +206,15 @@ class Cluster:
         self.table = table
         self.scope = scope
         self.shards, self.router = make_shards(options, router_model(table))
-        self.ignore_exceptions = flag(options, "IGNORE_EXCEPTIONS")
+        self.ignore_exceptions = flag(options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.failure_threshold = integer(options, "FAILURE_THRESHOLD", 2)
         self.retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
         self.read_your_writes = read_your_writes(options)
         self.max_replica_lag = max_replica_lag(options)
-        # The async API's own connections, per event loop and alias (docs/async.rst).
+        # The cache's own connections: per process and alias on the sync API, per event
+        # loop and alias on the async API (docs/mysql.rst, docs/async.rst).
         self.max_pool_size = integer(options, "MAX_POOL_SIZE", DEFAULT_POOL_SIZE)
-        self.pool_timeout = seconds(options, "POOL_TIMEOUT", 1.0)
+        self.pool_timeout = seconds(options, "POOL_TIMEOUT", DEFAULT_POOL_TIMEOUT)
         # Reads may leave the primary only with a replica or routers that pick readers.
         self.tracks_writes = any(s.replica or s.alias is None for s in self.shards)
         self._health: dict[str, NodeHealth] = {}
@@ -260,9 +264,7 @@ class Cluster:
         row_alias = info.row_alias
         sql = self._statements.get(row_alias)
         if sql is None:
-            sql = self._statements[row_alias] = Statements(
-                self.table, connections[alias].ops.quote_name, row_alias
-            )
+            sql = self._statements[row_alias] = Statements(self.table, quote_name, row_alias)
         return sql
 
     def lag_monitor(self, shard: Shard) -> LagMonitor | None:

@@ -24,27 +24,26 @@ made of the site's own values), and a row this cache cannot authenticate is neve
 whoever can write the table could otherwise choose bytes of what an authentic entry
 decompresses to. A cache without keys cannot use a sealed dictionary.
 
-Queries go through Django's connection of the calling thread. Inside a running event
-loop, where Django refuses synchronous database calls, they run on a worker thread of
-their own (once per dictionary id, and once per check).
+Queries run on the cache's own blocking connections (:mod:`~django_kvcache.mysql.blocking`),
+never Django's. Inside a running event loop they block it for one primary-key
+``SELECT`` (once per dictionary id and process, and once per check).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 from django_kvcache import forks
 from django_kvcache.encryption import Encryption, NotOpened
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.forks import Registry
+from django_kvcache.mysql.blocking import query
 from django_kvcache.mysql.config import check_table, router_model
-from django_kvcache.mysql.sql import now_ms, side_table
+from django_kvcache.mysql.sql import now_ms, quote_name, side_table
 from django_kvcache.mysql.shards import Shard, make_shards
 from django_kvcache.zstd import Dictionary, MissingDictionary, require_zstd
 
@@ -61,7 +60,6 @@ MAX_MISSING = 1024
 SUFFIX = "_dictionaries"
 #: The head of a sealed dictionary row: then the flags (4 bytes) and the sealed content.
 SEALED = b"kvcache-sealed-dictionary:"
-T = TypeVar("T")
 
 
 def dictionary_table(table: str) -> str:
@@ -161,7 +159,7 @@ class TableDictionaries:
         statement = f"SELECT `content` FROM {self._quoted()} WHERE `dictionary_id` = %s"
         for alias in self._primaries():
             try:
-                rows = outside_event_loop(lambda: query(alias, statement, (dictionary_id,)))
+                rows = query(alias, statement, (dictionary_id,))
             except DatabaseError as exc:
                 failures.failed(self.table, f"loading dictionary {dictionary_id} from {alias!r}: {exc}")
                 continue
@@ -237,7 +235,7 @@ class TableDictionaries:
         )
         for alias in self._primaries():
             try:
-                rows = outside_event_loop(lambda: query(alias, statement, ()))
+                rows = query(alias, statement, ())
             except DatabaseError as exc:
                 failures.failed(self.table, f"checking for a newer dictionary in {alias!r}: {exc}")
                 continue
@@ -260,7 +258,7 @@ class TableDictionaries:
         latest = 0  # newer than every row, even one installed within the same millisecond
         for alias in aliases:
             try:
-                create = create_table_sql(self.table, connections[alias].ops.quote_name)
+                create = create_table_sql(self.table, quote_name)
                 query(alias, create, None)  # run without parameters: no % doubling
                 latest = max(latest, query(alias, f"SELECT MAX(`installed`) FROM {table}", ())[0][0] or 0)
             except DatabaseError as exc:
@@ -309,56 +307,7 @@ class TableDictionaries:
 
     def _quoted(self) -> str:
         # Statements with parameters are %-formatted by the driver: double a % in the name.
-        quote = connections[self._primaries()[0]].ops.quote_name
-        return quote(dictionary_table(self.table)).replace("%", "%%")
-
-
-def query(alias: str, statement: str, params: tuple[Any, ...] | None) -> list[tuple[Any, ...]]:
-    """Run one statement on ``alias``; its rows (none for a write)."""
-    with connections[alias].cursor() as cursor:
-        cursor.execute(statement, params)
-        return list(cursor.fetchall()) if cursor.description else []
-
-
-class LoopWorker:
-    """The thread that runs dictionary queries for code inside an event loop, made at first
-    use; a forked child has none of its parent's threads, so it makes its own."""
-
-    def __init__(self) -> None:
-        self.after_fork()
-        forks.register(self)
-
-    def get(self) -> ThreadPoolExecutor:
-        with self.lock:
-            if self.executor is None:
-                self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvcache-dictionaries")
-            return self.executor
-
-    def after_fork(self) -> None:
-        self.executor: ThreadPoolExecutor | None = None
-        self.lock = threading.Lock()
-
-
-_worker = LoopWorker()
-
-
-def outside_event_loop(call: Callable[[], T]) -> T:
-    """``call()`` here, or on the worker thread while this thread runs an event loop
-    (Django's connections refuse to be used there). The worker closes its connections
-    after each call: it runs once per dictionary id and per check, and an idle one would
-    only be dropped by the server."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return call()
-
-    def call_and_close() -> T:
-        try:
-            return call()
-        finally:
-            connections.close_all()
-
-    return _worker.get().submit(call_and_close).result()
+        return quote_name(dictionary_table(self.table)).replace("%", "%%")
 
 
 #: (table, DATABASE, DATABASES, encryption key ids) -> the table's dictionaries, process-wide.

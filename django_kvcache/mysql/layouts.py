@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from django.db import ProgrammingError
 
@@ -62,12 +62,6 @@ def whose(columns: list[str]) -> str | None:
     if "cache_key" in columns:
         return f"a cache table of another layout ({listed})"
     return f"not a cache table ({listed})"
-
-
-def table_columns(cursor: Any, table: str) -> list[str]:
-    """The column names of ``table`` in the cursor's database, in order ([] if none)."""
-    cursor.execute(COLUMNS_QUERY, [table])
-    return [row[0] for row in cursor.fetchall()]
 
 
 def describe(

@@ -17,21 +17,21 @@ this module gives them, for one name, four statements (``sql.LockStatements``):
 Rows are never deleted (culling, ``clear()`` and prefix deletes touch only the cache
 table), so a name's token only grows. Expiry is judged by the database server's clock
 (``sql.NOW_US``), not the application servers'. A name lives on the shard its stored
-key routes to, always on that shard's primary; every call commits on its own.
+key routes to, always on that shard's primary; every call commits on its own, on the
+cache's own connections (never inside a caller's transaction).
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Callable
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 from django_kvcache import locks, steps
 from django_kvcache.mysql import errors, plans
 from django_kvcache.mysql.cluster import Session
 from django_kvcache.mysql.errors import CacheTableMissing
 from django_kvcache.mysql.query import INFO, ROWCOUNT, Query, Reply, lastrowid, rows
-from django_kvcache.mysql.server import in_transaction
 from django_kvcache.mysql.sql import LOCK_BUSY, Statements
 
 #: The longest lease (and extension) in microseconds: far beyond any real one, and far
@@ -54,27 +54,6 @@ def microseconds(seconds: float) -> int:
     return min(max(math.ceil(seconds * 1_000_000), 1), LONGEST_US)
 
 
-class OutsideTransaction:
-    """A step: on the blocking API, refuse to run inside the caller's transaction on
-    ``alias`` (a grant there would stay invisible, and its row locked, until the caller
-    commits); the asyncio API runs on connections of its own."""
-
-    __slots__ = ("alias",)
-
-    def __init__(self, alias: str) -> None:
-        self.alias = alias
-
-    def run(self) -> None:
-        if in_transaction(connections[self.alias]):
-            raise locks.LockError(
-                f"cache locks cannot run inside a transaction on database {self.alias!r}: "
-                "the grant would not be seen by anyone else until it commits"
-            )
-
-    async def arun(self) -> None:
-        return None
-
-
 class MySQLLockStore:
     """:class:`django_kvcache.locks.LockStore` for one name of a MySQLCache."""
 
@@ -94,7 +73,6 @@ class MySQLLockStore:
         return isinstance(exc, DatabaseError) and errors.is_unreachable(exc)
 
     def _run(self, work: Callable[[Statements], Query]) -> steps.Plan:
-        yield OutsideTransaction(self.shard.primary())
         try:
             return (yield plans.lock(self.session, self.key, work))
         except CacheTableMissing as exc:

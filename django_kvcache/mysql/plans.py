@@ -4,8 +4,8 @@ their replies make.
 A function here returns a step (:class:`On`) — calls on shards, each a
 :class:`~django_kvcache.mysql.policy.Call` whose work gives the statements for the
 shard's server flavour. The backend's plans (:mod:`django_kvcache.backends.mysql`)
-yield these steps; the blocking driver runs them on Django's connections, the asyncio
-driver on the event loop's own, under the one failure policy
+yield these steps; the blocking driver runs them on the process's own connections, the
+asyncio driver on the event loop's own, under the one failure policy
 (:mod:`~django_kvcache.mysql.policy`). Statement builders are pure: a write-path cull,
 say, is a call of its own (:func:`write_path_cull`), never a side effect of a builder.
 
@@ -31,8 +31,10 @@ from django_kvcache.mysql.query import (
     PACKET_LIMIT,
     Query,
     first_row,
-    found,
     lastrowid,
+    live_expiry,
+    live_row,
+    live_rows,
     rowcount,
     rows,
     update_outcome,
@@ -118,14 +120,14 @@ def get(session: Session, key: str) -> On:
     """The row of ``key``: ``(value, flags)`` or None."""
     return one(session, Call(
         session.cluster.shard_for(key), Access.READ,
-        lambda sql: Query(sql.get, (key, now_ms()), first_row), None, keys=(key,),
+        lambda sql: Query(sql.get, (key,), partial(live_row, now_ms())), None, keys=(key,),
     ))
 
 
 def has_key(session: Session, key: str) -> On:
     return one(session, Call(
         session.cluster.shard_for(key), Access.READ,
-        lambda sql: Query(sql.has_key, (key, now_ms()), found), False, keys=(key,),
+        lambda sql: Query(sql.has_key, (key,), partial(is_live, now_ms())), False, keys=(key,),
     ))
 
 
@@ -140,14 +142,14 @@ def get_many(session: Session, keys: list[str]) -> On:
 def _select_many(keys: list[str], sql: Statements) -> Any:
     now = now_ms()
     if keys_fit(keys):
-        return Query(sql.get_many(len(keys)), [now, *keys], rows)
+        return Query(sql.get_many(len(keys)), keys, partial(live_rows, now))
     return _select_chunks(keys, sql, now)
 
 
 def _select_chunks(keys: list[str], sql: Statements, now: int) -> Generator[Query, Any, list]:
     found_rows: list[Any] = []
     for chunk in (yield from key_chunks(keys)):
-        found_rows += yield Query(sql.get_many(len(chunk)), [now, *chunk], rows)
+        found_rows += yield Query(sql.get_many(len(chunk)), chunk, partial(live_rows, now))
     return found_rows
 
 
@@ -156,11 +158,15 @@ def ttl(session: Session, key: str) -> On:
 
     def work(sql: Statements) -> Generator[Query, Any, Any]:
         now = now_ms()
-        row = yield Query(sql.ttl, (key, now), first_row)
-        return None if row is None else (row[0], now)
+        expires = yield Query(sql.ttl, (key,), partial(live_expiry, now))
+        return None if expires is None else (expires, now)
 
     return one(session, Call(session.cluster.shard_for(key), Access.READ, work, None,
                              keys=(key,)))
+
+
+def is_live(now: int, reply: Any) -> bool:
+    return live_expiry(now, reply) is not None
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ def live_on_primary(session: Session, key: str) -> On:
     stores nothing); an unreachable shard (IGNORE_EXCEPTIONS) answers "yes": not added."""
     return one(session, Call(
         session.cluster.shard_for(key), Access.WRITE,
-        lambda sql: Query(sql.has_key, (key, now_ms()), found), True, keys=(key,),
+        lambda sql: Query(sql.has_key, (key,), partial(is_live, now_ms())), True, keys=(key,),
     ))
 
 
@@ -481,14 +487,21 @@ def _delete_with_prefix(
 
 
 def with_prefix(session: Session, pattern: str, entries: bool) -> On:
-    """Every shard's live rows under ``pattern``: ``(key,)`` or ``(key, value, flags)``."""
+    """Every shard's live rows under ``pattern``: ``(key,)`` or ``(key, value, flags)``;
+    a key the shard still owes (a missed write left its older copy) is left out."""
 
-    def work(sql: Statements) -> Query:
+    def work(shard: Shard, sql: Statements) -> Generator[Query, Any, list[Any]]:
         statement = sql.get_with_prefix if entries else sql.keys_with_prefix
-        return Query(statement, (pattern, now_ms()), rows)
+        found = yield Query(statement, (pattern, now_ms()), rows)
+        owed = session.cluster.missed(shard).owed([row[0] for row in found])
+        if not owed:
+            return list(found)
+        stale = frozenset(owed)
+        return [row for row in found if row[0] not in stale]
 
     return each(session, [
-        Call(shard, Access.READ, work, (), keys=ANY_KEY) for shard in session.cluster.shards
+        Call(shard, Access.READ, partial(work, shard), (), keys=ANY_KEY)
+        for shard in session.cluster.shards
     ])
 
 
@@ -567,9 +580,10 @@ class Culling(NamedTuple):
     stale_ms: int  # expired rows kept this long for get_or_set (STALE_TIMEOUT)
 
 
-def cull(session: Session, numbers: Culling, max_batches: int | None) -> On:
+def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bool = False) -> On:
     """On every shard: expired rows, then eviction over MAX_ENTRIES; each shard's count.
-    Maintenance: what a shard owes is deleted first, its failure never marks it down."""
+    Maintenance: what a shard owes is deleted first, its failure never marks it down.
+    ``strict``: a shard's failure is raised even under IGNORE_EXCEPTIONS."""
 
     def work(sql: Statements) -> Generator[Query, Any, int]:
         return (yield from culling.Cull(
@@ -578,7 +592,8 @@ def cull(session: Session, numbers: Culling, max_batches: int | None) -> On:
         ).run(now_ms()))
 
     return each(session, [
-        Call(shard, Access.MAINTENANCE, work, 0, keys=ANY_KEY)
+        Call(shard, Access.MAINTENANCE, work, RAISE if strict else 0, keys=ANY_KEY,
+             owed_budget=max_batches)
         for shard in session.cluster.shards
     ])
 

@@ -3,18 +3,20 @@
 A plan (:mod:`django_kvcache.mysql.plans`) hands over :class:`Call` s — work on one shard
 each — and :func:`execute` runs them all together, as a generator that yields each round
 of statements as an :class:`Exchange` and gets the replies back: it does no I/O. The
-blocking driver (:mod:`~django_kvcache.mysql.blocking`: Django's connections, pipelined
-or through its cursor) and the asyncio driver (:mod:`~django_kvcache.mysql.aio`: the
-event loop's own connections) only move those statements; so a single server, shards
-and replicas, pipelined or one after another, sync or async, follow the same rules:
+blocking driver (:mod:`~django_kvcache.mysql.blocking`: the process's own connections)
+and the asyncio driver (:mod:`~django_kvcache.mysql.aio`: the event loop's own
+connections) only move those statements; so a single server, shards and replicas, sync
+or async, follow the same rules:
 
 1. route: the shard's primary for writes, :meth:`Session.reader` for reads (with
    MAX_REPLICA_LAG, a read that claims its replica's question asks the lag first, on the
    side: :mod:`~django_kvcache.mysql.replica_lag`);
 2. skip a shard marked down (IGNORE_EXCEPTIONS): no connection is tried;
 3. owed clean-up (:mod:`~django_kvcache.mysql.cluster`): the call's own owed keys are
-   deleted first; one bounded step of the rest is taken on the way (maintenance: its
-   failure is logged, never held against the shard, never fails the call);
+   deleted first (a prefix call, which cannot list its keys, leaves the owed ones out
+   of its answer instead); one bounded step of the rest is taken on the way
+   (maintenance: its failure is logged, never held against the shard, never fails the
+   call); a cull deletes what is owed first, within its own budget;
 4. attempt, one statement per connection at a time, every shard in each round;
 5. classify an error once (:mod:`~django_kvcache.mysql.errors`): send it again where
    that is harmless (as often, and after such a pause, as its class says: a round
@@ -76,15 +78,16 @@ class Call:
     """Work on one shard: ``work(statements)`` gives a :class:`Query`, or a generator of
     them that gets each one's answer back (and may catch its error).
 
-    ``fallback``: the answer when IGNORE_EXCEPTIONS hides an unreachable server
-    (``RAISE``: none). ``missed``: the keys whose older copy a failed write leaves on the
+    ``fallback``: the answer when IGNORE_EXCEPTIONS hides an unreachable or overloaded
+    server (``RAISE``: none). ``missed``: the keys whose older copy a failed write leaves on the
     shard (or ``EVERYTHING``). ``keys``: the stored keys it reads or writes, deleted
     first where a missed write still owes them (``ANY_KEY``: everything owed first).
     ``quiet``: maintenance on the side: a failure is logged and answered with
-    ``fallback`` (inside a transaction it is raised).
+    ``fallback``. ``owed_budget``: for maintenance over every key (a cull), the owed
+    clean-up statements it runs first at most (``None``: all of them).
     """
 
-    __slots__ = ("shard", "access", "work", "fallback", "missed", "keys", "quiet")
+    __slots__ = ("shard", "access", "work", "fallback", "missed", "keys", "quiet", "owed_budget")
 
     def __init__(
         self,
@@ -95,9 +98,11 @@ class Call:
         missed: Any = None,
         keys: Any = (),
         quiet: bool = False,
+        owed_budget: int | None = None,
     ) -> None:
         self.shard, self.access, self.work = shard, access, work
         self.fallback, self.missed, self.keys, self.quiet = fallback, missed, keys, quiet
+        self.owed_budget = owed_budget
 
 
 class Exchange:
@@ -112,12 +117,12 @@ class Exchange:
 
 class Failed:
     """A driver's answer for a statement that failed: the error (Django's exception
-    class), and whether the connection was inside a transaction."""
+    class)."""
 
-    __slots__ = ("error", "in_transaction")
+    __slots__ = ("error",)
 
-    def __init__(self, error: BaseException, in_transaction: bool = False) -> None:
-        self.error, self.in_transaction = error, in_transaction
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 Replies = list[Any]  # a Reply tuple or a Failed per item of the Exchange
@@ -238,8 +243,11 @@ class Run:
     def _owed_tasks(self, record: MissedWrites, primary: str) -> None:
         scope = self.session.cluster.scope
         self.writes = True
-        if self.call.keys is ANY_KEY:  # a prefix or a scan cannot list its keys: all first
-            self.tasks.append(Task(primary, lambda sql: owed.steps(record, scope, sql, primary)))
+        if self.call.keys is ANY_KEY and self.call.access is Access.MAINTENANCE:
+            # cull(): what is owed first, within the cull's own budget of statements.
+            budget = self.call.owed_budget
+            self.tasks.append(Task(primary,
+                                   lambda sql: owed.steps(record, scope, sql, primary, budget)))
             return
         if time.monotonic() >= record.resume_at and record.cleaning.acquire(blocking=False):
             # (another call's step is never waited for; a failed one pauses the steps)
@@ -249,6 +257,10 @@ class Run:
                 primary, lambda sql: owed.steps(record, scope, sql, primary, budget),
                 quiet=True, done=self._release_cleaning,
             ))
+        if self.call.keys is ANY_KEY:
+            # A prefix call cannot list its keys: the ones still owed are left out of its
+            # answer (plans.with_prefix), never deleted all first here.
+            return
         keys = record.owed(self.call.keys)
         if keys:
             generation = record.generation
@@ -302,23 +314,21 @@ class Run:
         assert task is not None
         if isinstance(reply, Failed):
             error = reply.error
-            if not task.quiet and errors.may_rerun(
-                error, query.idempotent, reply.in_transaction, self.reruns
-            ):
+            if not task.quiet and errors.may_rerun(error, query.idempotent, self.reruns):
                 # The same statement again (on a fresh connection if the old one is lost).
                 self.reruns += 1
                 self.pause = errors.classify(error).pause(self.reruns)
                 self.session.cluster.stats(alias).reruns += 1
                 return
             if (errors.classify(error) is errors.LOST_REPLY and not query.idempotent
-                    and not (task.quiet or reply.in_transaction)):
+                    and not task.quiet):
                 # The caller's outcome is unknown: say why it was not sent again. (A
                 # statement that may run twice was, once; maintenance and questions on
                 # the side have rate-limited logs of their own.)
                 logger.warning("Not retried after error %s (the server may have run it): %s",
                                errors.error_code(error), query.sql)
             self.failed_on = alias
-            if task.quiet and not reply.in_transaction:
+            if task.quiet:
                 self._maintenance_failed(alias, error)
             elif self.steps is not None and not task.quiet:
                 steps = self.steps
@@ -390,7 +400,7 @@ class Run:
         self._next_task()
 
     def _aside_failed(self, task: Task, error: BaseException) -> bool:
-        """A question on the side went unanswered (in a transaction too, or its server
+        """A question on the side went unanswered (or its server
         not even detected): its own handler logs it; the call goes on."""
         if self.steps is not None:
             self.steps.close()
@@ -479,14 +489,14 @@ def _failed(session: Session, run: Run) -> Any:
         wrong = layouts.CacheTableLayout(session.describe_table_layout(alias, error))
         wrong.__cause__ = error
         raise wrong
-    if not (isinstance(error, DatabaseError) and errors.is_unreachable(error)):
+    if not errors.fails_open(error):  # the statement or the configuration is wrong
         raise error
     stats = cluster.stats(alias)
     stats.errors += 1
-    _missed(session, call)
+    _missed(session, call)  # a write that failed leaves the older copy
     if not cluster.ignore_exceptions:
         raise error
-    if call.access is not Access.MAINTENANCE:
+    if call.access is not Access.MAINTENANCE and errors.is_unreachable(error):
         cluster.health(alias).failed(f"{type(error).__name__}: {error}")
     return _ignored(alias, stats, error, call.fallback)
 

@@ -64,6 +64,28 @@ def found(reply: Reply) -> bool:
     return bool(reply[ROWS])
 
 
+def live_row(now: int, reply: Reply) -> Any:
+    """The row of a primary-key read whose last column is ``expires``, without it, if it
+    is live at ``now`` (epoch ms); None for a missing or expired one."""
+    found = reply[ROWS]
+    if found and found[0][-1] > now:
+        return found[0][:-1]
+    return None
+
+
+def live_rows(now: int, reply: Reply) -> list[Any]:
+    """The rows live at ``now`` of a read whose last column is ``expires``, without it."""
+    return [row[:-1] for row in reply[ROWS] or () if row[-1] > now]
+
+
+def live_expiry(now: int, reply: Reply) -> int | None:
+    """``expires`` of a row read alone by its key, if it is live at ``now``."""
+    found = reply[ROWS]
+    if found and found[0][0] > now:
+        return int(found[0][0])
+    return None
+
+
 def update_outcome(reply: Reply) -> tuple[int, int, int]:
     """Rows matched, rows changed and LAST_INSERT_ID of an UPDATE.
 

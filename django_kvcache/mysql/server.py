@@ -13,11 +13,8 @@ from __future__ import annotations
 import re
 import select
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from weakref import WeakKeyDictionary
-
-from django.core.exceptions import ImproperlyConfigured
-from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_kvcache.mysql.query import PacketLimit, Query, Reply, first_row
 
@@ -35,21 +32,13 @@ class ServerInfo:
 
     @property
     def row_alias(self) -> bool:
-        """``INSERT … AS new`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
+        """``INSERT … AS alias`` exists from MySQL 8.0.19; MariaDB has only ``VALUES()``."""
         return not self.mariadb and self.version >= (8, 0, 19)
 
 
 _servers: dict[str, ServerInfo] = {}
 #: ``max_allowed_packet`` per DB-API connection, forgotten with the connection.
 _packet_limits: WeakKeyDictionary[Any, int] = WeakKeyDictionary()
-
-
-def require_mysql(connection: BaseDatabaseWrapper) -> None:
-    if connection.vendor != "mysql":
-        raise ImproperlyConfigured(
-            f"MySQLCache needs a MySQL or MariaDB database; DATABASES[{connection.alias!r}] "
-            f"uses the {connection.vendor!r} backend"
-        )
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -66,17 +55,6 @@ def remember_server(alias: str, row: tuple[str, Any]) -> ServerInfo:
     version, max_packet = row
     info = ServerInfo("mariadb" in version.lower(), parse_version(version), int(max_packet))
     _servers[alias] = info
-    return info
-
-
-def server_info(connection: BaseDatabaseWrapper) -> ServerInfo:
-    """The server behind ``connection`` (for DDL and tools: outside any request path)."""
-    info = _servers.get(connection.alias)
-    if info is None:
-        require_mysql(connection)
-        with connection.cursor() as cursor:
-            cursor.execute(DETECT.sql)
-            info = remember_server(connection.alias, cursor.fetchone())
     return info
 
 
@@ -131,6 +109,20 @@ def statement_bytes(raw: Any, sql: str, params: Sequence[Any]) -> bytes:
     return encoded % tuple([literal(raw, value) for value in params])
 
 
+def watcher(fd: int) -> Callable[[], bool]:
+    """:func:`readable` for one connection's descriptor, made once (a poll object
+    registered once: making one per check costs three times as much). Asked of an idle
+    connection: the server sends nothing between statements unless it ends the session
+    (a closed socket, or an error packet such as MySQL's 4031), so a connection it
+    dropped while idle is found out before any statement is sent on it."""
+    if not hasattr(select, "poll"):
+        return lambda: readable(fd)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poll = poller.poll
+    return lambda: bool(poll(0))  # a closed descriptor reports POLLNVAL: true, hung up
+
+
 def readable(fd: int) -> bool:
     """Whether ``fd`` has something to read now (a zero-timeout poll)."""
     if hasattr(select, "poll"):  # select() refuses descriptors above FD_SETSIZE (1024)
@@ -138,39 +130,3 @@ def readable(fd: int) -> bool:
         poller.register(fd, select.POLLIN)
         return bool(poller.poll(0))
     return bool(select.select([fd], [], [], 0)[0])
-
-
-def hung_up(raw: Any) -> bool:
-    """Whether the server has closed an idle connection (sent nothing to read: between
-    statements it only writes when it ends the session, a closed socket or an error
-    packet such as MySQL's 4031). Checked before a statement that must not run twice,
-    so a connection the server dropped while it sat idle costs no error."""
-    try:
-        return readable(raw.fileno())
-    except Exception:  # closed already: as good as hung up
-        return True
-
-
-# --- Django's connections: when the backend may use the DB-API connection directly --------
-
-
-def may_bypass_cursor(connection: BaseDatabaseWrapper) -> bool:
-    """Whether statements may bypass Django's cursor on ``connection``: only outside a
-    transaction (the retry rules need autocommit), and when nobody watches statements
-    (DEBUG or ``assertNumQueries`` logging, ``connection.execute_wrapper()``), so those
-    still see every statement, sent through the cursor."""
-    if connection.queries_logged or connection.execute_wrappers or connection.in_atomic_block:
-        return False
-    return autocommits(connection)
-
-
-def autocommits(connection: BaseDatabaseWrapper) -> bool:
-    """Whether ``connection`` is (or, not connected yet, will be) in autocommit mode —
-    asked without connecting: its server may be down."""
-    if connection.connection is None:  # it connects in the mode its settings ask for
-        return bool(connection.settings_dict["AUTOCOMMIT"])
-    return bool(connection.autocommit)
-
-
-def in_transaction(connection: BaseDatabaseWrapper) -> bool:
-    return connection.in_atomic_block or not autocommits(connection)

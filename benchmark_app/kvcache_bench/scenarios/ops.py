@@ -8,10 +8,11 @@ timed calls, without the clock running. Every result is checked after the round'
 calls, and so is what the cache holds afterwards. Besides each call's wall time, the
 process CPU time of the timed calls is kept (the client's work; not the servers').
 
-The floor under a MySQL ``get``: in every round of "get hit", right after each kvcache
-MySQL cache's timed gets, the same keys are read again, call after call, once through
-the cache and once by a bare mysqlclient primary-key ``SELECT value, flags`` of the row
-(no Django, no codec) on the cache's own DB-API connection. Same connection, same
+The floor under a MySQL read: in every round of "get hit" (and of "get_many hit"), right
+after each kvcache MySQL cache's timed calls, the same keys are read again, call after
+call, once through the cache and once by a bare mysqlclient primary-key ``SELECT value,
+flags`` of the row (``SELECT cache_key, value, flags … IN`` of the batch), no Django, no
+codec, on the connection the cache has just used (its own pool's). Same connection, same
 session settings, same server thread: on this 2-core VM a statement's time moves by tens
 of µs with the CPU the scheduler gives the connection's server thread (two connections
 to one server differ by up to 60 µs a statement, whichever runs the SELECT), so only
@@ -29,7 +30,9 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
-from django.db import connections
+
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
@@ -193,53 +196,66 @@ OPERATIONS: tuple[Operation, ...] = (
 
 @dataclass
 class Floor:
-    """The bare primary-key SELECT under one kvcache MySQL cache's get."""
+    """The bare statement under one kvcache MySQL cache's read: a primary-key SELECT
+    under ``get`` (``many``: ``SELECT … IN`` of the batch under ``get_many``)."""
 
     alias: str
     select: str
+    many: bool = False
 
     @classmethod
-    def of(cls, spec: CacheSpec) -> Floor:
-        return cls(spec.database or "default",
-                   f"SELECT `value`, `flags` FROM `{spec.table}` WHERE `cache_key` = %s")
+    def of(cls, spec: CacheSpec, many: bool = False) -> Floor:
+        columns = "`cache_key`, `value`, `flags`" if many else "`value`, `flags`"
+        where = "`cache_key` IN ({})" if many else "`cache_key` = %s"
+        return cls(spec.database or "default", f"SELECT {columns} FROM `{spec.table}` WHERE {where}",
+                   many)
 
-    def _cursor(self) -> Any:
-        connection = connections[self.alias]
-        connection.ensure_connection()
-        return connection.connection.cursor()  # the DB-API connection the cache uses
+    def _pool(self) -> Any:
+        """The cache's own pool of connections to its database (its defaults)."""
+        return blocking.pool_of(self.alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
 
-    def time(self, stored_keys: list[str]) -> Any:
-        """The SELECTs alone (for their CPU time)."""
-        cursor = self._cursor()
+    def time(self, stored: list[Any]) -> Any:
+        """The SELECTs alone (for their CPU time), on one of the cache's connections."""
+        pool = self._pool()
+        raw = pool.checkout()
+        cursor = raw.cursor()
         try:
-            return time_calls(partial(self._select, cursor), stored_keys)
+            return time_calls(partial(self._select, cursor), stored)
         finally:
             cursor.close()
+            pool.checkin(raw)
 
-    def interleaved(self, get: Callable[[str], Any], keys: list[str],
-                    stored_keys: list[str]) -> tuple[list[int], list[int], list[Any]]:
-        """Per key, ``get(key)`` then the SELECT of its row: both durations (ns) and the
-        rows."""
-        cursor = self._cursor()
+    def interleaved(self, read: Callable[[Any], Any], arguments: list[Any],
+                    stored: list[Any]) -> tuple[list[int], list[int], list[Any]]:
+        """Per argument, ``read(argument)`` then the SELECT of its rows on the connection
+        the read has just used (the pool's last one in): both durations (ns), the rows."""
+        pool = self._pool()
         clock = time.perf_counter_ns
-        gets: list[int] = []
+        reads: list[int] = []
         selects: list[int] = []
         rows = []
-        try:
-            for key, stored in zip(keys, stored_keys):
+        for argument, keys in zip(arguments, stored):
+            start = clock()
+            read(argument)
+            reads.append(clock() - start)
+            raw = pool.checkout()
+            cursor = raw.cursor()
+            try:
                 start = clock()
-                get(key)
-                middle = clock()
-                rows.append(self._select(cursor, stored))
-                selects.append(clock() - middle)
-                gets.append(middle - start)
-        finally:
-            cursor.close()
-        return gets, selects, rows
+                rows.append(self._select(cursor, keys))
+                selects.append(clock() - start)
+            finally:
+                cursor.close()
+                pool.checkin(raw)
+        return reads, selects, rows
 
-    def _select(self, cursor: Any, key: str) -> Any:
-        cursor.execute(self.select, (key,))
-        return cursor.fetchone()
+    def _select(self, cursor: Any, keys: Any) -> Any:
+        if not self.many:
+            cursor.execute(self.select, (keys,))
+            return cursor.fetchone()
+        cursor.execute(self.select.format(", ".join(["%s"] * len(keys))), keys)
+        found = cursor.fetchall()
+        return found if len(found) == len(keys) else None
 
 
 @dataclass
@@ -254,7 +270,7 @@ class Outcome:
 
 @dataclass
 class FloorOutcome:
-    """The floor's figures over the rounds kept."""
+    """A floor's figures over the rounds kept."""
 
     select: Outcome = field(default_factory=Outcome)
     interleaved_get: list[int] = field(default_factory=list)
@@ -291,10 +307,14 @@ def one_round(context: Context, spec: CacheSpec, operation: Operation, r: Round,
 
 def _time_floor(cache: BaseCache, prepared: Prepared, floor: Floor,
                 outcome: FloorOutcome, kept: bool) -> None:
-    keys = [call.argument for call in prepared.calls]
-    stored_keys = [cache.make_key(key) for key in keys]
-    gets, selects, rows = floor.interleaved(cache.get, keys, stored_keys)
-    timed = floor.time(stored_keys)
+    arguments = [call.argument for call in prepared.calls]
+    if floor.many:
+        read: Callable[[Any], Any] = cache.get_many
+        stored: list[Any] = [[cache.make_key(key) for key in keys] for keys in arguments]
+    else:
+        read, stored = cache.get, [cache.make_key(key) for key in arguments]
+    gets, selects, rows = floor.interleaved(read, arguments, stored)
+    timed = floor.time(stored)
     if any(row is None for row in [*rows, *timed.results]):
         outcome.select.problems.append("a row the cache had just read was not found")
     if kept:
@@ -304,14 +324,20 @@ def _time_floor(cache: BaseCache, prepared: Prepared, floor: Floor,
         outcome.select.cpu_ns += timed.cpu_ns
 
 
-def _floor_results(context: Context, floors: dict[str, FloorOutcome]) -> list[dict[str, Any]]:
+#: The read each floor is timed under, and what it is.
+FLOORS = {"get hit": (False, "mysqlclient primary-key SELECT, same connection"),
+          "get_many hit": (True, "mysqlclient SELECT … IN of the batch, same connection")}
+
+
+def _floor_results(context: Context, floors: dict[tuple[str, str], FloorOutcome]
+                   ) -> list[dict[str, Any]]:
     entries = []
-    for name, outcome in floors.items():
+    for (name, operation), outcome in floors.items():
         if outcome.select.problems:
-            context.failures.append(f"ops: floor of {name}: {outcome.select.problems[0]}")
+            context.failures.append(f"ops: floor of {name} {operation}: {outcome.select.problems[0]}")
         get = summarize(outcome.interleaved_get)["median_us"]
         select = summarize(outcome.interleaved_select)["median_us"]
-        entries.append({"cache": name, "floor": "mysqlclient primary-key SELECT, same connection",
+        entries.append({"cache": name, "operation": operation, "floor": FLOORS[operation][1],
                         **summarize(outcome.select.durations, outcome.select.cpu_ns),
                         "interleaved_get_us": get, "interleaved_floor_us": select,
                         "get_over_floor": round(get / select, 3) if select else None})
@@ -320,8 +346,10 @@ def _floor_results(context: Context, floors: dict[str, FloorOutcome]) -> list[di
 
 def run(context: Context) -> dict[str, Any]:
     outcomes: dict[tuple[str, str], Outcome] = defaultdict(Outcome)
-    floors = {spec.name: Floor.of(spec) for spec in context.caches if spec.family == "kv-mysql"}
-    floor_outcomes = {name: FloorOutcome() for name in floors}
+    floors = {(spec.name, operation): Floor.of(spec, many)
+              for spec in context.caches if spec.family == "kv-mysql"
+              for operation, (many, _) in FLOORS.items()}
+    floor_outcomes = {key: FloorOutcome() for key in floors}
     _rounds(context, outcomes, floors, floor_outcomes)
     results = _results(context, outcomes)
     add_ratios(results, context.reference)
@@ -330,7 +358,8 @@ def run(context: Context) -> dict[str, Any]:
 
 
 def _rounds(context: Context, outcomes: dict[tuple[str, str], Outcome],
-            floors: dict[str, Floor], floor_outcomes: dict[str, FloorOutcome]) -> None:
+            floors: dict[tuple[str, str], Floor],
+            floor_outcomes: dict[tuple[str, str], FloorOutcome]) -> None:
     p = context.parameters
     values = context.values
     rounds = range(-p.warmup_rounds, p.rounds)  # negative rounds: warm-up, checked, not kept
@@ -341,8 +370,9 @@ def _rounds(context: Context, outcomes: dict[tuple[str, str], Outcome],
                 r = Round(f"{operation.name.replace(' ', '_')}.{round_index}", p.calls, p.batch, values)
                 for spec in rotated(context.caches, round_index + op_index):
                     floor = None
-                    if operation.name == "get hit" and spec.name in floors:
-                        floor = (floors[spec.name], floor_outcomes[spec.name])
+                    if (spec.name, operation.name) in floors:
+                        key = (spec.name, operation.name)
+                        floor = (floors[key], floor_outcomes[key])
                     one_round(context, spec, operation, r, outcomes[spec.name, operation.name],
                               kept=round_index >= 0, floor=floor)
                     bar.update()

@@ -5,12 +5,9 @@ The servers are the benchmark's own, three alike in everything
 
 **Latency** (servers uncapped): per shard count, the median of ``get_many`` and
 ``set_many`` of ``--batch`` keys (one statement per shard, every shard's statement sent
-before any reply is read: one round trip). From 2 shards on, each is also measured
-"sequential": the same calls with a pass-through ``connection.execute_wrapper()`` on every
-shard alias, which makes the backend ask the shards one after another through Django's
-cursor (its path while statements are watched), in the same rounds for an A/B comparison.
-``get_many threads`` fans ``get_many`` out over a thread pool instead (one thread per
-shard, connections kept), the path the backend does not take.
+before any reply is read: one round trip). ``get_many threads`` fans ``get_many`` out
+over a thread pool instead (one thread per shard, connections kept), the path the
+backend does not take.
 
 **Throughput** (with ``--server-cpu Q``, each server capped at Q of a core): a shard on a
 host of its own brings its own CPU, which one machine can only imitate. Each server is put
@@ -40,12 +37,12 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from django_kvcache.mysql import blocking
 from kvcache_bench import servers
 from kvcache_bench.caches import KV_MYSQL, TIMEOUT
 from kvcache_bench.context import Context
@@ -109,6 +106,7 @@ def run(context: Context) -> dict[str, Any]:
             results += throughput(context, own, caches, aliases, location, key_prefix)
         finally:
             own.limit(None)
+            blocking.retire_pools(aliases)  # the cache's connections to the servers
             for alias in aliases:
                 connections[alias].close()
     return {"counts": list(SHARD_COUNTS), "keys": p.batch,
@@ -134,14 +132,10 @@ def latency(context: Context, caches: dict[int, Any], aliases: list[str], locati
             for round_index in range(p.rounds):
                 for n in rotated(SHARD_COUNTS, round_index):
                     cache = caches[n]
-                    timed = {}
-                    for sequential in rotated([False, True] if n > 1 else [False], round_index):
-                        suffix = " sequential" if sequential else ""
-                        with watched(aliases[:n], sequential):
-                            timed["set_many" + suffix] = time_calls(
-                                lambda _: cache.set_many(items), range(p.calls))
-                            timed["get_many" + suffix] = time_calls(
-                                lambda _: cache.get_many(keys), range(p.calls))
+                    timed = {
+                        "set_many": time_calls(lambda _: cache.set_many(items), range(p.calls)),
+                        "get_many": time_calls(lambda _: cache.get_many(keys), range(p.calls)),
+                    }
                     if n in pools:
                         fan_out = parallel_get_many(cache, aliases[:n], pools[n], location,
                                                     key_prefix)
@@ -156,22 +150,6 @@ def latency(context: Context, caches: dict[int, Any], aliases: list[str], locati
             pool.shutdown()
     return [{"operation": operation, "shards": n, **summarize(taken)}
             for (n, operation), taken in sorted(durations.items())]
-
-
-def passthrough(execute: Callable[..., Any], sql: str, params: Any, many: bool,
-                context: dict[str, Any]) -> Any:
-    return execute(sql, params, many, context)
-
-
-@contextmanager
-def watched(aliases: list[str], on: bool) -> Iterator[None]:
-    """While ``on``: a pass-through execute wrapper on each alias (this thread's
-    connections), so the backend sends through the cursor, one shard after another."""
-    with ExitStack() as stack:
-        if on:
-            for alias in aliases:
-                stack.enter_context(connections[alias].execute_wrapper(passthrough))
-        yield
 
 
 def parallel_get_many(sharded: Any, aliases: list[str], pool: ThreadPoolExecutor, location: str,

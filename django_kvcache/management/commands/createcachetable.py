@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.commands import createcachetable
+from django.db import router
 
 from django_kvcache.management.commands._errors import failing
 from django_kvcache.maintenance import caches_in, create_tables_in
@@ -29,6 +30,8 @@ class Command(createcachetable.Command):
         with failing(f"database {database!r}"):
             created = create_tables_in(database, dry_run=dry_run)
         for alias, cache in caches_in(database).items():  # in Django's words and verbosity
+            if not router.allow_migrate_model(database, cache.cache_model_class):
+                continue  # not this database's, as Django skips a DatabaseCache table
             if alias not in created:
                 if verbosity >= 2:
                     self.stdout.write(f"Cache table '{cache.table}' already exists.")

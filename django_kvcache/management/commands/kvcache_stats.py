@@ -6,6 +6,7 @@ of this process, then what the servers themselves say (``django_kvcache.stats``)
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from django.conf import settings
@@ -84,9 +85,9 @@ class Command(BaseCommand):
 
     @staticmethod
     def as_text(figures: stats.CacheFigures, servers: dict[str, dict[str, Any]]) -> str:
-        kinds = "/".join(sorted({place.kind for place in figures.places})) or "node"
-        count = len(figures.places)
-        lines = [f"{figures.alias} ({figures.backend}, {count} {kinds}{'s' * (count != 1)})"]
+        counts = Counter(place.kind for place in figures.places) or Counter({"node": 0})
+        places = ", ".join(f"{n} {kind}{'s' * (n != 1)}" for kind, n in counts.items())
+        lines = [f"{figures.alias} ({figures.backend}, {places})"]
         if figures.figures:
             ratio = stats.hit_ratio(figures.figures)
             lines.append("  " + ", ".join(
