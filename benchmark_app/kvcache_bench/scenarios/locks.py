@@ -9,9 +9,9 @@ DatabaseCache and on Django's PyMemcacheCache.
   ``calls`` times (rounds interleaved across subjects): wall time and client CPU time of
   each acquire + release pair.
 * *contended*: ``LOCK_WORKERS`` threads (a cache instance each) take turns on one name
-  for ``lock_seconds``, each holding it ``HOLD_MS``: grants per second, the wait before
-  each grant (median, p99, the longest: fairness) and the fewest and most grants one
-  worker got. Waiters of both kinds poll at most every ``POLL_S`` (our lock from 2 ms
+  for ``lock_seconds`` (after a start of a second, or a third of a shorter window), each
+  holding it ``HOLD_MS``: grants per second, the wait before each grant (median, p99,
+  the longest: fairness) and the fewest and most grants one worker got. Waiters of both kinds poll at most every ``POLL_S`` (our lock from 2 ms
   up, the recipe at random below it). Every grant's interval is checked: two holders
   at once is a failure of the run.
 """
@@ -166,8 +166,9 @@ def _contended(spec: CacheSpec, method: str, seconds: float, name: str) -> dict[
     from django.db import connections
 
     name = f"{name}.{spec.name}.{method}"
-    # Counted from a second after the start (every worker is in the race by then).
-    count_from = time.monotonic() + 1.0
+    # Counted from a moment after the start (a second, or a third of a short window):
+    # every worker is in the race by then.
+    count_from = time.monotonic() + min(1.0, seconds / 3)
     stop_at = count_from + seconds
     ready = threading.Barrier(LOCK_WORKERS)
     guard = threading.Lock()
