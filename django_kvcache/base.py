@@ -15,7 +15,7 @@ from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_kvcache import stampede
+from django_kvcache import locks, stampede
 from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue, StoredDictionaries
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import (
@@ -312,6 +312,46 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         caches whose places meet share their entries' storage (the ``kvcache.W011``
         check compares their ENCRYPTION_KEYS)."""
         return frozenset()
+
+    # --- locks (django_kvcache.locks, docs/locks.rst) ----------------------------------
+
+    def lock(
+        self,
+        key: Any,
+        version: int | None = None,
+        timeout: float | None = None,
+        sleep: float = 0.1,
+        blocking: bool = True,
+        blocking_timeout: float | None = None,
+        thread_local: bool = True,
+    ) -> locks.Lock:
+        """A lock named ``key`` (made into a key as any cache key is: KEY_PREFIX,
+        ``version``), with a fencing token per grant: django-redis's ``cache.lock()``.
+
+        ``timeout``: seconds the lock lives unless released (None: until released);
+        ``blocking``, ``blocking_timeout`` and ``sleep``: how ``acquire()`` waits.
+        Nothing happens until ``acquire()`` or ``with``."""
+        return locks.Lock(self._lock_store(key, version, asynchronous=False), key, timeout,
+                          sleep, blocking, blocking_timeout, thread_local)
+
+    def alock(
+        self,
+        key: Any,
+        version: int | None = None,
+        timeout: float | None = None,
+        sleep: float = 0.1,
+        blocking: bool = True,
+        blocking_timeout: float | None = None,
+        thread_local: bool = True,
+    ) -> locks.AsyncLock:
+        """:meth:`lock` for async code: ``async with cache.alock("feed", timeout=60):``
+        (not a coroutine: it builds the lock; its methods are awaited)."""
+        return locks.AsyncLock(self._lock_store(key, version, asynchronous=True), key,
+                               timeout, sleep, blocking, blocking_timeout, thread_local)
+
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> locks.LockStore:
+        """The backend's primitive for one lock name, for the sync or the async API."""
+        raise NotImplementedError(f"{self.backend_name} does not implement locks")
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires, with django-redis's meaning: ``None`` for an

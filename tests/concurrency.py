@@ -17,9 +17,17 @@ FORK = multiprocessing.get_context("fork")
 WORKER_TIMEOUT = 60
 
 
+#: The parent's DB-API connections a forked child inherited, kept referenced: a
+#: mysqlclient connection that is garbage-collected closes itself, sending COM_QUIT on
+#: the socket it shares with the parent, whose session the server then ends.
+_inherited: list[Any] = []
+
+
 def forget_inherited_connections() -> None:
     """A forked child must not talk on its parent's database sockets: drop (not close) them."""
     for connection in connections.all():
+        if connection.connection is not None:
+            _inherited.append(connection.connection)
         connection.connection = None
 
 

@@ -104,7 +104,7 @@ def galera_table(django_db_setup: Any, django_db_blocker: Any) -> Iterator[str]:
                 assert node_cache(alias).table_exists(alias)
         yield TABLE
         with connections[NODES[0]].cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS `{TABLE}`")
+            cursor.execute(f"DROP TABLE IF EXISTS `{TABLE}`, `{cache.lock_table}`")
 
 
 @pytest.fixture
@@ -489,3 +489,101 @@ def test_check_refuses_a_non_innodb_engine_on_a_galera_node(galera_table):
     assert isinstance(error, Error) and error.id == "kvcache.E010"
     assert "CACHES['myisam']" in error.msg and "MyISAM" in error.msg and f"'{NODES[1]}'" in error.msg
 
+
+
+# --- locks (cache.lock(): django_kvcache.mysql.locks) ----------------------------------------
+
+
+def certification_aborts() -> int:
+    """Transactions the nodes aborted so far because a write committed on another node
+    conflicted with them (at certification, or while being applied)."""
+    total = 0
+    for alias in NODES:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SHOW STATUS WHERE Variable_name IN "
+                           "('wsrep_local_cert_failures', 'wsrep_local_bf_aborts')")
+            total += sum(int(value) for _, value in cursor.fetchall())
+    return total
+
+
+@on_the_nodes
+def test_lock_grants_on_two_nodes_are_decided_by_certification(cache):
+    """Workers on every node race for one lock at once, round after round: each round
+    has exactly one holder, however the nodes' grants collided (certification aborts
+    the later of two conflicting grants: it runs again and finds the lock held)."""
+    rounds = 30
+    next_round = threading.Barrier(len(NODES) * 2)
+    conflicts_before = certification_aborts() + reruns()
+
+    def work(cache: MySQLCache, worker: int, calls: Calls) -> None:
+        for round in range(rounds):
+            lock = cache.lock(f"race{round}", timeout=60)
+            next_round.wait(60)
+            if calls.attempt(worker, lock.acquire, False):
+                calls.attempt(worker, lambda: (round, lock.token))
+
+    calls = on_every_node(work)
+    assert not calls.raised, calls.raised[:3]
+    held = sorted(result for _, result in calls.returned if isinstance(result, tuple))
+    assert [round for round, _ in held] == list(range(rounds))  # one holder per round
+    collided = certification_aborts() + reruns() - conflicts_before
+    print(f"certification aborts and reruns: {collided}")
+    assert collided > 0  # the grants did collide
+
+
+@on_the_nodes
+def test_holders_through_every_node_take_turns(cache):
+    """Holders on every node, each lock held briefly: no two hold it at once, and each
+    grant's token is larger than the one before (checked through the intervals)."""
+    intervals: list[tuple[int, int, int]] = []
+    guard = threading.Lock()
+
+    def work(cache: MySQLCache, worker: int, calls: Calls) -> None:
+        for _ in range(10):
+            with cache.lock("turns", timeout=60, sleep=0.005) as lock:
+                started = time.monotonic_ns()
+                time.sleep(0.002)
+                with guard:
+                    intervals.append((started, time.monotonic_ns(), lock.token))
+
+    on_every_node(work)
+    ordered = sorted(intervals)
+    assert len(ordered) == len(NODES) * 2 * 10
+    for before, after in zip(ordered, ordered[1:]):
+        assert before[1] <= after[0] and before[2] < after[2], (before, after)
+
+
+def test_a_node_cut_off_holds_no_lock_and_grants_none(fourth_node):
+    """A partition: a node outside the primary component refuses lock calls (1047, as
+    unreachable: a non-blocking acquire answers False, the others raise, whatever
+    IGNORE_EXCEPTIONS says); the nodes of the primary component still see the grant
+    made through it before the cut, until it expires, then grant the lock with a larger
+    token; once back, its old holder finds its grant gone."""
+    cut_off = node_cache(KILLED, IGNORE_EXCEPTIONS=True, RETRY_TIMEOUT=0.2)
+    cut_off.lock("warm-up").locked()
+    held_there = cut_off.lock("feed", timeout=8)
+    assert held_there.acquire()
+    survivor = node_cache(NODES[0])
+    wait_for(lambda: survivor.lock("feed").locked())  # replicated
+    with connections[KILLED].cursor() as cursor:
+        cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=1'")
+    try:
+        wait_for(lambda: cluster_status(KILLED) != "Primary")
+        other_there = cut_off.lock("feed", timeout=60)
+        assert other_there.acquire(blocking=False) is False
+        with pytest.raises(OperationalError) as raised:
+            other_there.acquire()
+        assert error_code(raised.value) == 1047
+        with pytest.raises(OperationalError):
+            held_there.extend(10)
+        successor = survivor.lock("feed", timeout=60, sleep=0.05)
+        assert successor.acquire(blocking=False) is False  # the cut-off node's grant lives
+        assert successor.acquire(blocking_timeout=20)  # ...until it expires
+        assert successor.token > held_there.token
+    finally:
+        with connections[KILLED].cursor() as cursor:
+            cursor.execute("SET GLOBAL wsrep_provider_options = 'gmcast.isolate=0'")
+    wait_for(lambda: services.galera_state(fourth_node.port) == "Synced")
+    wait_for(lambda: cut_off.lock("feed").locked())  # it sees the successor's grant
+    assert not held_there.owned()
+    successor.release()

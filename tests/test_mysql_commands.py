@@ -89,8 +89,9 @@ def test_table_creation_for_a_database_asks_the_routers(settings):
 
 def test_createtable_dry_run_prints_sql_and_creates_nothing():
     out = command("kvcache_createtable", "--dry-run")
-    assert out.count("CREATE TABLE IF NOT EXISTS") == 2
+    assert out.count("CREATE TABLE IF NOT EXISTS") == 4  # each cache's table and lock table
     assert "-- mysql_a\nCREATE TABLE IF NOT EXISTS `kvcache_cmd_a`" in out
+    assert "CREATE TABLE IF NOT EXISTS `kvcache_cmd_a_locks`" in out
     assert tables() == set()
 
 

@@ -41,6 +41,7 @@ class Parameters:
     client_threads: int = 8  # ... of this many threads each
     shard_seconds: float = 4.0  # shards throughput: the counted window of each figure
     shard_rounds: int = 3  # shards throughput: rounds (the figure is their median)
+    lock_seconds: float = 3.0  # locks: the counted window of each contended figure
 
     def problem(self) -> str | None:
         """Why these sizes cannot run, naming the option; None when they can."""
@@ -57,6 +58,8 @@ class Parameters:
             return "--client-processes and --client-threads must be at least 1"
         if self.shard_seconds <= 0 or self.shard_rounds < 1:
             return "--shard-seconds must be above 0 and --shard-rounds at least 1"
+        if self.lock_seconds <= 0:
+            return "--lock-seconds must be above 0"
         return None
 
     @classmethod
@@ -70,7 +73,8 @@ class Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
                    node_calls=60, workers=(1, 4), iterations=30, callers=(8, 32), storage_entries=200,
-                   capacity_mb=16, capacity_fill=2.5, shard_seconds=1.0, shard_rounds=1)
+                   capacity_mb=16, capacity_fill=2.5, shard_seconds=1.0, shard_rounds=1,
+                   lock_seconds=1.0)
 
 
 @dataclass

@@ -444,12 +444,31 @@ def stampede_counts(stampede: dict[str, Any], results: dict[str, Any], styles: S
     return figure
 
 
+def locks_bars(locks: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
+    """Uncontended acquire + release time, and contended grants per second, per subject."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for axis, mode, metric, label in (
+        (axes[0], "uncontended", "median_us", "µs per acquire + release (median)"),
+        (axes[1], "contended", "grants_per_s", f"grants per second, {locks['workers']} threads"),
+    ):
+        entries = [e for e in locks["results"] if e["mode"] == mode]
+        names = [f"{e['cache']}\n{e['method']}" for e in entries]
+        axis.barh(names, [e[metric] for e in entries],
+                  color=styles.colors([e["cache"] for e in entries]))
+        axis.invert_yaxis()
+        axis.set_xlabel(label)
+        axis.tick_params(axis="y", labelsize=7)
+    _title(figure, f"locks: our lock() beside the add + delete recipe (contended: each grant "
+           f"held {locks['hold_ms']:g} ms)", results, values="no values: lock names only")
+    return figure
+
+
 #: Each scenario's plot: ``writer(scenario, results, styles) -> Figure``.
 WRITERS: dict[str, Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
     "ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
     "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
     "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
-    "stampede": stampede_counts, "encryption": encryption_ratios,
+    "stampede": stampede_counts, "encryption": encryption_ratios, "locks": locks_bars,
 }
 #: Figures of a part of a scenario: (scenario, part) -> its writer.
 PART_WRITERS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {

@@ -22,6 +22,7 @@ IDENTITY = {
     "shards": ("operation", "shards"),
     "async": ("client", "operation", "setting"),
     "encryption": ("cache", "operation"),
+    "locks": ("cache", "method", "mode"),
 }
 
 
@@ -310,10 +311,27 @@ def stampede_text(stampede: dict[str, Any]) -> str:
             "\n\n" + table(header, lines))
 
 
+def locks_text(locks: dict[str, Any]) -> str:
+    alone = [[e["cache"], e["method"], micros(e["median_us"]), micros(e["p99_us"]),
+              micros(e["cpu_us"])] for e in locks["results"] if e["mode"] == "uncontended"]
+    turns = [[e["cache"], e["method"], f"{e['grants_per_s']:.0f}", f"{e['wait_p50_ms']}ms",
+              f"{e['wait_p99_ms']}ms", f"{e['wait_max_ms']}ms",
+              f"{e['worker_min_grants']}-{e['worker_max_grants']}"]
+             for e in locks["results"] if e["mode"] == "contended"]
+    return ("locks, uncontended: one acquire + release (our lock() and alock(), and the "
+            "add + delete recipe), median and p99 wall time, CPU per pair\n\n"
+            + table(["cache", "method", "median", "p99", "cpu"], alone)
+            + f"\n\nlocks, contended: {locks['workers']} threads take turns on one name for "
+            f"{locks['seconds']:g} s, holding it {locks['hold_ms']:g} ms; waiters poll at most "
+            f"every {locks['poll_s'] * 1000:g} ms\n\n"
+            + table(["cache", "method", "grants/s", "wait p50", "wait p99", "longest wait",
+                     "grants per worker"], turns))
+
+
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
         "shards": shards_text, "async": async_text, "stampede": stampede_text,
-        "encryption": encryption_text}
+        "encryption": encryption_text, "locks": locks_text}
 #: The scenarios whose text names the value mix (the others use random filler).
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 

@@ -54,6 +54,7 @@ from django_kvcache.memcached import (
     Unsupported,
 )
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
+from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
@@ -309,6 +310,13 @@ class MemcachedCache(KVCache):
             self, self.stampede, key, timeout, version, node_for=self._node,
             failed=self._failed, io=io,
         )
+
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MemcachedLockStore:
+        """A lease item and a token counter on the name's home node, whatever FAILOVER
+        and IGNORE_EXCEPTIONS say (``django_kvcache.memcached.locks``), for the driver
+        of the API asking."""
+        return MemcachedLockStore(self.cluster, self, self.make_and_validate_key(key, version),
+                                  ASYNCIO if asynchronous else BLOCKING)
 
     def ttl(self, key: Any, version: int | None = None) -> float | None:
         """Seconds until ``key`` expires (whole seconds, memcached's): ``None`` if it never

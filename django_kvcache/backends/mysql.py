@@ -50,12 +50,16 @@ from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, r
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.lease import MySQLLeaseStore, Work
+from django_kvcache.mysql.locks import MySQLLockStore
 from django_kvcache.mysql.server import PACKET_HEADROOM
 from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for tests and tools)
     FOREVER,
     check_engine,
+    create_lock_table_sql,
     create_table_sql,
+    drop_lock_table_sql,
     drop_table_sql,
+    lock_table,
     now_ms,
     quote_name,
 )
@@ -668,6 +672,21 @@ class MySQLCache(KVCache):
         """The lease store's statements: a step on the primary of ``key``'s shard."""
         return plans.lease(self.session, key, write, work, fallback)
 
+    # --- locks ---------------------------------------------------------------------------
+
+    def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MySQLLockStore:
+        """A row of the lock table (``django_kvcache.mysql.locks``) on the shard the
+        name's key routes to (either API: the plans' steps have both drivers)."""
+        stored = self.make_and_validate_key(key, version)
+        return MySQLLockStore(
+            self.session, stored, partial(self._missing_table_message, table=self.lock_table)
+        )
+
+    @property
+    def lock_table(self) -> str:
+        """The table of this cache's locks: ``<LOCATION>_locks``."""
+        return lock_table(self.table)
+
     # --- keys and timeouts -----------------------------------------------------------------
 
     def validate_key(self, key: str) -> None:
@@ -781,12 +800,14 @@ class MySQLCache(KVCache):
         binary NO PAD collation, or a placeholder for a migration)."""
         mariadb = blocking.server_info(database or self.db_alias(write=True)).mariadb
         statement = create_table_sql(self.table, quote_name, mariadb, self.engine, collation)
+        statement += ";\n" + create_lock_table_sql(self.table, quote_name, mariadb, collation)
         if dictionaries.uses_stored_dictionaries(self.options):  # and its dictionary table
             statement += STATEMENT_SEPARATOR + dictionaries.create_table_sql(self.table, quote_name)
         return statement
 
     def drop_table_sql(self, database: str | None = None) -> str:
         statement = drop_table_sql(self.table, quote_name)
+        statement += ";\n" + drop_lock_table_sql(self.table, quote_name)
         if dictionaries.uses_stored_dictionaries(self.options):
             statement += STATEMENT_SEPARATOR + dictionaries.drop_table_sql(self.table, quote_name)
         return statement
@@ -810,9 +831,9 @@ class MySQLCache(KVCache):
         )
 
     def missing_tables(self, database: str) -> list[str]:
-        """Which of the cache's tables ``database`` lacks: the table, and with
-        ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
-        tables = [self.table]
+        """Which of the cache's tables ``database`` lacks: the table, its lock table, and
+        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
+        tables = [self.table, self.lock_table]
         if dictionaries.uses_stored_dictionaries(self.options):
             tables.append(dictionaries.dictionary_table(self.table))
         present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
@@ -840,7 +861,7 @@ class MySQLCache(KVCache):
             self.table, owner, database, columns, " ".join(aliases) or "<alias>", error
         )
 
-    def _missing_table_message(self, database: str) -> str:
+    def _missing_table_message(self, database: str, table: str | None = None) -> str:
         aliases = self.configured_aliases()
         if not aliases:  # built outside CACHES
             owner, fix = f"a {self.backend_name}", "Create it with cache.create_table()."
@@ -857,8 +878,8 @@ class MySQLCache(KVCache):
                 "'manage.py migrate', which creates it first)."
             )
         return (
-            f"The table {self.table!r} of {owner} does not exist in database {database!r}. "
-            f"{fix}"
+            f"The table {table or self.table!r} of {owner} does not exist in database "
+            f"{database!r}. {fix}"
         )
 
     def configured_aliases(self) -> list[str]:

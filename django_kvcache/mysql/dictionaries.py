@@ -30,7 +30,6 @@ never Django's. Inside a running event loop they block it for one primary-key
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -44,7 +43,7 @@ from django_kvcache.failure_log import FailureLog
 from django_kvcache.forks import Registry
 from django_kvcache.mysql.blocking import query
 from django_kvcache.mysql.config import check_table, router_model
-from django_kvcache.mysql.sql import now_ms, quote_name
+from django_kvcache.mysql.sql import now_ms, quote_name, side_table
 from django_kvcache.mysql.shards import Shard, make_shards
 from django_kvcache.zstd import Dictionary, MissingDictionary, require_zstd
 
@@ -66,11 +65,7 @@ SEALED = b"kvcache-sealed-dictionary:"
 def dictionary_table(table: str) -> str:
     """The dictionary table of cache table ``table``: ``<table>_dictionaries``, or for a
     name too long for that, its head and a digest of the whole (64 characters at most)."""
-    name = table + SUFFIX
-    if len(name) <= 64:
-        return name
-    digest = hashlib.sha256(table.encode()).hexdigest()[:8]
-    return f"{table[:64 - len(SUFFIX) - 9]}_{digest}{SUFFIX}"
+    return side_table(table, SUFFIX)
 
 
 def create_table_sql(table: str, quote_name: Callable[[str], str]) -> str:

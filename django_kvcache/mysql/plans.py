@@ -638,6 +638,16 @@ def lease(session: Session, key: str, write: bool, work: Any, fallback: Any) -> 
                              keys=(key,)))
 
 
+# --- locks ----------------------------------------------------------------------------------
+
+
+def lock(session: Session, key: str, work: Any) -> On:
+    """``work(statements)`` on the primary of the shard that owns lock name ``key`` (a
+    stored key), never a replica; an unreachable server raises even under
+    IGNORE_EXCEPTIONS: no answer about a lock is right then (:mod:`~.locks`)."""
+    return one(session, Call(session.cluster.shard_for(key), Access.PRIMARY_READ, work, RAISE))
+
+
 def stale_ms(stale_timeout: float | None) -> int:
     """Milliseconds culling keeps an expired row: STALE_TIMEOUT, else 0."""
     return 0 if stale_timeout is None else math.ceil(stale_timeout * 1000)

@@ -8,6 +8,7 @@ statements with parameters). Times are epoch milliseconds computed in Python (se
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from functools import lru_cache
@@ -77,6 +78,96 @@ def create_table_sql(
 
 def drop_table_sql(table: str, quote_name: Callable[[str], str]) -> str:
     return f"DROP TABLE IF EXISTS {quote_name(table)}"
+
+
+# --- locks (``django_kvcache.mysql.locks``) ---------------------------------------------------
+
+def side_table(table: str, suffix: str) -> str:
+    """A table kept beside cache table ``table``: ``<table><suffix>``, or for a name too
+    long for that, its head and a digest of the whole (64 characters at most)."""
+    name = table + suffix
+    if len(name) <= 64:
+        return name
+    digest = hashlib.sha256(table.encode()).hexdigest()[:8]
+    return f"{table[:64 - len(suffix) - 9]}_{digest}{suffix}"
+
+
+def lock_table(table: str) -> str:
+    """The lock table of cache table ``table``: ``<table>_locks``."""
+    return side_table(table, "_locks")
+
+
+def create_lock_table_sql(
+    table: str, quote_name: Callable[[str], str], mariadb: bool, collation: str | None = None
+) -> str:
+    """The lock table of cache table ``table``: one row per lock name, never deleted (a
+    released or expired row keeps its token, so tokens only grow). InnoDB whatever the
+    cache's ENGINE: its rows must survive a restart, and Galera replicates only InnoDB."""
+    collation = collation or (MARIADB_COLLATION if mariadb else MYSQL_COLLATION)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {quote_name(lock_table(table))} (\n"
+        f"    `name` VARCHAR({MAX_KEY_LENGTH}) CHARACTER SET utf8mb4"
+        f" COLLATE {collation} NOT NULL,\n"
+        "    `token` BIGINT NOT NULL,\n"
+        "    `expires` BIGINT NOT NULL,\n"
+        "    `owner` VARBINARY(64) NOT NULL,\n"
+        "    PRIMARY KEY (`name`)\n"
+        f") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE={collation}"
+    )
+
+
+def drop_lock_table_sql(table: str, quote_name: Callable[[str], str]) -> str:
+    return f"DROP TABLE IF EXISTS {quote_name(lock_table(table))}"
+
+
+#: The server's clock in microseconds since the epoch, in UTC whatever the session's
+#: time zone (no daylight-saving step): a lock's expiry is the database's to judge, so
+#: that the clocks of the application servers do not matter.
+NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+#: ``LAST_INSERT_ID`` of a grant that found the lock held: this plus the holder's token
+#: (tokens are signed BIGINTs, so never this large; LAST_INSERT_ID is unsigned).
+LOCK_BUSY = 2**63
+
+
+class LockStatements:
+    """Statement text for the lock table of one cache table (``%s`` parameters)."""
+
+    def __init__(self, table: str, quote_name: Callable[[str], str]) -> None:
+        t = quote_name(lock_table(table)).replace("%", "%%")
+        now = NOW_US
+        # Free: expired or released (expires 0), or already this owner's (a grant sent
+        # again after a lost reply takes it again rather than waiting for itself). Every
+        # assignment's condition reads `expires` before it is assigned (it is assigned
+        # last) and `owner` as it was or as this very grant set it, so MySQL's
+        # left-to-right assignments and MariaDB's SIMULTANEOUS_ASSIGNMENT agree.
+        free = f"({t}.`expires` <= {now} OR {t}.`owner` = %s)"
+        # The token of a grant is the old one plus 1, or the clock in microseconds if
+        # that is larger: it grows with every grant, and still grows after the row was
+        # lost (a restored backup, a replica promoted before it caught up, the table
+        # dropped) as long as the clock does. LAST_INSERT_ID hands it back in the same
+        # statement — a new row's from the VALUES, a taken row's from the update — or,
+        # when the lock is held, LOCK_BUSY plus the holder's token.
+        head = (
+            f"INSERT INTO {t} (`name`, `token`, `expires`, `owner`) "
+            f"VALUES (%s, LAST_INSERT_ID({now}), {{expires}}, %s) ON DUPLICATE KEY UPDATE "
+            f"`token` = IF({free}, LAST_INSERT_ID(GREATEST({t}.`token` + 1, {now})), "
+            f"LAST_INSERT_ID({t}.`token` + {LOCK_BUSY}) - {LOCK_BUSY}), "
+            f"`owner` = IF({free}, %s, {t}.`owner`), "
+            f"`expires` = IF({free}, {{expires}}, {t}.`expires`)"
+        )
+        #: Parameters: name, microseconds, owner (5 times), microseconds.
+        self.grant_for = head.format(expires=f"{now} + %s")
+        #: Parameters: name, owner (5 times): a lock that never expires.
+        self.grant_forever = head.format(expires=str(FOREVER))
+        # Released: expired at once, the token kept. Only the live grant of this owner.
+        mine = f"`name` = %s AND `owner` = %s AND `expires` > {now}"
+        self.release = f"UPDATE {t} SET `expires` = 0 WHERE {mine}"
+        # Parameters: replace (0/1), microseconds, microseconds, name, owner.
+        self.extend = (
+            f"UPDATE {t} SET `expires` = IF(%s, {now} + %s, `expires` + %s) "
+            f"WHERE {mine} AND `expires` < {FOREVER}"
+        )
+        self.peek = f"SELECT `owner`, `token` FROM {t} WHERE `name` = %s AND `expires` > {now}"
 
 
 #: Values up to this size go into statements as hex literals (``X'…'``): building one
@@ -275,6 +366,8 @@ class Statements:
             f"UPDATE {t} SET `value` = %s, `expires` = %s WHERE `cache_key` = %s AND `value` = %s"
         )
         self.lease_drop = f"DELETE FROM {t} WHERE `cache_key` = %s AND `value` = %s"
+
+        self.locks = LockStatements(table, quote_name)
 
     def new(self, column: str) -> str:
         """The inserted row's ``column`` inside ``ON DUPLICATE KEY UPDATE``."""

@@ -91,6 +91,8 @@ class Command(BaseCommand):
                             help="shards throughput: seconds counted per figure (4)")
         parser.add_argument("--shard-rounds", type=int, dest="shard_rounds",
                             help="shards throughput: rounds, the figure is their median (3)")
+        parser.add_argument("--lock-seconds", type=float, dest="lock_seconds",
+                            help="locks: seconds of each contended figure (3)")
         parser.add_argument("--results", type=Path, default=Path("results"),
                             help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots "
                                  "(default ./results)")
