@@ -62,8 +62,8 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
         sharded = len(cache.shards) > 1
         statements = []
         for database in cache.database_aliases():
+            refuse_other_layout(cache, database)  # before its side tables are made
             if cache.table_exists(database):
-                refuse_other_layout(cache, database)
                 continue
             statement = cache.create_table_sql(database)
             if not dry_run:
@@ -83,8 +83,8 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
     for alias, cache in caches_in(database).items():
         if not router.allow_migrate_model(database, cache.cache_model_class):
             continue
+        refuse_other_layout(cache, database)  # before its side tables are made
         if cache.table_exists(database):
-            refuse_other_layout(cache, database)
             continue
         done[alias] = cache.create_table_sql(database)
         if not dry_run:

@@ -16,7 +16,7 @@ from django.test import override_settings
 
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.mysql import layouts
-from tests.mysql_support import BACKEND, drop_table
+from tests.mysql_support import BACKEND, drop_table, sql
 
 TABLE = "kvcache_other_layout"
 LAYOUTS = {
@@ -68,6 +68,7 @@ def layout(request, django_db_blocker) -> Iterator[str]:
                 yield described
             finally:
                 drop_table(TABLE)
+                drop_table(TABLE + "_locks")  # none is made beside another's table
 
 
 def message(described: str) -> str:
@@ -113,6 +114,7 @@ def test_kvcache_createtable_says_the_same_instead_of_exists(layout):
     with pytest.raises(CommandError) as raised:
         call_command("kvcache_createtable", "legacy", stdout=StringIO())
     assert str(raised.value) == f"legacy: {message(layout)}"
+    assert sql(f"SHOW TABLES LIKE '{TABLE}%'") == [(TABLE,)]  # no lock table made beside it
 
 
 @pytest.mark.django_db(transaction=True)
