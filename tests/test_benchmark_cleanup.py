@@ -36,7 +36,7 @@ def test_a_connection_cut_off_mid_statement_does_not_keep_the_tables():
         context.caches.append(spec)
         storage.create_storage(spec, context.cache(spec))
     assert tables() == {"kvbench_cleanup_db", "kvbench_cleanup_auto",
-                        "kvbench_cleanup_auto_dictionaries"}
+                        "kvbench_cleanup_auto_locks", "kvbench_cleanup_auto_dictionaries"}
     # What Ctrl-C left there: the signal raised KeyboardInterrupt as MySQLdb's query()
     # returned, before the cursor stored its result: the next statement on that
     # connection fails with "Commands out of sync" (2014).

@@ -42,14 +42,16 @@ def empty_storage(spec: CacheSpec, cache: BaseCache) -> None:
 
 def drop_storage(spec: CacheSpec) -> None:
     """Drop the cache's tables (the run's own), on every database holding them: a
-    MySQLCache's dictionary table too (``COMPRESS_DICTIONARY: "auto"`` makes one)."""
+    MySQLCache's lock table and dictionary table too (``COMPRESS_DICTIONARY: "auto"``
+    makes one)."""
     if spec.table is None:
         return
     tables = [spec.table]
     if spec.family.startswith("kv-mysql"):
         from django_kvcache.mysql.dictionaries import dictionary_table
+        from django_kvcache.mysql.sql import lock_table
 
-        tables.append(dictionary_table(spec.table))
+        tables += [lock_table(spec.table), dictionary_table(spec.table)]
     for database in spec.table_databases:
         connection = connections[database]
         with connection.cursor() as cursor:
