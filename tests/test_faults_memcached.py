@@ -23,6 +23,8 @@ from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.memcached import MemcachedError, NodeDown, NodeError
 from tests.contract import api  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.once  # servers failing, not Django's API
+
 RETRY = 0.3  # RETRY_TIMEOUT: how long a failed node is left alone
 IO_TIMEOUT = 0.3
 MARGIN = 1.0  # seconds on top of the timeouts a call may wait: a bound, not a speed test

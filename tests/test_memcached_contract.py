@@ -30,11 +30,13 @@ class TestMemcachedCacheMeetsTheContract(CacheContract):
         return {"BACKEND": BACKEND, "LOCATION": self.locations}
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestPymemcachePlacementMeetsTheContract(TestMemcachedCacheMeetsTheContract):
     def backend_params(self):
         return {**super().backend_params(), "OPTIONS": {"HASHING": "pymemcache"}}
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestUnbatchedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
     """AUTOBATCH off (it is on by default): every async get is a request of its own."""
 
@@ -42,6 +44,7 @@ class TestUnbatchedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheCont
         return {**super().backend_params(), "OPTIONS": {"AUTOBATCH": False}}
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestEncryptedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
     """ENCRYPTION_KEYS: every value AES-GCM encrypted, integers plain (tests/test_encryption)."""
 

@@ -25,6 +25,8 @@ from tests.lost_reply_proxy import LostReplyProxy, chunks, close, send
 from tests.servers import free_port
 from tests.test_stampede import Computation, in_threads, while_recomputed
 
+pytestmark = pytest.mark.once  # leases and stale copies on the wire, not Django's API
+
 LEASE = {"LEASE_TIMEOUT": 2}
 
 

@@ -26,7 +26,10 @@ from tests.contract import CacheContract
 from tests.servers import Twemproxy
 from tests.test_stampede import Computation, in_threads
 
-pytestmark = pytest.mark.skipif(not settings.TWEMPROXY, reason="no twemproxy (KVCACHE_TWEMPROXY)")
+pytestmark = [
+    pytest.mark.skipif(not settings.TWEMPROXY, reason="no twemproxy (KVCACHE_TWEMPROXY)"),
+    pytest.mark.once,  # the proxy's behaviour, not Django's
+]
 
 BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
 

@@ -17,6 +17,7 @@ class TestMySQLCacheMeetsTheContract(CacheContract):
         ensure_table(cache)
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestMyISAMTableMeetsTheContract(TestMySQLCacheMeetsTheContract):
     def backend_params(self):
         return {**super().backend_params(), "LOCATION": "kvcache_contract_myisam",
@@ -27,6 +28,7 @@ SHARDS = list(settings.SHARD_ALIASES)
 REPLICA = "shard2_replica"
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 @pytest.mark.skipif(len(SHARDS) < 3, reason="needs KVCACHE_MYSQL_SHARD_PORTS (two ports)")
 @pytest.mark.django_db(transaction=True, databases=["default", *SHARDS, REPLICA])
 class TestShardedMySQLCacheMeetsTheContract(CacheContract):
@@ -41,6 +43,7 @@ class TestShardedMySQLCacheMeetsTheContract(CacheContract):
         ensure_table(cache)
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 @pytest.mark.skipif(len(SHARDS) < 3, reason="needs KVCACHE_MYSQL_SHARD_PORTS (two ports)")
 @pytest.mark.django_db(transaction=True, databases=["default", *SHARDS, REPLICA])
 class TestReplicatedMySQLCacheMeetsTheContract(CacheContract):
@@ -54,6 +57,7 @@ class TestReplicatedMySQLCacheMeetsTheContract(CacheContract):
         ensure_table(cache)
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestEncryptedMySQLCacheMeetsTheContract(TestMySQLCacheMeetsTheContract):
     """ENCRYPTION_KEYS: every value AES-GCM encrypted, integers plain (tests/test_encryption)."""
 
