@@ -787,43 +787,56 @@ class MemcachedCache(KVCache):
         """
         check_delta(delta)
         caller_key, key = key, self.make_and_validate_key(key, version=version)
-        try:
-            node = self._node(key)
-            if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
-            else:
-                value = yield from self._incr_here(node, key, delta, caller_key, io)
-        except (Refused, Unsupported):
-            raise  # refused, not missed: the node answered and changed nothing
-        except MemcachedError as exc:
-            self._missed_on(key, exc)
-            if not isinstance(exc, UNREACHABLE):
-                raise  # the node answered (no meta commands, a key that kept changing)
-            # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted) the
-            # answer for a missing key: Django's contract has incr return the new value or
-            # raise ValueError, which callers handle (django-ratelimit counts from its
-            # initial value then). Django's PyMemcacheCache with ignore_exc returns False
-            # instead — neither a count nor a miss (docs/memcached.rst, incr and decr).
-            self._failed(exc)
-            value = None
+        failed: list[Node] = []  # with REPLICAS: replicas that failed this call, skipped
+        while True:
+            try:
+                node = self._node(key)
+                if 0 <= delta <= INT64_MAX:
+                    value = yield from self._incr_on_server(node, key, delta, caller_key, io)
+                else:
+                    value = yield from self._incr_here(node, key, delta, caller_key, io)
+            except (Refused, Unsupported):
+                raise  # refused, not missed: the node answered and changed nothing
+            except MemcachedError as exc:
+                self._missed_on(key, exc)
+                if not isinstance(exc, UNREACHABLE):
+                    raise  # the node answered (no meta commands, a key that kept changing)
+                unreached = self.cluster.by_name.get(exc.node)
+                if (self.replicated and not isinstance(exc, NodeDown) and unreached is not None
+                        and len(failed) + 1 < self.cluster.replicas):
+                    # It failed, so it is behind now: the next replica decides instead.
+                    failed.append(unreached)
+                    self._failed_softly(exc)
+                    continue
+                # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted)
+                # the answer for a missing key: Django's contract has incr return the new
+                # value or raise ValueError, which callers handle (django-ratelimit counts
+                # from its initial value then). Django's PyMemcacheCache with ignore_exc
+                # returns False instead — neither a count nor a miss (docs/memcached.rst,
+                # incr and decr).
+                self._failed(exc)
+                value = None
+            break
         if value is None:
             raise key_not_found(caller_key, version)
         if self.replicated:
-            yield from self._incr_other_replicas(node, key, delta, caller_key, io)
+            yield from self._incr_other_replicas(node, key, delta, caller_key, io, failed)
         return value
 
     def _incr_other_replicas(
-        self, primary: Node, key: str, delta: int, caller_key: Any, io: Transport
+        self, primary: Node, key: str, delta: int, caller_key: Any, io: Transport,
+        failed: list[Node],
     ) -> Plan:
         """With REPLICAS, once the deciding replica counted: every other replica applies
         the same delta itself (one after another), so they stay equal — increments
         commute. One that is down, fails or disagrees (a different value there: it
         overflows, holds no integer) has the key marked outdated: deleted there before
         it serves again, never a different count. One that has no such key stays
-        without it."""
+        without it. A replica that was unreachable during the call is skipped: the key
+        is outdated there."""
         for node in self.cluster.replica_set(key):
-            if node is primary:
-                continue
+            if node is primary or node in failed:
+                continue  # (a failed one has the key marked outdated already)
             if node.health.down_until and not node.health.may_try():
                 node.outdated.add((key,))
                 continue
