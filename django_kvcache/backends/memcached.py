@@ -414,7 +414,9 @@ class MemcachedCache(KVCache):
         replicas = self.cluster.replica_set(key)
         start = turn % len(replicas)
         rotated = replicas[start:] + replicas[:start]
-        return sorted(rotated, key=self._behind)  # stable: the rotation stays otherwise
+        if any(map(self._behind, rotated)):
+            rotated.sort(key=self._behind)  # stable: the rotation stays otherwise
+        return rotated
 
     def _home(self, key: str) -> Node:
         return self.cluster.home(key)
@@ -432,6 +434,23 @@ class MemcachedCache(KVCache):
         logged once per episode, never raised; the key is outdated on that replica."""
         ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason} "
                                 "(another replica answered)")
+
+    def _batch_errors(self, batches: list[fanout.Batch]) -> list[MemcachedError]:
+        """The errors of a round's batches that are the call's. With REPLICAS, a batch
+        whose every key another replica answered for cost nothing: logged, not returned."""
+        errors = [batch.error for batch in batches if batch.error is not None]
+        if not self.replicated or not errors:
+            return errors
+        answered = self._answered_keys(batches)
+        errors = []
+        for batch in batches:
+            if batch.error is None:
+                continue
+            if all(key in answered for key in batch.keys):
+                self._failed_softly(batch.error)
+            else:
+                errors.append(batch.error)
+        return errors
 
     @staticmethod
     def _answered_keys(batches: list[fanout.Batch]) -> set[str]:
@@ -458,21 +477,11 @@ class MemcachedCache(KVCache):
         """After a multi-key call (and the round ``after`` it): raise (or log) what went
         wrong, once every node is done, and a node that was down once only; ``more``:
         errors found in the replies (keys a proxy could not serve)."""
-        errors = placement.errors + [b.error for b in batches if b.error is not None]
-        if self.replicated:  # a replica's failure is the call's only if no replica answered
-            answered = self._answered_keys(batches)
-            errors = list(placement.errors)
-            for batch in batches:
-                if batch.error is None:
-                    continue
-                if all(key in answered for key in batch.keys):
-                    self._failed_softly(batch.error)
-                else:
-                    errors.append(batch.error)
+        errors = placement.errors + self._batch_errors(batches)
         if after is not None:
             reported = {error.node for error in placement.errors}
             errors += [e for e in after.placement.errors if e.node not in reported]
-            errors += [b.error for b in after.batches if b.error is not None]
+            errors += self._batch_errors(after.batches)
         for error in errors + (more or []):
             self._failed(error)
 
@@ -542,11 +551,18 @@ class MemcachedCache(KVCache):
         its ``riders`` marked outdated there. Returns the replies, the deciding replica's
         first; raises when no replica answered, and ``Refused`` when one refused the
         value (the caller deletes it everywhere, as after any refused ``set``)."""
-        side = (lambda _: riders) if riders else None
-        placement = self.cluster.place_everywhere((key,), self.failover, side)
-        if placement.stranded:
-            raise placement.errors[0]
-        nodes = list(placement.groups)
+        nodes = []
+        for node in self.cluster.replica_set(key):
+            if not node.health.down_until or node.health.may_try():
+                nodes.append(node)
+            else:
+                node.outdated.add((key, *riders))
+        if not nodes:  # every replica down: FAILOVER's next node, or the call fails
+            side = (lambda _: riders) if riders else None
+            placement = self.cluster.place_everywhere((key,), self.failover, side)
+            if placement.stranded:
+                raise placement.errors[0]
+            nodes = list(placement.groups)
         first = next((node for node in nodes if not self._behind(node)), nodes[0])
         nodes.remove(first)
         batches = [Batch(first, first_op or op, sent, saved)]
@@ -1014,7 +1030,15 @@ class MemcachedCache(KVCache):
         that may lack them (``_behind``), asked of their next replica in one more round.
         Errors are the call's only for keys no replica answered."""
         turn = next(self.cluster.turns)
-        order = {key: self._read_order(key, turn) for key in key_map}
+        replica_set, count = self.cluster.replica_set, self.cluster.replicas
+        if any(self._behind(node) for node in self._nodes):
+            order = {key: self._read_order(key, turn) for key in key_map}
+        else:  # the usual case: each key's replica of this turn, then the others in turn
+            start = turn % count
+            order = {}
+            for key in key_map:
+                replicas = replica_set(key)
+                order[key] = replicas[start:] + replicas[:start]
         usable: dict[Node, bool] = {}
         errors: dict[str, MemcachedError] = {}
         answered: set[str] = set()
