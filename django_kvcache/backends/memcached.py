@@ -510,8 +510,23 @@ class MemcachedCache(KVCache):
         is raised when no replica answered."""
         encoded = stored_key.encode()
         error: MemcachedError | None = None
-        answered = False
-        nodes = self._read_order(stored_key, next(self.cluster.turns))
+        turn = next(self.cluster.turns)
+        replicas = self.cluster.replica_set(stored_key)
+        node = replicas[turn % len(replicas)]
+        asked = None
+        if not node.health.down_until and not node.behind_since:
+            asked = node
+            # The usual case: this turn's replica is up and never failed: it answers —
+            # unless this very request found it restarted (a miss there is then asked on).
+            try:
+                found = yield from node.get(encoded, io)
+            except MemcachedError as exc:
+                error = exc  # then every replica in turn
+            else:
+                if found is not None or not node.behind_since:
+                    return found
+        answered = asked is not None and error is None  # a miss there is an answer
+        nodes = [n for n in self._read_order(stored_key, turn) if n is not asked]
         if self.failover:
             nodes.append(None)  # type: ignore[arg-type]  # every replica down: the next node
         for node in nodes:
