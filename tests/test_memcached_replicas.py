@@ -6,6 +6,7 @@ Django's contract with replicas runs in tests/test_memcached_contract.py.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from django_kvcache.memcached.lease import meta_stale_key
 from tests.contract import CacheFixture, api  # noqa: F401  (fixture)
 from tests.test_faults_memcached import (
     RETRY,
+    THREADS,
     Load,
     build,
     keys_by_node,
@@ -218,6 +220,105 @@ def test_a_killed_node_loses_no_entry_and_fails_no_call(three_nodes):
     assert cache.cluster.by_name[victim.address].errors  # the load did meet the dead node
     assert back
     assert cache.get_many(everything) == {key: value_of(key) for key in everything}
+
+
+class VersionedLoad:
+    """Threads that each own their keys and write them with rising versions (set and
+    set_many), reading them back (get and get_many) in between: a read older than the
+    version its thread last had acknowledged is stale. Every call is recorded."""
+
+    def __init__(self, cache: MemcachedCache, keys: list[str]) -> None:
+        self.cache = cache
+        share = len(keys) // THREADS
+        self.owned = [keys[i * share:(i + 1) * share] for i in range(THREADS)]
+        self.acknowledged: dict[str, int] = dict.fromkeys(keys, 0)
+        self.stale: list[tuple[str, int, int]] = []
+        self.missed: list[str] = []
+        self.errors: list[BaseException] = []
+        self.calls = 0
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self.work, args=(n,)) for n in range(THREADS)]
+
+    def __enter__(self) -> "VersionedLoad":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in self.threads)
+
+    def work(self, index: int) -> None:
+        rng = random.Random(index)
+        keys, cache, acknowledged = self.owned[index], self.cache, self.acknowledged
+        while not self.stopping.is_set():
+            chosen = rng.sample(keys, 4)
+            choice = rng.random()
+            try:
+                if choice < 0.15:
+                    key = chosen[0]
+                    cache.set(key, acknowledged[key] + 1)
+                    acknowledged[key] += 1
+                elif choice < 0.25:
+                    failed = cache.set_many({key: acknowledged[key] + 1 for key in chosen})
+                    for key in chosen:
+                        if key not in failed:
+                            acknowledged[key] += 1
+                        else:  # not acknowledged: it may or may not have landed
+                            self.missed.append(key)
+                elif choice < 0.6:
+                    self.check({chosen[0]: cache.get(chosen[0])})
+                else:
+                    self.check(cache.get_many(chosen), chosen)
+            except Exception as exc:  # recorded; the test decides whether it was allowed
+                self.errors.append(exc)
+            self.calls += 1
+
+    def check(self, found: dict[str, Any], asked: list[str] | None = None) -> None:
+        for key in asked or list(found):
+            version = found.get(key)
+            if version is None:
+                self.missed.append(key)
+            elif version < self.acknowledged[key]:
+                self.stale.append((key, version, self.acknowledged[key]))
+
+
+def test_nodes_that_die_pause_and_return_under_load_serve_nothing_stale(three_nodes):
+    """Strict, under load, with two replicas: a node paused and resumed, then — as soon as
+    it serves again — another killed and started again empty, so the keys the two share
+    are read from the one that missed writes while paused. No call fails, no read is
+    older than the last write its thread had acknowledged, and only those shared keys
+    may miss (both their replicas were hit)."""
+    cache = replicated(three_nodes, IGNORE_EXCEPTIONS=False)
+    keys = [key for group in keys_by_node(cache, 100).values() for key in group]
+    assert cache.set_many(dict.fromkeys(keys, 0)) == []
+    paused, killed = (cache.cluster.by_name[node.address] for node in three_nodes[:2])
+    with VersionedLoad(cache, keys) as load:
+        time.sleep(0.2)
+        pause(three_nodes[0])  # timeouts, then marked down: the writes it misses are kept
+        time.sleep(RETRY * 3)
+        resume(three_nodes[0])  # late writes settle, then the missed keys are deleted
+        deadline = time.monotonic() + 5
+        while paused.health.down:  # until the load's probe finds it back
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        three_nodes[1].kill()
+        time.sleep(RETRY * 2)
+        three_nodes[1].start()  # empty: its misses are asked of the other replica
+        time.sleep(RETRY * 3)
+    assert load.calls > 100
+    assert load.errors == []
+    assert load.stale == []
+    shared = {key for key in keys
+              if {paused, killed} <= set(cache.cluster.replica_set(cache.make_key(key)))}
+    assert set(load.missed) <= shared
+    for name in (three_nodes[0].address, three_nodes[1].address):
+        assert cache.cluster.by_name[name].errors  # both outages were met by the load
+    final = cache.get_many(keys)
+    assert {key: final.get(key, load.acknowledged[key]) for key in keys} == load.acknowledged
+    assert set(keys) - set(final) <= shared
 
 
 @pytest.mark.parametrize("ignore_exceptions", [False, True])
