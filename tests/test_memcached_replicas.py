@@ -407,6 +407,16 @@ def test_counters_survive_a_dead_replica(three_nodes):
     assert cache.incr(key) == 6
 
 
+@pytest.mark.parametrize("ignore_exceptions", [False, True])
+def test_add_is_decided_by_the_next_replica_when_the_first_dies(three_nodes, ignore_exceptions):
+    cache = replicated(three_nodes, IGNORE_EXCEPTIONS=ignore_exceptions)
+    keys = keys_by_node(cache, 3)[three_nodes[0].address]  # the dead node decides them
+    three_nodes[0].kill()
+    assert [cache.add(key, "first") for key in keys] == [True] * 3
+    assert [cache.add(key, "second") for key in keys] == [False] * 3  # one winner
+    assert cache.get_many(keys) == dict.fromkeys(keys, "first")
+
+
 class TestAsyncReplicaFaults(CacheFixture):
     """The same read path on the event loop: a dead replica costs nothing."""
 

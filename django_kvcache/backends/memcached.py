@@ -46,6 +46,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import (
     MemcachedError,
+    NodeBusy,
     NodeDown,
     NodeError,
     PoolExhausted,
@@ -665,15 +666,19 @@ class MemcachedCache(KVCache):
         data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(b"add", stored_key.encode(), data, flags, expire)
         sent = len(stored_key) + len(data)
-        try:
-            primary = self._node(stored_key)
-            stored = yield from primary.request(op, io, sent, saved)
-        except Refused as exc:
-            refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
-            return False
-        except MemcachedError as exc:
-            self._missed_on(stored_key, exc)
-            return self._failed(exc, False)
+        for attempt in range(self.cluster.replicas):
+            try:
+                primary = self._node(stored_key)
+                stored = yield from primary.request(op, io, sent, saved)
+            except Refused as exc:
+                refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
+                return False
+            except MemcachedError as exc:
+                self._missed_on(stored_key, exc)  # (an add that may have landed: deleted)
+                if self._next_decides(exc, attempt):
+                    continue
+                return self._failed(exc, False)
+            break
         if not stored:
             return False
         others = [node for node in self.cluster.replica_set(stored_key) if node is not primary]
@@ -704,6 +709,19 @@ class MemcachedCache(KVCache):
         apart = yield from self._delete_round(copies.apart, io)
         self._missed(placement, batches, copies, apart)
         self._report(placement, batches, apart)
+
+    def _next_decides(self, error: MemcachedError, attempt: int) -> bool:
+        """With REPLICAS, after the deciding replica of ``add`` or ``incr`` failed on its
+        ``attempt``-th try: whether the next replica decides instead (the failure then
+        logged, not raised). So it does when the node failed — it is behind from then
+        on, and ``Cluster.primary`` passes it over — and replicas are left."""
+        if not (self.replicated and isinstance(error, NodeError)
+                and not isinstance(error, (NodeDown, NodeBusy))):
+            return False
+        if error.node not in self.cluster.by_name or attempt + 1 >= self.cluster.replicas:
+            return False
+        self._failed_softly(error)
+        return True
 
     def _missed_on(self, key: str, error: MemcachedError) -> None:
         """A single-key write that failed on one node: with REPLICAS the failed node only
@@ -832,12 +850,8 @@ class MemcachedCache(KVCache):
                 self._missed_on(key, exc)
                 if not isinstance(exc, UNREACHABLE):
                     raise  # the node answered (no meta commands, a key that kept changing)
-                unreached = self.cluster.by_name.get(exc.node)
-                if (self.replicated and not isinstance(exc, NodeDown) and unreached is not None
-                        and len(failed) + 1 < self.cluster.replicas):
-                    # It failed, so it is behind now: the next replica decides instead.
-                    failed.append(unreached)
-                    self._failed_softly(exc)
+                if self._next_decides(exc, len(failed)):
+                    failed.append(self.cluster.by_name[exc.node])
                     continue
                 # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted)
                 # the answer for a missing key: Django's contract has incr return the new
