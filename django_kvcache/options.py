@@ -24,7 +24,7 @@ from django.core.exceptions import ImproperlyConfigured
 #: OPTIONS that hold a whole number. Django's own two truncate a float, as Django does.
 WHOLE_NUMBER_OPTIONS = frozenset(
     {"MAX_ENTRIES", "CULL_FREQUENCY", "COMPRESS_MIN_LENGTH", "COMPRESS_LEVEL",
-     "FAILURE_THRESHOLD", "MAX_POOL_SIZE"}
+     "FAILURE_THRESHOLD", "MAX_POOL_SIZE", "REPLICAS"}
 )
 DJANGO_INTEGER_OPTIONS = frozenset({"MAX_ENTRIES", "CULL_FREQUENCY"})
 #: OPTIONS that hold seconds, or another real number (CULL_PROBABILITY).

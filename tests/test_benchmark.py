@@ -318,6 +318,30 @@ def test_shards_measures_latency_and_capped_throughput(tmp_path: Path) -> None:
     assert "throughput (calls/s)" in completed.stdout and (tmp_path / "benchmark-realistic-shards.png").exists()
 
 
+# --- replicas, on memcached nodes of the scenario's own ---------------------------------------
+
+
+def test_replicas_measures_latency_memory_and_a_killed_node(tmp_path: Path) -> None:
+    completed = benchmark(tmp_path, "--scenario", "replicas", "--rounds", "2", "--calls", "5",
+                          "--replica-keys", "200", "--replica-seconds", "1")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((tmp_path / "benchmark-realistic.json").read_text())
+    entries = results["scenarios"]["replicas"]["results"]
+    latency = {(e["replicas"], e["operation"]): e for e in entries if e["part"] == "latency"}
+    assert set(latency) == {(r, op) for r in (1, 2) for op in ("set", "get", "get_many(20)")}
+    assert all(e["median_us"] > 0 and e["vs_replicas_1"] > 0 for e in latency.values())
+    memory = {e["replicas"]: e for e in entries if e["part"] == "memory"}
+    assert memory[1]["items"] == 200 and memory[2]["items"] == 400  # every entry twice
+    assert memory[2]["bytes"] > 1.5 * memory[1]["bytes"]
+    outage = {e["replicas"]: e for e in entries if e["part"] == "outage"}
+    assert all(e["stale_reads"] == 0 and e["errors"] == 0 for e in outage.values())
+    assert all(e["gets_after_kill"] > 0 for e in outage.values())
+    assert outage[1]["hit_ratio_after_kill"] < 0.99  # the killed node's keys missed
+    assert outage[2]["hit_ratio_after_kill"] >= 0.99  # their other replica answered
+    assert "stale reads" in completed.stdout
+    assert (tmp_path / "benchmark-realistic-replicas.png").exists()
+
+
 # --- storage and capacity, on the servers ---------------------------------------------------
 
 def storage_of(results: dict[str, Any]) -> dict[str, dict[str, Any]]:

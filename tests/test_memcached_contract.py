@@ -9,7 +9,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.contract import CacheContract
+from tests.contract import CacheContract, CacheFixture
 from tests.servers import memcached_node
 
 BACKEND = "django_kvcache.backends.memcached.MemcachedCache"
@@ -51,3 +51,47 @@ class TestEncryptedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheCont
     def backend_params(self):
         return {**super().backend_params(),
                 "OPTIONS": {"ENCRYPTION_KEYS": ["the contract's encryption key, 0123456789"]}}
+
+
+class TestReplicatedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    """REPLICAS 2: every key on two of the three nodes, reads spread over both."""
+
+    def backend_params(self):
+        return {**super().backend_params(), "OPTIONS": {"REPLICAS": 2}}
+
+
+@pytest.mark.once
+class TestThreeReplicasMeetTheContract(TestMemcachedCacheMeetsTheContract):
+    """REPLICAS 3: every key on every node."""
+
+    def backend_params(self):
+        return {**super().backend_params(), "OPTIONS": {"REPLICAS": 3}}
+
+
+@pytest.mark.once
+class TestReplicatedHerdProofMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    """REPLICAS 2 with get_or_set's leases and stale copies on the meta commands."""
+
+    def backend_params(self):
+        return {**super().backend_params(),
+                "OPTIONS": {"REPLICAS": 2, "LEASE_TIMEOUT": 5, "STALE_TIMEOUT": 30}}
+
+
+@pytest.mark.once
+class TestReplicatedClassicProtocolMeetsTheContract(TestMemcachedCacheMeetsTheContract):
+    """REPLICAS 2 on the classic protocol only (as on memcached before 1.6.6): the nodes
+    are taken for servers without meta commands, so leases are add-based, and ``add``,
+    counters and stale copies take their classic paths."""
+
+    @pytest.fixture(autouse=True)
+    def _classic(self, _nodes):
+        nodes = CacheFixture.build(self).cluster.nodes  # the cache itself, not its async view
+        for node in nodes:
+            node.meta = False
+        yield
+        for node in nodes:
+            node.meta = None
+
+    def backend_params(self):
+        return {**super().backend_params(),
+                "OPTIONS": {"REPLICAS": 2, "LEASE_TIMEOUT": 5, "STALE_TIMEOUT": 30}}

@@ -42,6 +42,8 @@ class Parameters:
     shard_seconds: float = 4.0  # shards throughput: the counted window of each figure
     shard_rounds: int = 3  # shards throughput: rounds (the figure is their median)
     lock_seconds: float = 3.0  # locks: the counted window of each contended figure
+    replica_keys: int = 2000  # replicas: entries written, read and rewritten
+    replica_seconds: float = 6.0  # replicas: each setting's outage run (a node killed halfway)
 
     def problem(self) -> str | None:
         """Why these sizes cannot run, naming the option; None when they can."""
@@ -60,6 +62,8 @@ class Parameters:
             return "--shard-seconds must be above 0 and --shard-rounds at least 1"
         if self.lock_seconds <= 0:
             return "--lock-seconds must be above 0"
+        if self.replica_keys < 1 or self.replica_seconds <= 0:
+            return "--replica-keys must be at least 1 and --replica-seconds above 0"
         return None
 
     @classmethod
@@ -74,7 +78,7 @@ class Parameters:
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
                    node_calls=60, workers=(1, 4), iterations=30, callers=(8, 32), storage_entries=200,
                    capacity_mb=16, capacity_fill=2.5, shard_seconds=1.0, shard_rounds=1,
-                   lock_seconds=1.0)
+                   lock_seconds=1.0, replica_keys=500, replica_seconds=2.0)
 
 
 @dataclass

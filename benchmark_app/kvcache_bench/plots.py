@@ -463,12 +463,30 @@ def locks_bars(locks: dict[str, Any], results: dict[str, Any], styles: Styles) -
     return figure
 
 
+def replicas_bars(scenario: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
+    """Median time per call and the hit ratio after a node was killed, per REPLICAS."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    latency = [e for e in scenario["results"] if e["part"] == "latency"]
+    axes[0].barh([f"{e['operation']}\nREPLICAS {e['replicas']}" for e in latency],
+                 [e["median_us"] for e in latency])
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("µs per call (median), every node up")
+    outage = [e for e in scenario["results"] if e["part"] == "outage"]
+    axes[1].bar([f"REPLICAS {e['replicas']}" for e in outage],
+                [100 * (e["hit_ratio_after_kill"] or 0) for e in outage])
+    axes[1].set_ylabel("% of gets that hit after one node was killed")
+    axes[1].set_ylim(0, 100)
+    _title(figure, f"replicas: MemcachedCache on {scenario['nodes']} nodes, one killed", results)
+    return figure
+
+
 #: Each scenario's plot: ``writer(scenario, results, styles) -> Figure``.
 WRITERS: dict[str, Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
     "ops": ops_bars, "rows": rows_scaling, "nodes": nodes_scaling,
     "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
     "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
     "stampede": stampede_counts, "encryption": encryption_ratios, "locks": locks_bars,
+    "replicas": replicas_bars,
 }
 #: Figures of a part of a scenario: (scenario, part) -> its writer.
 PART_WRITERS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {

@@ -23,6 +23,7 @@ IDENTITY = {
     "async": ("client", "operation", "setting"),
     "encryption": ("cache", "operation"),
     "locks": ("cache", "method", "mode"),
+    "replicas": ("replicas", "part", "operation"),
 }
 
 
@@ -328,10 +329,35 @@ def locks_text(locks: dict[str, Any]) -> str:
                      "grants per worker"], turns))
 
 
+def replicas_text(scenario: dict[str, Any]) -> str:
+    entries = scenario["results"]
+    latency = [[str(e["replicas"]), e["operation"], micros(e["median_us"]), micros(e["p99_us"]),
+                f"{e['vs_replicas_1']:.2f}x"] for e in entries if e["part"] == "latency"]
+    memory = [[str(e["replicas"]), f"{e['bytes']:,}", f"{e['items']:,}"]
+              for e in entries if e["part"] == "memory"]
+    outage = [[str(e["replicas"]), _percent(e["hit_ratio_before_kill"]),
+               _percent(e["hit_ratio_after_kill"]), str(e["gets_after_kill"]),
+               str(e["stale_reads"]), str(e["errors"])]
+              for e in entries if e["part"] == "outage"]
+    return (f"replicas: MemcachedCache on {scenario['nodes']} nodes, REPLICAS 2 beside 1; "
+            f"latency with every node up (median, p99, median vs REPLICAS 1)\n\n"
+            + table(["replicas", "operation", "median", "p99", "vs 1"], latency)
+            + f"\n\nmemory after writing {scenario['keys']} entries\n\n"
+            + table(["replicas", "bytes", "items"], memory)
+            + f"\n\none node killed halfway through {scenario['seconds']:g} s of "
+            f"{scenario['read_share']:.0%} get / set\n\n"
+            + table(["replicas", "hits before", "hits after", "gets after", "stale reads",
+                     "errors"], outage))
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2%}"
+
+
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
         "shards": shards_text, "async": async_text, "stampede": stampede_text,
-        "encryption": encryption_text, "locks": locks_text}
+        "encryption": encryption_text, "locks": locks_text, "replicas": replicas_text}
 #: The scenarios whose text names the value mix (the others use random filler).
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 

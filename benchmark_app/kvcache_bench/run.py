@@ -21,8 +21,8 @@ SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capa
 #: use small random filler and run with the first mix only.
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec", "encryption")
 #: Run only when named with --scenario: they need servers beyond the default ones.
-ON_REQUEST_SCENARIOS = ("shards", "async")
-#: What runs on a site's own caches: nodes, storage, capacity, shards and async start
+ON_REQUEST_SCENARIOS = ("shards", "async", "replicas")
+#: What runs on a site's own caches: nodes, storage, capacity, shards, async and replicas start
 #: servers of their own (scripts/services.py), which only the project's benchmark has.
 SITE_SCENARIOS = ("ops", "rows", "concurrency", "stampede", "codec")
 

@@ -94,6 +94,69 @@ def dedicated_node(memory_mb: int) -> Iterator[str]:
         _stop([process])
 
 
+class OwnNodes:
+    """Memcached processes only the caller uses, which it may kill and start again on the
+    same port (the replicas scenario's outage)."""
+
+    def __init__(self, count: int) -> None:
+        self.helpers = services()
+        self.host = self.helpers["HOST"]
+        self.ports = [_free_port(self.host) for _ in range(count)]
+        self.processes: list[subprocess.Popen | None] = [None] * count
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.host}:{port}" for port in self.ports]
+
+    def start(self, index: int) -> None:
+        argv = list(self.helpers["memcached_argv"](self.ports[index]))
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.processes[index] = process
+        address = self.addresses[index]
+        deadline = time.monotonic() + 10
+        while not memcached_answers(address):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"memcached on {address} did not start")
+            time.sleep(0.02)
+
+    def kill(self, index: int) -> None:
+        process = self.processes[index]
+        if process is not None:
+            process.kill()
+            process.wait(timeout=10)
+            self.processes[index] = None
+
+    def restart(self) -> None:
+        """Every node killed and started again, empty."""
+        for index in range(len(self.ports)):
+            self.kill(index)
+            self.start(index)
+
+    def flush(self) -> None:
+        for address in self.addresses:
+            ask(address, b"flush_all\r\nstats\r\n")
+
+    def stop(self) -> None:
+        for index in range(len(self.ports)):
+            self.kill(index)
+
+
+@contextlib.contextmanager
+def own_nodes(count: int) -> Iterator[OwnNodes]:
+    """``count`` fresh memcached nodes, stopped on exit. RuntimeError if one cannot start."""
+    try:
+        nodes = OwnNodes(count)
+    except (OSError, SystemExit) as exc:
+        raise RuntimeError(f"could not start memcached nodes: {exc}") from exc
+    try:
+        for index in range(count):
+            nodes.start(index)
+        yield nodes
+    finally:
+        nodes.stop()
+
+
 def ask(address: str, command: bytes) -> str:
     """A memcached text command's reply, up to its ``END`` line."""
     host, port = address.rsplit(":", 1)

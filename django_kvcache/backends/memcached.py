@@ -46,6 +46,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.memcached import (
     MemcachedError,
+    NodeBusy,
     NodeDown,
     NodeError,
     PoolExhausted,
@@ -57,7 +58,7 @@ from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import Placement, cluster_for
 from django_kvcache.memcached.node import Node
-from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
+from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Batch, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
@@ -138,6 +139,7 @@ class MemcachedCache(KVCache):
             "IGNORE_EXCEPTIONS",
             "TLS",
             "AUTOBATCH",
+            "REPLICAS",
         }
     )
     option_hints = {
@@ -181,6 +183,8 @@ class MemcachedCache(KVCache):
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
         self._nodes = self.cluster.nodes
+        #: REPLICAS: each key on its first N nodes (docs/memcached.rst, Replicas).
+        self.replicated = self.cluster.replicas > 1
         #: get_or_set keeps stale copies beside its entries, which deletes remove too.
         self._stale_copies = self.stampede is not None and self.stampede.stale_timeout is not None
 
@@ -389,13 +393,71 @@ class MemcachedCache(KVCache):
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
     def _node(self, key: str) -> Node:
+        if self.replicated:
+            return self.cluster.primary(key, self.failover, self._behind)
         return self.cluster.node(key, self.failover)
+
+    def _behind(self, node: Node) -> bool:
+        """With REPLICAS: whether ``node`` may lack entries its key's other replicas hold
+        — it is down, or it failed (or was found restarted) less than this cache's
+        default TIMEOUT ago (forever with TIMEOUT None): entries written before with
+        that timeout have expired since. A miss there is asked of another replica."""
+        if node.health.down_until:
+            return True
+        since = node.behind_since
+        if not since:
+            return False
+        return self.default_timeout is None or time.monotonic() - since < self.default_timeout
+
+    def _read_order(self, key: str, turn: int) -> list[Node]:
+        """The replicas a read of ``key`` asks, in turn: starting at ``turn`` (spread over
+        calls), those that are behind last."""
+        replicas = self.cluster.replica_set(key)
+        start = turn % len(replicas)
+        rotated = replicas[start:] + replicas[:start]
+        if any(map(self._behind, rotated)):
+            rotated.sort(key=self._behind)  # stable: the rotation stays otherwise
+        return rotated
 
     def _home(self, key: str) -> Node:
         return self.cluster.home(key)
 
     def _place(self, keys: Iterable[str]) -> Placement:
+        """Where a write (or a get without replicas) goes: with REPLICAS, every replica
+        that may be tried."""
+        if self.replicated:
+            side = (lambda key: (lease.meta_stale_key(key),)) if self._stale_copies else None
+            return self.cluster.place_everywhere(keys, self.failover, side)
         return self.cluster.place(keys, self.failover)
+
+    def _failed_softly(self, error: MemcachedError) -> None:
+        """A replica's failure that cost the call nothing (another replica answered):
+        logged once per episode, never raised; the key is outdated on that replica."""
+        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason} "
+                                "(another replica answered)")
+
+    def _batch_errors(self, batches: list[fanout.Batch]) -> list[MemcachedError]:
+        """The errors of a round's batches that are the call's. With REPLICAS, a batch
+        whose every key another replica answered for cost nothing: logged, not returned."""
+        errors = [batch.error for batch in batches if batch.error is not None]
+        if not self.replicated or not errors:
+            return errors
+        answered = self._answered_keys(batches)
+        errors = []
+        for batch in batches:
+            if batch.error is None:
+                continue
+            if all(key in answered for key in batch.keys):
+                self._failed_softly(batch.error)
+            else:
+                errors.append(batch.error)
+        return errors
+
+    @staticmethod
+    def _answered_keys(batches: list[fanout.Batch]) -> set[str]:
+        """The keys some node answered for (a reply other than a proxy's SERVER_ERROR)."""
+        return {key for batch in batches if batch.error is None and isinstance(batch.result, list)
+                for key, line in zip(batch.keys, batch.result) if not _unserved(line)}
 
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any:
         """Raise ``error``, or with IGNORE_EXCEPTIONS (the default) log and count it,
@@ -416,11 +478,11 @@ class MemcachedCache(KVCache):
         """After a multi-key call (and the round ``after`` it): raise (or log) what went
         wrong, once every node is done, and a node that was down once only; ``more``:
         errors found in the replies (keys a proxy could not serve)."""
-        errors = placement.errors + [b.error for b in batches if b.error is not None]
+        errors = placement.errors + self._batch_errors(batches)
         if after is not None:
             reported = {error.node for error in placement.errors}
             errors += [e for e in after.placement.errors if e.node not in reported]
-            errors += [b.error for b in after.batches if b.error is not None]
+            errors += self._batch_errors(after.batches)
         for error in errors + (more or []):
             self._failed(error)
 
@@ -429,8 +491,11 @@ class MemcachedCache(KVCache):
     def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
         stored_key = self.make_and_validate_key(key, version=version)
         try:
-            node = self.cluster.node(stored_key, self.failover)
-            found = yield from node.get(stored_key.encode(), io)
+            if self.replicated:
+                found = yield from self._read_replicas(stored_key, io)
+            else:
+                node = self.cluster.node(stored_key, self.failover)
+                found = yield from node.get(stored_key.encode(), io)
         except MemcachedError as exc:
             return self._failed(exc, default)
         if found is None:
@@ -438,13 +503,112 @@ class MemcachedCache(KVCache):
         value = self.decode(found[0], found[1], stored_key)
         return default if value is MISSING else value
 
+    def _read_replicas(self, stored_key: str, io: Transport) -> Plan:
+        """A single-key read with REPLICAS: one replica asked (``_read_order``); the next
+        when it is down or fails, or when it misses and may lack the entry (``_behind``).
+        Nothing older than the last acknowledged write can be read: a replica that
+        missed a write deletes the key before it serves again (``stale``). The last error
+        is raised when no replica answered."""
+        encoded = stored_key.encode()
+        error: MemcachedError | None = None
+        turn = next(self.cluster.turns)
+        replicas = self.cluster.replica_set(stored_key)
+        node = replicas[turn % len(replicas)]
+        asked = None
+        if not node.health.down_until and not node.behind_since:
+            asked = node
+            # The usual case: this turn's replica is up and never failed: it answers —
+            # unless this very request found it restarted (a miss there is then asked on).
+            try:
+                found = yield from node.get(encoded, io)
+            except MemcachedError as exc:
+                error = exc  # then every replica in turn
+            else:
+                if found is not None or not node.behind_since:
+                    return found
+        answered = asked is not None and error is None  # a miss there is an answer
+        nodes = [n for n in self._read_order(stored_key, turn) if n is not asked]
+        if self.failover:
+            nodes.append(None)  # type: ignore[arg-type]  # every replica down: the next node
+        for node in nodes:
+            if node is None:
+                if answered:
+                    break
+                node = self.cluster.beyond_replicas(stored_key)
+                if node is None:
+                    break
+            elif node.health.down_until and not node.health.may_try():
+                error = error or node.skipped()
+                continue
+            try:
+                found = yield from node.get(encoded, io)
+            except MemcachedError as exc:
+                error = exc
+                continue
+            answered = True
+            if found is not None or not self._behind(node):
+                break
+        else:
+            found = None
+        if not answered:
+            assert error is not None
+            raise error
+        if error is not None:
+            self._failed_softly(error)
+        return found
+
+    def _write_everywhere(
+        self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
+        riders: tuple[str, ...] = (), first_op: wire.Op | None = None,
+    ) -> Plan:
+        """A single-key write with REPLICAS: ``op`` on every replica that may be tried, in
+        one round trip to each, all at once (``first_op`` instead on the one that decides,
+        ``Cluster.primary``'s choice). A replica that is skipped or fails has the key and
+        its ``riders`` marked outdated there. Returns the replies, the deciding replica's
+        first; raises when no replica answered, and ``Refused`` when one refused the
+        value (the caller deletes it everywhere, as after any refused ``set``)."""
+        nodes = []
+        for node in self.cluster.replica_set(key):
+            if not node.health.down_until or node.health.may_try():
+                nodes.append(node)
+            else:
+                node.outdated.add((key, *riders))
+        if not nodes:  # every replica down: FAILOVER's next node, or the call fails
+            side = (lambda _: riders) if riders else None
+            placement = self.cluster.place_everywhere((key,), self.failover, side)
+            if placement.stranded:
+                raise placement.errors[0]
+            nodes = list(placement.groups)
+        first = next((node for node in nodes if not self._behind(node)), nodes[0])
+        nodes.remove(first)
+        batches = [Batch(first, first_op or op, sent, saved)]
+        batches += [Batch(node, op, sent, saved) for node in nodes]
+        yield from fan_out(batches, io)
+        replies, errors = [], []
+        for batch in batches:
+            if batch.error is None:
+                replies.append(batch.result)
+            elif isinstance(batch.error, Refused):
+                errors.insert(0, batch.error)
+            else:
+                batch.node.outdated.add((key, *riders))
+                errors.append(batch.error)
+        if errors and isinstance(errors[0], Refused) or not replies:
+            raise errors[0]
+        for error in errors:
+            self._failed_softly(error)
+        return replies
+
     def _write(
         self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
         riders: tuple[str, ...] = (),
     ) -> Plan:
         """A single-key write on the key's node (or its failover node), which is credited
         with ``sent`` and ``saved`` bytes. A write that fails or is skipped is remembered
-        as missed, with the ``riders`` (side keys written in the same request)."""
+        as missed, with the ``riders`` (side keys written in the same request). With
+        REPLICAS, on every replica (``_write_everywhere``): the deciding one's reply."""
+        if self.replicated:
+            return (yield from self._write_everywhere(key, op, io, sent, saved, riders))[0]
         try:
             return (yield from self._node(key).request(op, io, sent, saved))
         except Refused:
@@ -464,6 +628,8 @@ class MemcachedCache(KVCache):
         returns, ``add`` returns False and leaves the entry that is there."""
         stored_key = self.make_and_validate_key(key, version=version)
         expire = self.expire_time(timeout)
+        if name == b"add" and self.replicated:
+            return (yield from self._add_replicated(stored_key, key, value, expire, version, io))
         if self._stale_copies and not stampede.is_side_key(key):
             # get_or_set's stale copies of the entry go with it (docs/stampede.rst).
             if expire == EXPIRED and name == b"set":
@@ -487,6 +653,88 @@ class MemcachedCache(KVCache):
         except MemcachedError as exc:
             return self._failed(exc, False if name == b"add" else None)
         return bool(stored) if name == b"add" else None
+
+    def _add_replicated(
+        self, stored_key: str, key: Any, value: Any, expire: int, version: int | None,
+        io: Transport,
+    ) -> Plan:
+        """``add`` with REPLICAS: one winner. The ``add`` goes to the deciding replica
+        (``Cluster.primary``: the first up that never failed lately) alone; only if it
+        stored there is the value copied to the other replicas, with ``add`` too, so that
+        a concurrent ``set`` that reached one first is never overwritten. Then, with
+        STALE_TIMEOUT, the entry's stale copies are deleted after it, as after ``set``."""
+        data, flags, saved = self.codec.encode_measured(value, stored_key)
+        op = wire.store(b"add", stored_key.encode(), data, flags, expire)
+        sent = len(stored_key) + len(data)
+        for attempt in range(self.cluster.replicas):
+            try:
+                primary = self._node(stored_key)
+                stored = yield from primary.request(op, io, sent, saved)
+            except Refused as exc:
+                refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
+                return False
+            except MemcachedError as exc:
+                self._missed_on(stored_key, exc)  # (an add that may have landed: deleted)
+                if self._next_decides(exc, attempt):
+                    continue
+                return self._failed(exc, False)
+            break
+        if not stored:
+            return False
+        others = [node for node in self.cluster.replica_set(stored_key) if node is not primary]
+        copies = [Batch(node, op, sent, saved) for node in others if node.health.may_try()]
+        for node in others:
+            if node.health.down_until and all(batch.node is not node for batch in copies):
+                node.outdated.add((stored_key,))
+        if copies:
+            yield from fan_out(copies, io)
+        for batch in copies:
+            if batch.error is not None and not isinstance(batch.error, Refused):
+                batch.node.outdated.add((stored_key,))
+                self._failed_softly(batch.error)
+        if self._stale_copies and not stampede.is_side_key(key):
+            yield from self._delete_stale_copies({stored_key: key}, version, io)
+        return True
+
+    def _delete_stale_copies(
+        self, key_map: dict[str, Any], version: int | None, io: Transport
+    ) -> Plan:
+        """The stale copies of the entries (not the entries) deleted on every replica."""
+        placement = self._place(key_map)
+        copies = self._stale_copies_of(placement, key_map, version)
+        assert copies is not None
+        batches = [fanout.delete_batch(node, [], copies.riding.get(node))
+                   for node in placement.groups]
+        yield from fan_out(batches, io)
+        apart = yield from self._delete_round(copies.apart, io)
+        self._missed(placement, batches, copies, apart)
+        self._report(placement, batches, apart)
+
+    def _next_decides(self, error: MemcachedError, attempt: int) -> bool:
+        """With REPLICAS, after the deciding replica of ``add`` or ``incr`` failed on its
+        ``attempt``-th try: whether the next replica decides instead (the failure then
+        logged, not raised). So it does when the node failed — it is behind from then
+        on, and ``Cluster.primary`` passes it over — and replicas are left."""
+        if not (self.replicated and isinstance(error, NodeError)
+                and not isinstance(error, (NodeDown, NodeBusy))):
+            return False
+        if error.node not in self.cluster.by_name or attempt + 1 >= self.cluster.replicas:
+            return False
+        self._failed_softly(error)
+        return True
+
+    def _missed_on(self, key: str, error: MemcachedError) -> None:
+        """A single-key write that failed on one node: with REPLICAS the failed node only
+        (the others did not miss it), or every replica when none could be tried."""
+        if not self.replicated:
+            self.cluster.missed_write(key, error)
+            return
+        failed = self.cluster.by_name.get(error.node)
+        if isinstance(error, NodeDown) or failed is None:
+            for node in self.cluster.replica_set(key):
+                node.outdated.add((key,))
+        else:
+            failed.outdated.add((key,))
 
     def store_entry(
         self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport,
@@ -514,13 +762,19 @@ class MemcachedCache(KVCache):
         ops.extend(after or ())
         sent = len(stored_key) + len(data)
         try:
-            replies = yield from self._write(stored_key, wire.pipeline(ops), io, sent, saved,
-                                             riders)
+            if self.replicated:  # the lease's release (``after``) on the deciding replica only
+                every = yield from self._write_everywhere(
+                    stored_key, wire.pipeline(ops[:entry + 1]), io, sent, saved, riders,
+                    first_op=wire.pipeline(ops),
+                )
+            else:
+                every = [(yield from self._write(stored_key, wire.pipeline(ops), io, sent, saved,
+                                                 riders))]
         except MemcachedError as exc:
             self._failed(exc)
             return
-        refused = replies[entry]
-        if isinstance(refused, wire.ErrorReply):
+        refused = next((r[entry] for r in every if isinstance(r[entry], wire.ErrorReply)), None)
+        if refused is not None:
             refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}")
             yield from self._forget(stored_key, key, io)
 
@@ -536,6 +790,8 @@ class MemcachedCache(KVCache):
         key = self.make_and_validate_key(key, version=version)
         op = wire.touch(key.encode(), self.expire_time(timeout))
         try:
+            if self.replicated:
+                return any((yield from self._write_everywhere(key, op, io)))
             return bool((yield from self._write(key, op, io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
@@ -547,6 +803,8 @@ class MemcachedCache(KVCache):
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
+            if self.replicated:
+                return any((yield from self._write_everywhere(key, wire.delete(key.encode()), io)))
             return bool((yield from self._write(key, wire.delete(key.encode()), io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
@@ -578,28 +836,68 @@ class MemcachedCache(KVCache):
         """
         check_delta(delta)
         caller_key, key = key, self.make_and_validate_key(key, version=version)
-        try:
-            node = self._node(key)
-            if 0 <= delta <= INT64_MAX:
-                value = yield from self._incr_on_server(node, key, delta, caller_key, io)
-            else:
-                value = yield from self._incr_here(node, key, delta, caller_key, io)
-        except (Refused, Unsupported):
-            raise  # refused, not missed: the node answered and changed nothing
-        except MemcachedError as exc:
-            self.cluster.missed_write(key, exc)
-            if not isinstance(exc, UNREACHABLE):
-                raise  # the node answered (no meta commands, a key that kept changing)
-            # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted) the
-            # answer for a missing key: Django's contract has incr return the new value or
-            # raise ValueError, which callers handle (django-ratelimit counts from its
-            # initial value then). Django's PyMemcacheCache with ignore_exc returns False
-            # instead — neither a count nor a miss (docs/memcached.rst, incr and decr).
-            self._failed(exc)
-            value = None
+        failed: list[Node] = []  # with REPLICAS: replicas that failed this call, skipped
+        while True:
+            try:
+                node = self._node(key)
+                if 0 <= delta <= INT64_MAX:
+                    value = yield from self._incr_on_server(node, key, delta, caller_key, io)
+                else:
+                    value = yield from self._incr_here(node, key, delta, caller_key, io)
+            except (Refused, Unsupported):
+                raise  # refused, not missed: the node answered and changed nothing
+            except MemcachedError as exc:
+                self._missed_on(key, exc)
+                if not isinstance(exc, UNREACHABLE):
+                    raise  # the node answered (no meta commands, a key that kept changing)
+                if self._next_decides(exc, len(failed)):
+                    failed.append(self.cluster.by_name[exc.node])
+                    continue
+                # An unreachable node: raised, or under IGNORE_EXCEPTIONS (logged, counted)
+                # the answer for a missing key: Django's contract has incr return the new
+                # value or raise ValueError, which callers handle (django-ratelimit counts
+                # from its initial value then). Django's PyMemcacheCache with ignore_exc
+                # returns False instead — neither a count nor a miss (docs/memcached.rst,
+                # incr and decr).
+                self._failed(exc)
+                value = None
+            break
         if value is None:
             raise key_not_found(caller_key, version)
+        if self.replicated:
+            yield from self._incr_other_replicas(node, key, delta, caller_key, io, failed)
         return value
+
+    def _incr_other_replicas(
+        self, primary: Node, key: str, delta: int, caller_key: Any, io: Transport,
+        failed: list[Node],
+    ) -> Plan:
+        """With REPLICAS, once the deciding replica counted: every other replica applies
+        the same delta itself (one after another), so they stay equal — increments
+        commute. One that is down, fails or disagrees (a different value there: it
+        overflows, holds no integer) has the key marked outdated: deleted there before
+        it serves again, never a different count. One that has no such key stays
+        without it. A replica that was unreachable during the call is skipped: the key
+        is outdated there."""
+        for node in self.cluster.replica_set(key):
+            if node is primary or node in failed:
+                continue  # (a failed one has the key marked outdated already)
+            if node.health.down_until and not node.health.may_try():
+                node.outdated.add((key,))
+                continue
+            try:
+                if 0 <= delta <= INT64_MAX:
+                    yield from self._incr_on_server(node, key, delta, caller_key, io)
+                else:
+                    yield from self._incr_here(node, key, delta, caller_key, io)
+            except MemcachedError as exc:
+                node.outdated.add((key,))
+                self._failed_softly(exc)
+            except (OverflowError, TypeError) as exc:
+                node.outdated.add((key,))
+                logger.warning("memcached node %s: the replica of %r differs from the counter "
+                               "on %s (%s); deleted there", node.name, caller_key,
+                               primary.name, exc)
 
     def _incr_on_server(
         self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
@@ -725,6 +1023,8 @@ class MemcachedCache(KVCache):
         key_map = self.make_keys(keys, version)
         if not key_map:
             return {}
+        if self.replicated:
+            return (yield from self._get_many_replicated(key_map, io))
         placement = self._place(key_map)
         batches = [fanout.get_batch(node, keys) for node, keys in placement.groups.items()]
         yield from fan_out(batches, io)
@@ -750,6 +1050,68 @@ class MemcachedCache(KVCache):
                         f"{len(batch.keys)} key(s) asked one by one (a proxy's server down?)"
                     )
         self._report(placement, batches + retried)
+        return found
+
+    def _get_many_replicated(self, key_map: dict[str, Any], io: Transport) -> Plan:
+        """``get_many`` with REPLICAS: each key asked of one replica (the same turn for the
+        whole call, so its keys go to as few nodes as without replicas), in one request
+        per node; the keys of a node that is down or fails, and the misses of a replica
+        that may lack them (``_behind``), asked of their next replica in one more round.
+        Errors are the call's only for keys no replica answered."""
+        turn = next(self.cluster.turns)
+        replica_set, count = self.cluster.replica_set, self.cluster.replicas
+        if any(self._behind(node) for node in self._nodes):
+            order = {key: self._read_order(key, turn) for key in key_map}
+        else:  # the usual case: each key's replica of this turn, then the others in turn
+            start = turn % count
+            order = {}
+            for key in key_map:
+                replicas = replica_set(key)
+                order[key] = replicas[start:] + replicas[:start]
+        usable: dict[Node, bool] = {}
+        errors: dict[str, MemcachedError] = {}
+        answered: set[str] = set()
+        found: dict[Any, Any] = {}
+        pending = list(key_map)
+        while pending:
+            groups: dict[Node, list[str]] = {}
+            for key in pending:
+                nodes = order[key]
+                while nodes:
+                    node = nodes.pop(0)
+                    try:
+                        may = usable[node]
+                    except KeyError:
+                        may = usable[node] = not node.health.down_until or node.health.may_try()
+                    if may:
+                        groups.setdefault(node, []).append(key)
+                        break
+                    errors.setdefault(node.name, node.skipped())
+                else:
+                    if key not in answered and self.failover:
+                        extra = self.cluster.beyond_replicas(key)
+                        if extra is not None:
+                            groups.setdefault(extra, []).append(key)
+            if not groups:
+                break
+            batches = [fanout.get_batch(node, keys) for node, keys in groups.items()]
+            yield from fan_out(batches, io)
+            pending = []
+            for batch in batches:
+                if batch.error is not None:
+                    errors.setdefault(batch.node.name, batch.error)
+                    pending.extend(key for key in batch.keys if key not in answered)
+                    continue
+                self._decoded(batch.result, key_map, found)
+                answered.update(batch.keys)
+                if self._behind(batch.node):
+                    pending.extend(key for key in batch.keys if key.encode() not in batch.result)
+        if len(answered) < len(key_map):
+            for error in errors.values():
+                self._failed(error)
+        else:
+            for error in errors.values():
+                self._failed_softly(error)
         return found
 
     def _decoded(
@@ -800,6 +1162,13 @@ class MemcachedCache(KVCache):
         apart = yield from self._delete_round(copies.apart if copies else [], io)
         written = self._written(batches, key_map)
         failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        if self.replicated:  # stored if some replica stored it; failed if none answered
+            assert name == b"set", "add with REPLICAS is _add_replicated's"
+            answered = self._answered_keys(batches)
+            refused = list(dict.fromkeys(written.refused))
+            stored = [key for key in dict.fromkeys(written.stored) if key not in refused]
+            written = Written(stored, refused, [])
+            failed = [key for key in key_map if key not in answered]
         self._missed(placement, batches, copies, apart)
         unserved = self._unserved(batches + apart.batches)
         if written.refused and name == b"set":  # a refused value leaves no older one
@@ -891,6 +1260,9 @@ class MemcachedCache(KVCache):
         deleted = {key for batch in batches if batch.error is None
                    for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
         failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
+        if self.replicated:
+            answered = self._answered_keys(batches)
+            failed = [key for key in key_map if key not in answered]
         self._missed(placement, batches, copies, apart)
         self._report(placement, batches, apart, self._unserved(batches + apart.batches))
         return deleted, failed

@@ -8,11 +8,17 @@ and counters.
 The placement policy lives here too: a key goes to its node, or — with FAILOVER — to
 the next node of its ranking that may be tried; a write that failed or was skipped
 marks the key outdated on the nodes that may still hold an older copy.
+
+With ``REPLICAS`` N > 1 a key lives on its first N nodes in rendezvous order (its
+*replicas*, :meth:`Cluster.replica_set`): writes are placed on every replica that may be
+tried (:meth:`Cluster.place_everywhere`), and each replica that is skipped or fails
+has the key marked outdated there, so that it deletes the key before it serves again.
 """
 from __future__ import annotations
 
+import itertools
 import ssl
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -23,7 +29,7 @@ from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.pool import ConnectionSettings, pool_for
 from django_kvcache.memcached.routing import NodeAddress, check_scheme, make_router
 from django_kvcache.options import check_known, flag, integer, seconds
-from django_kvcache.routing import Router, parse_weights
+from django_kvcache.routing import ROUTE_MEMO_SIZE, Router, parse_weights
 
 if TYPE_CHECKING:
     from django_kvcache.memcached.exchange import Batch
@@ -42,11 +48,101 @@ class Placement(NamedTuple):
 class Cluster:
     """The nodes and router of one configuration, shared process-wide."""
 
-    def __init__(self, nodes: list[Node], router: Router) -> None:
+    def __init__(self, nodes: list[Node], router: Router, replicas: int = 1) -> None:
         self.nodes = nodes
         self.router = router
+        self.replicas = replicas
         self.by_name = {node.name: node for node in nodes}
         self._node_for_key = router.node_for
+        self._replica_memo: dict[str, list[Node]] = {}
+        #: Which replica a read starts with: the next turn per call, so that a hot key's
+        #: reads divide over its replicas (itertools.count is atomic under the GIL).
+        self.turns = itertools.count()
+
+    # --- replicas (REPLICAS > 1) --------------------------------------------------------
+
+    def replica_set(self, key: str) -> list[Node]:
+        """The key's replicas: its first REPLICAS nodes in rendezvous order, best first."""
+        memo = self._replica_memo
+        try:
+            return memo[key]
+        except KeyError:
+            pass
+        if len(memo) >= ROUTE_MEMO_SIZE:
+            memo.clear()  # as the router's memo: routing is deterministic
+        nodes = self.nodes
+        replicas = memo[key] = [nodes[i] for i in self.router.ranking(key)[: self.replicas]]
+        return replicas
+
+    def beyond_replicas(self, key: str) -> Node | None:
+        """FAILOVER with every replica down: the next node of the key's ranking that may
+        be tried, or None."""
+        for index in self.router.ranking(key)[self.replicas:]:
+            node = self.nodes[index]
+            if node.health.may_try():
+                return node
+        return None
+
+    def primary(self, key: str, failover: bool, behind: Callable[[Node], bool]) -> Node:
+        """The replica that decides what must have one answer (``add``'s winner, the
+        counter's value returned, get_or_set's lease): the first replica that is up and
+        not ``behind`` (it answered all along), else the first up, else the first that
+        may be probed now; with FAILOVER and every replica down, the next node. Raises
+        ``NodeDown`` when none may be tried."""
+        replicas = self.replica_set(key)
+        up = [node for node in replicas if not node.health.down_until]
+        for node in up:
+            if not behind(node):
+                return node
+        if up:
+            return up[0]
+        for node in replicas:
+            if node.health.may_try():  # this caller probes it
+                return node
+        if failover:
+            node = self.beyond_replicas(key)
+            if node is not None:
+                return node
+        raise replicas[0].skipped()
+
+    def place_everywhere(
+        self, keys: Iterable[str], failover: bool,
+        side: Callable[[str], tuple[str, ...]] | None = None,
+    ) -> Placement:
+        """A write's placement with replicas: each key on every replica that may be tried
+        now. A replica that may not has the key (and its ``side`` keys: stale copies
+        riding with it) marked outdated at once. Keys no replica can take go, with
+        FAILOVER, to the next node of their ranking; else they are ``stranded``, with an
+        error per node. ``may_try`` is asked once per node and call (it makes a caller
+        the probe of a node whose retry time is up)."""
+        placement = Placement({}, [], [])
+        groups = placement.groups
+        usable: dict[Node, bool] = {}
+        reported: set[Node] = set()
+        for key in keys:
+            reached = False
+            for node in self.replica_set(key):
+                try:
+                    may = usable[node]
+                except KeyError:
+                    may = usable[node] = not node.health.down_until or node.health.may_try()
+                if may:
+                    groups.setdefault(node, []).append(key)
+                    reached = True
+                else:
+                    node.outdated.add((key, *side(key)) if side else (key,))
+            if reached:
+                continue
+            extra = self.beyond_replicas(key) if failover else None
+            if extra is not None:
+                groups.setdefault(extra, []).append(key)
+                continue
+            placement.stranded.append(key)
+            first = self.replica_set(key)[0]
+            if first not in reported:
+                reported.add(first)
+                placement.errors.append(first.skipped())
+        return placement
 
     def home(self, key: str) -> Node:
         """The node the key belongs to, up or down."""
@@ -103,6 +199,13 @@ class Cluster:
         batch failed (its side keys too). ``riders``: side keys stored on their entry's
         node rather than on their own (a side key: its entry's key), whose home is their
         entry's."""
+        if self.replicas > 1:
+            # Skipped replicas were marked when placed (place_everywhere); a failed
+            # batch leaves only its own node behind: the other replicas got the write.
+            for batch in batches:
+                if batch.error is not None:
+                    batch.node.outdated.add([*batch.keys, *batch.side_keys])
+            return
         home = self.home if not riders else (lambda key: self.home(riders.get(key, key)))
         for key in placement.stranded:
             home(key).outdated.add((key,))
@@ -137,9 +240,15 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
     retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
     scheme = check_scheme(options.get("HASHING", "kvcache"))
     weights = parse_weights(options.get("WEIGHTS"), [address.name for address in addresses])
+    replicas = integer(options, "REPLICAS", 1)
+    if replicas > len(addresses):
+        raise ImproperlyConfigured(
+            f"OPTIONS['REPLICAS'] must be at most the number of servers in LOCATION "
+            f"({len(addresses)}), got {options['REPLICAS']!r}"
+        )
     identity = (
         tuple(a.name for a in addresses), scheme, tuple(weights), settings,
-        threshold, retry_timeout,
+        threshold, retry_timeout, replicas,
     )
 
     def make() -> Cluster:
@@ -147,7 +256,7 @@ def cluster_for(addresses: list[NodeAddress], options: Mapping[str, Any]) -> Clu
             Node(a, pool_for(a, settings), health_for(a.name, threshold, retry_timeout))
             for a in addresses
         ]
-        return Cluster(nodes, make_router(scheme, addresses, weights))
+        return Cluster(nodes, make_router(scheme, addresses, weights), replicas)
 
     return _clusters.get(identity, make)
 

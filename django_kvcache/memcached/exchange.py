@@ -96,6 +96,7 @@ class Node(Protocol):
     outdated: Any  # stale.OutdatedCopies
     repair_turn: Any  # stale.RepairTurn
     health: Any
+    behind_since: float
     ops: int
     bytes_sent: int
     bytes_received: int
@@ -369,6 +370,7 @@ def _ended(batch: Batch, exc: Exception, retry: bool, stale: list[Batch]) -> boo
     if not isinstance(exc, NODE_FAILURES):
         return False
     if retry and attempt.found_stale(exc):
+        node.behind_since = monotonic()  # restarted: empty, whatever its replicas hold
         attempt.close()
         attempt.pool.close_idle()  # its neighbours in the pool are just as stale
         stale.append(batch)

@@ -51,6 +51,9 @@ class Node:
         self.meta: bool | None = None  # speaks the meta commands? asked once (speaks_meta)
         self.flushes: bool | None = None  # forwards flush_all? learned at the first clear()
         self.ops = self.hits = self.misses = self.errors = self.timeouts = self.ignored = 0
+        #: When the node last failed or was found restarted (monotonic; 0: never, in this
+        #: process): with REPLICAS, it may lack entries the others have (``behind``).
+        self.behind_since = 0.0
         self.bytes_sent = self.bytes_received = self.bytes_saved = 0
 
     def __repr__(self) -> str:
@@ -129,6 +132,7 @@ class Node:
     def failure(self, exc: BaseException) -> NodeError:
         """Count a failed exchange and tell the health record; the error to raise."""
         self.errors += 1
+        self.behind_since = time.monotonic()
         if isinstance(exc, TIMEOUT_ERRORS):  # Python's or the kernel's
             self.timeouts += 1
             reason = f"timed out ({type(exc).__name__}: {exc})"

@@ -93,6 +93,10 @@ class Command(BaseCommand):
                             help="shards throughput: rounds, the figure is their median (3)")
         parser.add_argument("--lock-seconds", type=float, dest="lock_seconds",
                             help="locks: seconds of each contended figure (3)")
+        parser.add_argument("--replica-keys", type=int, dest="replica_keys",
+                            help="replicas: entries written, read and rewritten (2000)")
+        parser.add_argument("--replica-seconds", type=float, dest="replica_seconds",
+                            help="replicas: seconds of each outage run, a node killed halfway (6)")
         parser.add_argument("--results", type=Path, default=Path("results"),
                             help="folder for benchmark-MIX.json, benchmark-MIX.csv and the plots "
                                  "(default ./results)")
