@@ -53,6 +53,7 @@ class TestEncryptedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheCont
                 "OPTIONS": {"ENCRYPTION_KEYS": ["the contract's encryption key, 0123456789"]}}
 
 
+@pytest.mark.once  # a variant: the Django API is checked in every environment by the base class
 class TestReplicatedMemcachedCacheMeetsTheContract(TestMemcachedCacheMeetsTheContract):
     """REPLICAS 2: every key on two of the three nodes, reads spread over both."""
 
