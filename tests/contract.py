@@ -38,10 +38,13 @@ from django.utils.module_loading import import_string
 
 from tests.models import Poll
 
-# Long enough to outlive a test, short enough that a test can wait for it (memcached's
-# expiry has one-second resolution, so waits are one second plus a margin).
+# A whole-second timeout (memcached's clock counts whole seconds, and Django reads a
+# TIMEOUT setting with int()); backends with a finer clock use SUBSECOND_TIMEOUT in the
+# tests that set the timeout per call. A test waits past a timeout by the backend's clock
+# resolution plus EXPIRY_MARGIN.
 SHORT_TIMEOUT = 1
-EXPIRY_WAIT = 2.2
+SUBSECOND_TIMEOUT = 0.5  # long enough to write and read back on a loaded machine
+EXPIRY_MARGIN = 0.2
 
 
 def custom_key_func(key: str, key_prefix: str, version: int) -> str:
@@ -125,6 +128,18 @@ def api(request: Any) -> Iterator[Callable[[Any], Any]]:
 class CacheContract(CacheFixture):
     """Django's cache contract as tests, on the sync and on the async API."""
 
+    #: How finely the backend's expiry clock counts, in seconds: memcached's whole
+    #: seconds unless a class says otherwise (the MySQL table counts milliseconds).
+    clock_resolution = 1.0
+
+    @property
+    def short_timeout(self) -> float:
+        return SHORT_TIMEOUT if self.clock_resolution >= 1 else SUBSECOND_TIMEOUT
+
+    def wait_past(self, timeout: float) -> None:
+        """Sleep until an entry written with ``timeout`` before this call has expired."""
+        time.sleep(timeout + self.clock_resolution + EXPIRY_MARGIN)
+
     @pytest.fixture(autouse=True, params=["sync", "async"])
     def api(self, request):
         """Which API the test's caches are driven through; the async one gets an event
@@ -186,10 +201,10 @@ class CacheContract(CacheFixture):
         assert cache.get_many(["a", "b"]) == {}
 
     def test_touch(self, cache):
-        cache.set("key", "value", timeout=SHORT_TIMEOUT)
+        cache.set("key", "value", timeout=self.short_timeout)
         assert cache.touch("key", timeout=None) is True
         assert cache.touch("missing") is False
-        time.sleep(EXPIRY_WAIT)
+        self.wait_past(self.short_timeout)
         assert cache.get("key") == "value"
 
     def test_touch_with_zero_expires(self, cache):
@@ -221,9 +236,9 @@ class CacheContract(CacheFixture):
         assert cache.get_many(["a", "b"]) == {"a": "new", "b": "fresh"}
 
     def test_set_many_with_timeout(self, cache):
-        cache.set_many({"a": 1, "b": 2}, timeout=SHORT_TIMEOUT)
+        cache.set_many({"a": 1, "b": 2}, timeout=self.short_timeout)
         cache.set_many({"c": 3}, timeout=None)
-        time.sleep(EXPIRY_WAIT)
+        self.wait_past(self.short_timeout)
         assert cache.get_many(["a", "b", "c"]) == {"c": 3}
 
     def test_delete_many(self, cache):
@@ -295,10 +310,10 @@ class CacheContract(CacheFixture):
         cache.get("brief")
 
     def test_entries_expire(self, cache):
-        cache.set("short", "value", timeout=SHORT_TIMEOUT)
-        cache.add("short-add", "value", timeout=SHORT_TIMEOUT)
+        cache.set("short", "value", timeout=self.short_timeout)
+        cache.add("short-add", "value", timeout=self.short_timeout)
         cache.set("long", "value", timeout=60)
-        time.sleep(EXPIRY_WAIT)
+        self.wait_past(self.short_timeout)
         assert cache.get("short") is None
         assert cache.has_key("short-add") is False
         assert cache.get_many(["short", "short-add", "long"]) == {"long": "value"}
@@ -309,8 +324,8 @@ class CacheContract(CacheFixture):
         try:
             cache.set("forever", "value")
             assert cache.get("forever") == "value"
-            cache.set("bounded", "value", timeout=SHORT_TIMEOUT)
-            time.sleep(EXPIRY_WAIT)
+            cache.set("bounded", "value", timeout=self.short_timeout)
+            self.wait_past(self.short_timeout)
             assert cache.get("forever") == "value"
             assert cache.get("bounded") is None
         finally:
@@ -325,7 +340,7 @@ class CacheContract(CacheFixture):
             cache.set("key", "value")
             assert cache.get("key") == "value"
             cache.set("kept", "value", timeout=None)
-            time.sleep(EXPIRY_WAIT)
+            self.wait_past(SHORT_TIMEOUT)
             assert cache.get("key") is None
             assert cache.get("kept") == "value"
         finally:

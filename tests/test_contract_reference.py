@@ -10,6 +10,8 @@ from tests.hostile import HostileInputContract
 
 
 class TestLocMemCacheMeetsTheContract(HostileInputContract, CacheContract):
+    clock_resolution = 0.001  # time.time()
+
     key_rule = "warn"
 
     def backend_params(self):

@@ -191,6 +191,8 @@ def on_every_node(
 
 @on_the_nodes
 class GaleraNodeContract(CacheContract):
+    clock_resolution = 0.001  # expires in milliseconds
+
     alias = ""
 
     @pytest.fixture(autouse=True)

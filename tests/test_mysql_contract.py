@@ -10,6 +10,8 @@ from tests.mysql_support import BACKEND, ensure_table
 
 @pytest.mark.django_db(transaction=True)
 class TestMySQLCacheMeetsTheContract(CacheContract):
+    clock_resolution = 0.001  # expires in milliseconds
+
     def backend_params(self):
         return {"BACKEND": BACKEND, "LOCATION": "kvcache_contract"}
 
@@ -35,6 +37,8 @@ class TestShardedMySQLCacheMeetsTheContract(CacheContract):
     """Three shards on three servers, one of them read through a replica alias: the
     contract on both APIs (the async one on the event loop's own connections)."""
 
+    clock_resolution = 0.001  # expires in milliseconds
+
     def backend_params(self):
         return {"BACKEND": BACKEND, "LOCATION": "kvcache_contract_shards",
                 "OPTIONS": {"DATABASES": SHARDS, "REPLICAS": {"shard2": REPLICA}}}
@@ -48,6 +52,8 @@ class TestShardedMySQLCacheMeetsTheContract(CacheContract):
 @pytest.mark.django_db(transaction=True, databases=["default", *SHARDS, REPLICA])
 class TestReplicatedMySQLCacheMeetsTheContract(CacheContract):
     """One shard, its reads from a replica alias (read-your-writes in between)."""
+
+    clock_resolution = 0.001  # expires in milliseconds
 
     def backend_params(self):
         return {"BACKEND": BACKEND, "LOCATION": "kvcache_contract_replica",
