@@ -31,16 +31,16 @@ class Gets:
     def __init__(self, fetch: Callable[[wire.Op], Awaitable[Any]], node: str = "") -> None:
         self.fetch = fetch
         self.node = node
-        self.waiting: list[tuple[list[bytes], asyncio.Future]] = []
+        self.waiting: list[tuple[list[bytes] | bytes, asyncio.Future]] = []
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
 
-    def get(self, keys: list[bytes]) -> asyncio.Future:
-        """A future of ``{key: (data, flags)}`` for the ``keys`` found."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def get(self, keys: list[bytes] | bytes) -> asyncio.Future:
+        """A future of ``{key: (data, flags)}`` for the ``keys`` found; for one key given
+        as bytes (a single-key get), of its ``(data, flags)`` or None (no dict made)."""
+        future = asyncio.get_running_loop().create_future()
         if not self.waiting:
-            loop.call_soon(self._flush)
+            future.get_loop().call_soon(self._flush)
         self.waiting.append((keys, future))
         return future
 
@@ -51,8 +51,14 @@ class Gets:
         self.fetches.add(task)
         task.add_done_callback(self.fetches.discard)
 
-    async def _fetch(self, waiting: list[tuple[list[bytes], asyncio.Future]]) -> None:
-        keys = list(dict.fromkeys(key for asked, _ in waiting for key in asked))
+    async def _fetch(self, waiting: list[tuple[list[bytes] | bytes, asyncio.Future]]) -> None:
+        asked_keys: dict[bytes, None] = {}  # each key once, in the order asked
+        for asked, _ in waiting:
+            if type(asked) is bytes:
+                asked_keys[asked] = None
+            else:
+                asked_keys.update(dict.fromkeys(asked))
+        keys = list(asked_keys)
         op = wire.get_one(keys[0]) if len(keys) == 1 else wire.get_many(keys)
         failed: set[bytes] = set()
         try:
@@ -82,7 +88,12 @@ class Gets:
         for asked, future in waiting:
             if future.done():  # a cancelled caller's share is dropped
                 continue
-            if failed.intersection(asked):
+            if type(asked) is bytes:
+                if asked in failed:
+                    future.set_exception(error)
+                else:
+                    future.set_result(found.get(asked))
+            elif failed.intersection(asked):
                 future.set_exception(error)
             else:
                 future.set_result({key: found[key] for key in asked if key in found})
@@ -91,12 +102,18 @@ class Gets:
 def batch_for(node: Any) -> Gets | None:
     """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
     loop already has gets waiting or a connection busy on the node, so there is company
-    to share a request with. None: go alone (a lone call pays no batching detour)."""
+    to share a request with. None: go alone (a lone call pays no batching detour).
+    The loop's state is looked up once."""
     if not node.pool.settings.autobatch:
         return None
-    gets = gets_of(node)
-    pool = aio.loop_state().pools.get(node)
-    if gets.waiting or (pool is not None and pool.size > len(pool.idle)):
+    state = aio.loop_state()
+    gets = state.gets.get(node)
+    if gets is None:
+        gets = state.gets[node] = Gets(node.gets_to_fetch, node.name)
+    if gets.waiting:
+        return gets
+    pool = state.pools.get(node)
+    if pool is not None and pool.size > len(pool.idle):
         return gets
     return None
 

@@ -24,6 +24,7 @@ from django_kvcache.memcached.exchange import (
     TIMEOUT_ERRORS,
     Batch,
     Transport,
+    get_one,
     request,
 )
 from django_kvcache.memcached.pool import NodePool
@@ -70,9 +71,7 @@ class Node:
         """A single-key ``get`` in a plan: ``(data, flags)`` or None, counted as a hit or
         a miss. On the event loop, with AUTOBATCH, it may go out with the loop
         iteration's other gets for the node (the exchange decides)."""
-        batch = Batch(self, wire.get_one(key))
-        batch.gets, batch.one, batch.on_result = [key], True, self.count_get
-        return request(batch, io)
+        return get_one(self, key, io, self.count_get)
 
     def speaks_meta(self, io: Transport) -> steps.Plan:
         """Whether the server speaks the meta commands: asked once (``mn``), remembered
