@@ -22,6 +22,11 @@ from typing import Any, Awaitable, Callable
 from django_kvcache.memcached import ServerError, aio, wire
 
 Found = dict[bytes, tuple[bytes, int]]
+#: The callers a request must serve on average for a get to wait for company while a
+#: connection is free: below it (the loop's coroutines spread over many nodes, a request
+#: or two each per iteration), the batch's own cost — a future per caller, a task per
+#: request — outweighs the requests it saves, and a get with a free connection goes alone.
+COMPANY = 2
 
 
 class Gets:
@@ -34,6 +39,9 @@ class Gets:
         self.waiting: list[tuple[list[bytes] | bytes, asyncio.Future]] = []
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
+        #: Callers per request, a moving average: whether batching pays on this node
+        #: (``batch_for``). It starts as if it did.
+        self.company = float(COMPANY)
 
     def get(self, keys: list[bytes] | bytes) -> asyncio.Future:
         """A future of ``{key: (data, flags)}`` for the ``keys`` found; for one key given
@@ -47,6 +55,7 @@ class Gets:
     def _flush(self) -> None:
         waiting, self.waiting = self.waiting, []
         self.flushes += 1
+        self.company += (len(waiting) - self.company) / 8
         task = asyncio.get_running_loop().create_task(self._fetch(waiting))
         self.fetches.add(task)
         task.add_done_callback(self.fetches.discard)
@@ -101,9 +110,10 @@ class Gets:
 
 def batch_for(node: Any) -> Gets | None:
     """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
-    loop already has gets waiting or a connection busy on the node, so there is company
-    to share a request with. None: go alone (a lone call pays no batching detour).
-    The loop's state is looked up once."""
+    loop already has gets waiting, or a connection busy on the node and either none free
+    or the node's requests have lately served company enough (``COMPANY``), so there is
+    company to share a request with. None: go alone (a lone call pays no batching
+    detour). The loop's state is looked up once."""
     if not node.pool.settings.autobatch:
         return None
     state = aio.loop_state()
@@ -113,9 +123,11 @@ def batch_for(node: Any) -> Gets | None:
     if gets.waiting:
         return gets
     pool = state.pools.get(node)
-    if pool is not None and pool.size > len(pool.idle):
-        return gets
-    return None
+    if pool is None or pool.size <= len(pool.idle):
+        return None  # nothing going on with the node
+    if pool.idle and gets.company < COMPANY:
+        return None  # a free connection, and batches here have served one caller or so
+    return gets
 
 
 def gets_of(node: Any) -> Gets:

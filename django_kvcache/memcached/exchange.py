@@ -218,7 +218,10 @@ def _share_one(share: asyncio.Future, on_result: Callable[[Any], Any]) -> Plan:
 def request(batch: Batch, io: Transport) -> Plan:
     """One batch, as a plan whose value is its result (or which raises its error):
     ``value = yield from request(batch, io)``."""
-    return _plan((batch,), io, True)
+    if batch.gets is not None and io.joins:
+        return _plan((batch,), io, True)
+    batch.node.ops += batch.ops  # once per call, whatever is retried
+    return _rounds((batch,), io, batch)  # nothing to join
 
 
 def _plan(batches: Sequence[Batch], io: Transport, one: bool) -> Plan:

@@ -139,8 +139,11 @@ class Node:
         return error
 
     def gets_to_fetch(self, op: wire.Op) -> Any:
-        """The request of an autobatched get (``autobatch``): the callers count their ops."""
-        return self.acall(op, ops=0)
+        """The request of an autobatched get (``autobatch``), an awaitable: the callers
+        count their ops."""
+        batch = Batch(self, op)
+        batch.ops = 0
+        return steps.arun(request(batch, ASYNCIO))
 
     def metrics(self) -> dict[str, Any]:
         counters = {name: getattr(self, name) for name in COUNTERS}
