@@ -412,3 +412,21 @@ def test_a_shorter_io_timeout_on_the_same_loop_is_kept(silent_server, memcached_
             await asyncio.gather(slow, return_exceptions=True)
 
     assert asyncio.run(scenario()) < IO_TIMEOUT + 1.0
+
+
+def test_a_shorter_io_timeout_after_a_longer_ones_answer_is_kept(silent_server, node):
+    """A wait with a long IO_TIMEOUT answered, then one with a short IO_TIMEOUT on a
+    silent node, on the same loop: the second still times out at its own deadline (not
+    at the first one's)."""
+    patient = build([node.address], IO_TIMEOUT=20 * IO_TIMEOUT, IGNORE_EXCEPTIONS=False)
+    hasty = build([silent_server.address], IO_TIMEOUT=IO_TIMEOUT, FAILURE_THRESHOLD=100,
+                  IGNORE_EXCEPTIONS=False)
+
+    async def scenario() -> float:
+        await patient.aget("k")
+        started = time.monotonic()
+        with pytest.raises(NodeError):
+            await asyncio.wait_for(hasty.aget("k"), 10 * IO_TIMEOUT)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < IO_TIMEOUT + 1.0

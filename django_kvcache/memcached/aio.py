@@ -107,13 +107,15 @@ class Deadlines:
     Waits come in the order of their deadlines (now + IO_TIMEOUT) — a wait whose deadline
     is earlier than the last one queued (another IO_TIMEOUT on the same loop) gets a timer
     of its own. Answered waits leave from the front as new ones come and when the timer
-    fires; the timer is set for the oldest unanswered wait."""
+    fires; the timer is set for the oldest unanswered wait, or set again earlier for a
+    wait that comes after the ones it was set for were answered and have left."""
 
-    __slots__ = ("waits", "timer")
+    __slots__ = ("waits", "timer", "at")
 
     def __init__(self) -> None:
         self.waits: deque[tuple[asyncio.Future, float]] = deque()
         self.timer: asyncio.TimerHandle | None = None
+        self.at = 0.0  # the timer's deadline
 
     def add(self, future: asyncio.Future, deadline: float) -> asyncio.TimerHandle | None:
         """Fail ``future`` at ``deadline`` (a ``time.monotonic`` time) unless it is done
@@ -124,9 +126,14 @@ class Deadlines:
         if waits and deadline < waits[-1][1]:
             return _timer(future, deadline)
         waits.append((future, deadline))
-        if self.timer is None:
-            self.timer = _timer_call(deadline, self._expire)
+        if self.timer is None or deadline < self.at:  # none, or set for waits gone since
+            if self.timer is not None:
+                self.timer.cancel()
+            self._set(deadline)
         return None
+
+    def _set(self, deadline: float) -> None:
+        self.timer, self.at = _timer_call(deadline, self._expire), deadline
 
     def _expire(self) -> None:
         """Fail the waits whose time is up; set the timer again for the next one."""
@@ -138,7 +145,7 @@ class Deadlines:
             if future.done():
                 waits.popleft()
             elif deadline > now:
-                self.timer = _timer_call(deadline, self._expire)
+                self._set(deadline)
                 return
             else:
                 waits.popleft()
