@@ -360,3 +360,73 @@ def test_a_checkout_that_times_out_as_it_is_handed_a_connection_gives_it_back(no
     got, later, size, idle = asyncio.run(scenario())
     assert later == [None, None, None]
     assert size == idle == 1  # nothing leaked: the one connection is back
+
+
+# --- reply deadlines: one timer per loop ------------------------------------------------------
+
+
+def test_concurrent_replies_share_one_timer(node):
+    """Every reply awaited on the loop has its IO_TIMEOUT, kept by one timer of the loop
+    (not a timer per request, made and cancelled on the loop's heap each time)."""
+    cache = MemcachedCache([node.address], {"OPTIONS": {"AUTOBATCH": False}})
+    timers = []
+
+    async def scenario() -> list[Any]:
+        await cache.aset("k", "v")
+        await asyncio.gather(*(cache.aget("k") for _ in range(50)))  # connections open
+        loop = asyncio.get_running_loop()
+        call_at = loop.call_at
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            timers.append(args[0])
+            return call_at(*args, **kwargs)
+
+        loop.call_at = counted  # type: ignore[method-assign]
+        try:
+            return await asyncio.gather(*(cache.aget("k") for _ in range(50)))
+        finally:
+            del loop.call_at
+
+    assert asyncio.run(scenario()) == ["v"] * 50
+    assert len(timers) <= 2  # the first wait's, perhaps one set again as it fires
+
+
+def test_a_shorter_io_timeout_on_the_same_loop_is_kept(silent_server, memcached_node_factory):
+    """Two caches on one loop, a silent node: the wait with the shorter IO_TIMEOUT,
+    queued after one with a longer IO_TIMEOUT, still times out at its own deadline."""
+    patient = build([silent_server.address], IO_TIMEOUT=20 * IO_TIMEOUT, FAILURE_THRESHOLD=100,
+                    IGNORE_EXCEPTIONS=False)
+    hasty = build([silent_server.address], IO_TIMEOUT=IO_TIMEOUT, FAILURE_THRESHOLD=100,
+                  IGNORE_EXCEPTIONS=False)
+
+    async def scenario() -> float:
+        slow = asyncio.ensure_future(patient.aget("k"))
+        await asyncio.sleep(0.01)  # its reply wait is queued first
+        started = time.monotonic()
+        try:
+            with pytest.raises(NodeError):
+                await hasty.aget("k")
+            return time.monotonic() - started
+        finally:
+            slow.cancel()
+            await asyncio.gather(slow, return_exceptions=True)
+
+    assert asyncio.run(scenario()) < IO_TIMEOUT + 1.0
+
+
+def test_a_shorter_io_timeout_after_a_longer_ones_answer_is_kept(silent_server, node):
+    """A wait with a long IO_TIMEOUT answered, then one with a short IO_TIMEOUT on a
+    silent node, on the same loop: the second still times out at its own deadline (not
+    at the first one's)."""
+    patient = build([node.address], IO_TIMEOUT=20 * IO_TIMEOUT, IGNORE_EXCEPTIONS=False)
+    hasty = build([silent_server.address], IO_TIMEOUT=IO_TIMEOUT, FAILURE_THRESHOLD=100,
+                  IGNORE_EXCEPTIONS=False)
+
+    async def scenario() -> float:
+        await patient.aget("k")
+        started = time.monotonic()
+        with pytest.raises(NodeError):
+            await asyncio.wait_for(hasty.aget("k"), 10 * IO_TIMEOUT)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < IO_TIMEOUT + 1.0

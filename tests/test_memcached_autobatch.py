@@ -172,3 +172,22 @@ def test_metrics_show_the_async_pools_of_every_loop(memcached_node_factory):
     assert [finished[f] for f in figures] == [1, 1, 1, 0]  # asyncio.run's loop closed its pool
     assert cache.metrics()[node.address]["async_loops"] == 0
     assert finished["pool_size"] >= 1  # the blocking pool's figures are still there
+
+
+def test_a_get_with_a_free_connection_goes_alone_where_batches_serve_one_caller(two_nodes):
+    """Two gets at a time on a node: the second finds the first's connection busy and
+    batches alone. Once the node's batches serve fewer than two callers on average, a
+    get that finds a connection free sends its own request instead."""
+    cache = autobatched(two_nodes[:1])
+    cache.set("k", "v")
+    node = cache._nodes[0]
+
+    async def scenario() -> list[int]:
+        flushes = []
+        for _ in range(3):
+            before = autobatch.gets_of(node).flushes
+            assert await asyncio.gather(cache.aget("k"), cache.aget("k")) == ["v", "v"]
+            flushes.append(autobatch.gets_of(node).flushes - before)
+        return flushes
+
+    assert asyncio.run(scenario()) == [1, 0, 0]

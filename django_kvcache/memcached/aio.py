@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import time
+from collections import deque
 from typing import Any, Sequence
 
 from django_kvcache.loops import PerLoop
@@ -45,6 +46,7 @@ class _Stream(asyncio.Protocol):
     def __init__(self) -> None:
         self.buffer = wire.Buffer()
         self.transport: asyncio.Transport | None = None
+        self.loop: Any = None  # the loop it runs on, once connected
         self.reply: Any = None
         self.waiter: asyncio.Future | None = None
         self.drained: asyncio.Future | None = None
@@ -53,6 +55,7 @@ class _Stream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -96,14 +99,75 @@ def _timer(future: asyncio.Future, deadline: float | None) -> asyncio.TimerHandl
     return asyncio.get_running_loop().call_later(max(delay, 0.0), _expire, future)
 
 
+class Deadlines:
+    """One loop's reply waits, each failed with TimeoutError at its deadline, on one
+    timer for all of them instead of a timer each (made, pushed on the loop's heap,
+    cancelled, popped: a fifth of a get's CPU).
+
+    Waits come in the order of their deadlines (now + IO_TIMEOUT) — a wait whose deadline
+    is earlier than the last one queued (another IO_TIMEOUT on the same loop) gets a timer
+    of its own. Answered waits leave from the front as new ones come and when the timer
+    fires; the timer is set for the oldest unanswered wait, or set again earlier for a
+    wait that comes after the ones it was set for were answered and have left."""
+
+    __slots__ = ("waits", "timer", "at")
+
+    def __init__(self) -> None:
+        self.waits: deque[tuple[asyncio.Future, float]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = 0.0  # the timer's deadline
+
+    def add(self, future: asyncio.Future, deadline: float) -> asyncio.TimerHandle | None:
+        """Fail ``future`` at ``deadline`` (a ``time.monotonic`` time) unless it is done
+        by then; a timer of its own (to cancel) when it comes out of order, else None."""
+        waits = self.waits
+        while waits and waits[0][0].done():
+            waits.popleft()
+        if waits and deadline < waits[-1][1]:
+            return _timer(future, deadline)
+        waits.append((future, deadline))
+        if self.timer is None or deadline < self.at:  # none, or set for waits gone since
+            if self.timer is not None:
+                self.timer.cancel()
+            self._set(deadline)
+        return None
+
+    def _set(self, deadline: float) -> None:
+        self.timer, self.at = _timer_call(deadline, self._expire), deadline
+
+    def _expire(self) -> None:
+        """Fail the waits whose time is up; set the timer again for the next one."""
+        self.timer = None
+        waits = self.waits
+        now = time.monotonic()
+        while waits:
+            future, deadline = waits[0]
+            if future.done():
+                waits.popleft()
+            elif deadline > now:
+                self._set(deadline)
+                return
+            else:
+                waits.popleft()
+                _expire(future)
+
+
+def _timer_call(deadline: float, callback: Any) -> asyncio.TimerHandle:
+    return asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0),
+                                                 callback)
+
+
 class AsyncConnection:
-    """One asyncio connection to one node, opened on first use. One request at a time."""
+    """One asyncio connection to one node, opened on first use. One request at a time.
+    ``deadlines``: its loop's (:class:`Deadlines`)."""
 
-    __slots__ = ("address", "settings", "stream", "sock", "request")
+    __slots__ = ("address", "settings", "stream", "sock", "request", "deadlines")
 
-    def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
+    def __init__(self, address: NodeAddress, settings: ConnectionSettings,
+                 deadlines: Deadlines | None = None) -> None:
         self.address = address
         self.settings = settings
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.stream: _Stream | None = None
         self.sock: Any = None  # set once connected (the exchange reads it: reused or new)
         self.request = b""  # the last request written: its unsent tail is in the transport
@@ -129,9 +193,24 @@ class AsyncConnection:
         return stream
 
     async def transfer(self, request: bytes, reply: Any, deadline: float | None) -> None:
-        """Send ``request`` and wait until ``reply`` parses, both by ``deadline``."""
-        await self.send(request, deadline)
-        await self.receive(reply, deadline)
+        """Send ``request`` and wait until ``reply`` parses, both by ``deadline``
+        (:meth:`send` then :meth:`receive`, in one coroutine: the hot path)."""
+        stream = self.stream or await self.connect()
+        if stream.lost is not None:
+            raise ConnectionClosed(str(stream.lost))
+        self.request = request
+        stream.transport.write(request)  # type: ignore[union-attr]
+        if stream.drained is not None:  # the kernel's buffer is full: wait for room
+            await self._wait(stream.drained, deadline)
+        if reply.parse(stream.buffer):  # already here
+            return
+        timer = self._expect(stream, reply, deadline)
+        try:
+            await stream.waiter  # type: ignore[misc]
+        finally:
+            stream.reply = stream.waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def send(self, request: bytes, deadline: float | None) -> None:
         """Hand ``request`` to the transport, waiting (by ``deadline``) only while the
@@ -150,13 +229,22 @@ class AsyncConnection:
         assert stream is not None
         if reply.parse(stream.buffer):  # already here
             return
-        if stream.lost is not None:
-            raise ConnectionClosed(str(stream.lost))
-        stream.reply, stream.waiter = reply, asyncio.get_running_loop().create_future()
+        timer = self._expect(stream, reply, deadline)
         try:
-            await self._wait(stream.waiter, deadline)
+            await stream.waiter  # type: ignore[misc]
         finally:
             stream.reply = stream.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _expect(self, stream: _Stream, reply: Any, deadline: float | None) -> Any:
+        """``reply`` is awaited: ``stream.waiter``, resolved as data arrives, failed at
+        ``deadline`` by the loop's :class:`Deadlines` (or a timer it returns, to cancel)."""
+        if stream.lost is not None:
+            raise ConnectionClosed(str(stream.lost))
+        waiter = stream.waiter = stream.loop.create_future()
+        stream.reply = reply
+        return None if deadline is None else self.deadlines.add(waiter, deadline)
 
     @staticmethod
     async def _wait(future: asyncio.Future, deadline: float | None) -> None:
@@ -231,13 +319,15 @@ class AsyncPool(LoopPool[AsyncConnection]):
     ``close_idle``): the exchange uses either the same way. A connection is opened
     lazily, by its first exchange."""
 
-    def __init__(self, address: NodeAddress, settings: ConnectionSettings) -> None:
+    def __init__(self, address: NodeAddress, settings: ConnectionSettings,
+                 deadlines: Deadlines | None = None) -> None:
         super().__init__(settings.max_size, settings.pool_timeout)
         self.address = address
         self.settings = settings
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
 
     def open(self) -> AsyncConnection:
-        return AsyncConnection(self.address, self.settings)
+        return AsyncConnection(self.address, self.settings, self.deadlines)
 
     def exhausted(self) -> PoolExhausted:
         return exhausted(self.address, self.settings)
@@ -250,6 +340,7 @@ class LoopState:
     def __init__(self) -> None:
         self.pools: dict[Any, AsyncPool] = {}
         self.gets: dict[Any, Any] = {}
+        self.deadlines = Deadlines()
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -268,10 +359,11 @@ def loop_state() -> LoopState:
 def pool_of(node: Any) -> AsyncPool:
     """The running loop's pool for ``node`` (anything with a blocking ``pool``, whose
     address and settings it shares), made on first use. Call it on the loop."""
-    pools = loop_state().pools
-    pool = pools.get(node)
+    state = loop_state()
+    pool = state.pools.get(node)
     if pool is None:
-        pool = pools[node] = AsyncPool(node.pool.address, node.pool.settings)
+        pool = state.pools[node] = AsyncPool(node.pool.address, node.pool.settings,
+                                             state.deadlines)
     return pool
 
 

@@ -22,6 +22,11 @@ from typing import Any, Awaitable, Callable
 from django_kvcache.memcached import ServerError, aio, wire
 
 Found = dict[bytes, tuple[bytes, int]]
+#: The callers a request must serve on average for a get to wait for company while a
+#: connection is free: below it (the loop's coroutines spread over many nodes, a request
+#: or two each per iteration), the batch's own cost — a future per caller, a task per
+#: request — outweighs the requests it saves, and a get with a free connection goes alone.
+COMPANY = 2
 
 
 class Gets:
@@ -31,28 +36,38 @@ class Gets:
     def __init__(self, fetch: Callable[[wire.Op], Awaitable[Any]], node: str = "") -> None:
         self.fetch = fetch
         self.node = node
-        self.waiting: list[tuple[list[bytes], asyncio.Future]] = []
+        self.waiting: list[tuple[list[bytes] | bytes, asyncio.Future]] = []
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
+        #: Callers per request, a moving average: whether batching pays on this node
+        #: (``batch_for``). It starts as if it did.
+        self.company = float(COMPANY)
 
-    def get(self, keys: list[bytes]) -> asyncio.Future:
-        """A future of ``{key: (data, flags)}`` for the ``keys`` found."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    def get(self, keys: list[bytes] | bytes) -> asyncio.Future:
+        """A future of ``{key: (data, flags)}`` for the ``keys`` found; for one key given
+        as bytes (a single-key get), of its ``(data, flags)`` or None (no dict made)."""
+        future = asyncio.get_running_loop().create_future()
         if not self.waiting:
-            loop.call_soon(self._flush)
+            future.get_loop().call_soon(self._flush)
         self.waiting.append((keys, future))
         return future
 
     def _flush(self) -> None:
         waiting, self.waiting = self.waiting, []
         self.flushes += 1
+        self.company += (len(waiting) - self.company) / 8
         task = asyncio.get_running_loop().create_task(self._fetch(waiting))
         self.fetches.add(task)
         task.add_done_callback(self.fetches.discard)
 
-    async def _fetch(self, waiting: list[tuple[list[bytes], asyncio.Future]]) -> None:
-        keys = list(dict.fromkeys(key for asked, _ in waiting for key in asked))
+    async def _fetch(self, waiting: list[tuple[list[bytes] | bytes, asyncio.Future]]) -> None:
+        asked_keys: dict[bytes, None] = {}  # each key once, in the order asked
+        for asked, _ in waiting:
+            if type(asked) is bytes:
+                asked_keys[asked] = None
+            else:
+                asked_keys.update(dict.fromkeys(asked))
+        keys = list(asked_keys)
         op = wire.get_one(keys[0]) if len(keys) == 1 else wire.get_many(keys)
         failed: set[bytes] = set()
         try:
@@ -82,7 +97,12 @@ class Gets:
         for asked, future in waiting:
             if future.done():  # a cancelled caller's share is dropped
                 continue
-            if failed.intersection(asked):
+            if type(asked) is bytes:
+                if asked in failed:
+                    future.set_exception(error)
+                else:
+                    future.set_result(found.get(asked))
+            elif failed.intersection(asked):
                 future.set_exception(error)
             else:
                 future.set_result({key: found[key] for key in asked if key in found})
@@ -90,15 +110,24 @@ class Gets:
 
 def batch_for(node: Any) -> Gets | None:
     """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
-    loop already has gets waiting or a connection busy on the node, so there is company
-    to share a request with. None: go alone (a lone call pays no batching detour)."""
+    loop already has gets waiting, or a connection busy on the node and either none free
+    or the node's requests have lately served company enough (``COMPANY``), so there is
+    company to share a request with. None: go alone (a lone call pays no batching
+    detour). The loop's state is looked up once."""
     if not node.pool.settings.autobatch:
         return None
-    gets = gets_of(node)
-    pool = aio.loop_state().pools.get(node)
-    if gets.waiting or (pool is not None and pool.size > len(pool.idle)):
+    state = aio.loop_state()
+    gets = state.gets.get(node)
+    if gets is None:
+        gets = state.gets[node] = Gets(node.gets_to_fetch, node.name)
+    if gets.waiting:
         return gets
-    return None
+    pool = state.pools.get(node)
+    if pool is None or pool.size <= len(pool.idle):
+        return None  # nothing going on with the node
+    if pool.idle and gets.company < COMPANY:
+        return None  # a free connection, and batches here have served one caller or so
+    return gets
 
 
 def gets_of(node: Any) -> Gets:

@@ -184,10 +184,45 @@ def fan_out(batches: Sequence[Batch], io: Transport) -> Plan:
     return _plan(batches, io, False)
 
 
+def get_one(node: Node, key: bytes, io: Transport,
+            on_result: Callable[[Any], Any]) -> Plan:
+    """A single-key get, as a plan whose value is ``(data, flags)`` or None, passed to
+    ``on_result`` first (the node's hit and miss counts). The hot path: on the loop, with
+    AUTOBATCH and company (``Transport.company``), it joins the node's pending gets with
+    no batch, wire op or generator of the general plan; otherwise it is :func:`request`'s
+    one batch."""
+    if io.joins:
+        gets = io.company(node)
+        if gets is not None:
+            node.ops += 1
+            return _share_one(gets.get(key), on_result)
+    batch = Batch(node, wire.get_one(key))
+    batch.gets, batch.one, batch.on_result = [key], True, on_result
+    node.ops += 1
+    return _rounds((batch,), io, batch)  # alone: no company to join (asked above)
+
+
+def _share_one(share: asyncio.Future, on_result: Callable[[Any], Any]) -> Plan:
+    """A single-key get's share of the node's joint get: its ``(data, flags)`` or None,
+    or the node's error (raised). Cancelled, the share nobody will read is dropped."""
+    try:
+        found = yield Share(share)
+    except MemcachedError:
+        raise
+    except BaseException:
+        share.cancel()
+        raise
+    on_result(found)
+    return found
+
+
 def request(batch: Batch, io: Transport) -> Plan:
     """One batch, as a plan whose value is its result (or which raises its error):
     ``value = yield from request(batch, io)``."""
-    return _plan((batch,), io, True)
+    if batch.gets is not None and io.joins:
+        return _plan((batch,), io, True)
+    batch.node.ops += batch.ops  # once per call, whatever is retried
+    return _rounds((batch,), io, batch)  # nothing to join
 
 
 def _plan(batches: Sequence[Batch], io: Transport, one: bool) -> Plan:
@@ -544,6 +579,9 @@ class Transport(Protocol):
         """The get batches that joined gets already going to their node, each with the
         future of its share of their reply (AUTOBATCH)."""
 
+    def company(self, node: Any) -> Any:
+        """The node's pending gets a get should join (``autobatch.Gets``), or None."""
+
 
 class Blocking:
     """The blocking driver: the node's process-wide pool, blocking calls."""
@@ -558,12 +596,17 @@ class Blocking:
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
         return {}
 
+    @staticmethod
+    def company(node: Any) -> None:
+        return None
+
 
 class Asyncio:
     """The asyncio driver: the running loop's pool for the node; nothing blocks."""
 
     joins = True
     pool = staticmethod(aio.pool_of)
+    company = staticmethod(autobatch.batch_for)
 
     @staticmethod
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:

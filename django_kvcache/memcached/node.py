@@ -24,6 +24,7 @@ from django_kvcache.memcached.exchange import (
     TIMEOUT_ERRORS,
     Batch,
     Transport,
+    get_one,
     request,
 )
 from django_kvcache.memcached.pool import NodePool
@@ -73,9 +74,7 @@ class Node:
         """A single-key ``get`` in a plan: ``(data, flags)`` or None, counted as a hit or
         a miss. On the event loop, with AUTOBATCH, it may go out with the loop
         iteration's other gets for the node (the exchange decides)."""
-        batch = Batch(self, wire.get_one(key))
-        batch.gets, batch.one, batch.on_result = [key], True, self.count_get
-        return request(batch, io)
+        return get_one(self, key, io, self.count_get)
 
     def speaks_meta(self, io: Transport) -> steps.Plan:
         """Whether the server speaks the meta commands: asked once (``mn``), remembered
@@ -144,8 +143,11 @@ class Node:
         return error
 
     def gets_to_fetch(self, op: wire.Op) -> Any:
-        """The request of an autobatched get (``autobatch``): the callers count their ops."""
-        return self.acall(op, ops=0)
+        """The request of an autobatched get (``autobatch``), an awaitable: the callers
+        count their ops."""
+        batch = Batch(self, op)
+        batch.ops = 0
+        return steps.arun(request(batch, ASYNCIO))
 
     def metrics(self) -> dict[str, Any]:
         counters = {name: getattr(self, name) for name in COUNTERS}

@@ -152,6 +152,10 @@ def number(token: bytes, what: str) -> int:
 # --- reply parsers ----------------------------------------------------------------------
 
 
+#: A ``VALUE`` line of a ``get`` reply: key, flags, length.
+_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) ([0-9]+) ([0-9]+)\r\n")
+
+
 class Values:
     """A ``get``/``gets`` reply: ``VALUE`` blocks up to ``ends`` ``END`` lines.
 
@@ -171,6 +175,8 @@ class Values:
         self.header: tuple | None = None  # a VALUE line whose data has not all arrived
 
     def parse(self, buffer: Buffer) -> bool:
+        if self.header is None and not self.cas and type(buffer.data) is bytes:
+            self._whole_values(buffer)
         while self.ends:
             if self.header is not None:
                 key, flags, length, cas = self.header
@@ -203,6 +209,34 @@ class Values:
             else:
                 raise ProtocolError(f"unexpected reply to get: {line[:80]!r}")
         return True
+
+
+    def _whole_values(self, buffer: Buffer) -> None:
+        """Read the ``VALUE`` blocks and ``END`` lines that are here whole, in one loop over
+        the received bytes (no call per line or block: a ``get_many`` reply's hot path).
+        It stops, leaving the buffer at the start of the line, at anything else — a value
+        not all here, an error, something malformed — for :meth:`parse`'s careful loop
+        to read or reject."""
+        data, pos = buffer.data, buffer.pos
+        header, size, keys, result = _VALUE_LINE.match, len(data), self.keys, self.result
+        ends = self.ends
+        while ends:
+            match = header(data, pos)
+            if match is not None:
+                key, flags, length = match.groups()
+                start = match.end()
+                stop = start + int(length)
+                if key not in keys or size < stop + 2 or data[stop:stop + 2] != b"\r\n":
+                    break
+                result[key] = (data[start:stop], int(flags))
+                pos = stop + 2
+            elif data.startswith(b"END\r\n", pos):
+                ends -= 1
+                pos += 5
+            else:
+                break
+        self.ends = ends
+        buffer.pos = pos
 
 
 class OneValue:
