@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import ssl
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -83,13 +83,18 @@ class Cluster:
                 return node
         return None
 
-    def primary(self, key: str, failover: bool, behind: Callable[[Node], bool]) -> Node:
+    def primary(
+        self, key: str, failover: bool, behind: Callable[[Node], bool],
+        failed: Collection[Node] = (),
+    ) -> Node:
         """The replica that decides what must have one answer (``add``'s winner, the
         counter's value returned, get_or_set's lease): the first replica that is up and
         not ``behind`` (it answered all along), else the first up, else the first that
-        may be probed now; with FAILOVER and every replica down, the next node. Raises
-        ``NodeDown`` when none may be tried."""
-        replicas = self.replica_set(key)
+        may be probed now; with FAILOVER and every replica down, the next node. Replicas
+        that ``failed`` earlier in the same call are passed over (one failure does not
+        yet make a node down). Raises ``NodeDown`` when none may be tried."""
+        everyone = self.replica_set(key)
+        replicas = [node for node in everyone if node not in failed]
         up = [node for node in replicas if not node.health.down_until]
         for node in up:
             if not behind(node):
@@ -103,7 +108,7 @@ class Cluster:
             node = self.beyond_replicas(key)
             if node is not None:
                 return node
-        raise replicas[0].skipped()
+        raise everyone[0].skipped()
 
     def place_everywhere(
         self, keys: Iterable[str], failover: bool,
