@@ -478,3 +478,22 @@ class TestAsyncReplicaFaults(CacheFixture):
         single, many = asyncio.run(reads())
         assert single == [value_of(key) for key in keys]
         assert many == {key: value_of(key) for key in keys}
+
+
+def test_a_down_replica_counts_one_error_per_get_many_not_one_per_key(three_nodes):
+    """Keys whose other replica restarted empty (behind, so its misses are asked on) and
+    whose first is down: the down one is counted once per call, not once per key."""
+    cache = replicated(three_nodes, IGNORE_EXCEPTIONS=True)
+    keys = keys_by_node(cache, 20)[three_nodes[0].address]
+    cache.set_many(dict.fromkeys(keys, 1))
+    three_nodes[0].kill()
+    down = cache.cluster.by_name[three_nodes[0].address]
+    while not down.health.down_until:
+        cache.set(keys[0], 1)  # every replica is written: the dead one fails
+    for node in three_nodes[1:]:
+        node.kill()
+        node.start()  # empty
+    before = down.errors
+    for _ in range(3):
+        assert cache.get_many(keys) == {}  # lost with both replicas
+    assert 1 <= down.errors - before <= 3
