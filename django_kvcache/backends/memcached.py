@@ -56,7 +56,7 @@ from django_kvcache.memcached import (
 )
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.locks import MemcachedLockStore
-from django_kvcache.memcached.cluster import Placement, cluster_for
+from django_kvcache.memcached.cluster import Placement, Usable, cluster_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Batch, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
@@ -1082,7 +1082,7 @@ class MemcachedCache(KVCache):
             for key in key_map:
                 replicas = replica_set(key)
                 order[key] = replicas[start:] + replicas[:start]
-        usable: dict[Node, bool] = {}
+        usable = Usable()
         errors: dict[str, MemcachedError] = {}
         answered: set[str] = set()
         found: dict[Any, Any] = {}
@@ -1093,11 +1093,7 @@ class MemcachedCache(KVCache):
                 nodes = order[key]
                 while nodes:
                     node = nodes.pop(0)
-                    try:
-                        may = usable[node]
-                    except KeyError:
-                        may = usable[node] = not node.health.down_until or node.health.may_try()
-                    if may:
+                    if usable[node]:
                         groups.setdefault(node, []).append(key)
                         break
                     if node.name not in errors:  # counted once per call, not per key

@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 AUTOBATCH_DEFAULT = True
 
 
+
+class Usable(dict):
+    """Whether each node may be asked in one call: ``may_try`` is asked once per node
+    and call (it makes a caller the probe of a node whose retry time is up)."""
+
+    def __missing__(self, node: Node) -> bool:
+        may = self[node] = not node.health.down_until or node.health.may_try()
+        return may
+
 class Placement(NamedTuple):
     groups: dict[Node, list[str]]
     stranded: list[str]  # keys whose node is down (and no failover node is up)
@@ -122,16 +131,12 @@ class Cluster:
         the probe of a node whose retry time is up)."""
         placement = Placement({}, [], [])
         groups = placement.groups
-        usable: dict[Node, bool] = {}
+        usable = Usable()
         reported: set[Node] = set()
         for key in keys:
             reached = False
             for node in self.replica_set(key):
-                try:
-                    may = usable[node]
-                except KeyError:
-                    may = usable[node] = not node.health.down_until or node.health.may_try()
-                if may:
+                if usable[node]:
                     groups.setdefault(node, []).append(key)
                     reached = True
                 else:
