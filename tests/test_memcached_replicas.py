@@ -143,15 +143,32 @@ def test_add_has_one_winner_across_replicas(three_nodes):
 
 
 def test_add_never_overwrites_a_value_another_replica_already_has(three_nodes):
-    """The copy after a won ``add`` is an ``add`` too: a concurrent ``set`` that reached
-    a replica first stays (the next ``set`` of the key on the decider makes them agree)."""
+    """The copy after a won ``add`` is an ``add`` too, so a concurrent ``set`` that reached
+    a replica first is never overwritten by it; that replica then has the key deleted (a
+    miss until the key's next write) rather than keep a value other than the one added."""
     cache = replicated(three_nodes)
     stored = cache.make_key("k")
     primary, other = cache.cluster.replica_set(stored)
     data, flags = cache.encode("theirs", stored)
     other.call(wire.store(b"set", stored.encode(), data, flags, 0))
     assert cache.add("k", "mine") is True  # the decider did not have it
-    assert held(cache, "k") == {primary.name: "mine", other.name: "theirs"}
+    assert held(cache, "k") == {primary.name: "mine"}
+    cache.set("k", "next")
+    assert held(cache, "k") == {primary.name: "next", other.name: "next"}
+
+
+def test_a_won_add_never_leaves_an_older_value_on_another_replica(three_nodes, api):  # noqa: F811
+    """The decider lost the key (evicted, or restarted unnoticed) while its partner kept
+    it: the add wins there, and the partner's older value is never read again."""
+    raw = replicated(three_nodes)
+    cache = api(raw)
+    cache.set("k", "old")
+    stored = raw.make_key("k")
+    primary, other = raw.cluster.replica_set(stored)
+    primary.call(wire.delete(stored.encode()))  # evicted on the decider only
+    assert cache.add("k", "new") is True
+    assert held(raw, "k") == {primary.name: "new"}
+    assert "old" not in [cache.get("k") for _ in range(6)]  # reads turn over both
 
 
 def test_counters_are_counted_by_every_replica(three_nodes, api):  # noqa: F811
@@ -407,6 +424,32 @@ def test_counters_survive_a_dead_replica(three_nodes):
     assert cache.incr(key) == 6
 
 
+def test_a_failed_decider_hands_over_to_a_replica_that_failed_before(three_nodes):
+    """The partner failed once a while ago (it is behind, not down): when the decider
+    then times out, the partner decides the ``incr`` and ``add`` — the call does not ask
+    the replica that just failed it again (one failure does not make a node down)."""
+    cache = replicated(three_nodes, FAILURE_THRESHOLD=5)
+    key = keys_by_node(cache, 1)[three_nodes[0].address][0]
+    _, partner = cache.cluster.replica_set(cache.make_key(key))
+    partner_node = next(node for node in three_nodes if node.address == partner.name)
+    cache.set(key, 1)
+    elsewhere = keys_by_node(cache, 1)[partner.name][0]  # the key itself stays written there
+    pause(partner_node)
+    try:
+        cache.set(elsewhere, 1)  # answered by its other replica; timed out on the partner
+    finally:
+        resume(partner_node)
+    assert partner.behind_since and not partner.health.down_until
+    pause(three_nodes[0])
+    try:
+        assert cache.incr(key) == 2
+        fresh = next(k for k in keys_by_node(cache, 20)[three_nodes[0].address]
+                     if k != key and cache.cluster.replica_set(cache.make_key(k))[1] is partner)
+        assert cache.add(fresh, "won") is True
+    finally:
+        resume(three_nodes[0])
+
+
 @pytest.mark.parametrize("ignore_exceptions", [False, True])
 def test_add_is_decided_by_the_next_replica_when_the_first_dies(three_nodes, ignore_exceptions):
     cache = replicated(three_nodes, IGNORE_EXCEPTIONS=ignore_exceptions)
@@ -435,3 +478,22 @@ class TestAsyncReplicaFaults(CacheFixture):
         single, many = asyncio.run(reads())
         assert single == [value_of(key) for key in keys]
         assert many == {key: value_of(key) for key in keys}
+
+
+def test_a_down_replica_counts_one_error_per_get_many_not_one_per_key(three_nodes):
+    """Keys whose other replica restarted empty (behind, so its misses are asked on) and
+    whose first is down: the down one is counted once per call, not once per key."""
+    cache = replicated(three_nodes, IGNORE_EXCEPTIONS=True)
+    keys = keys_by_node(cache, 20)[three_nodes[0].address]
+    cache.set_many(dict.fromkeys(keys, 1))
+    three_nodes[0].kill()
+    down = cache.cluster.by_name[three_nodes[0].address]
+    while not down.health.down_until:
+        cache.set(keys[0], 1)  # every replica is written: the dead one fails
+    for node in three_nodes[1:]:
+        node.kill()
+        node.start()  # empty
+    before = down.errors
+    for _ in range(3):
+        assert cache.get_many(keys) == {}  # lost with both replicas
+    assert 1 <= down.errors - before <= 3

@@ -237,6 +237,9 @@ def test_a_refusal_of_a_command_that_carried_data_leaves_the_connection_out_of_s
     (wire.touch(b"k", 1), b"DELETED\r\n"),
     (wire.delete_many([b"a"]), b"HELLO\r\n"),
     (wire.incr(b"k", 1), b"-1\r\n"),
+    # numbers Python will not convert (over 4300 digits): through both get shortcuts
+    (wire.get_one(b"k"), b"VALUE k 0 " + b"9" * 5000 + b"\r\nv\r\nEND\r\n"),
+    (wire.get_many([b"k"]), b"VALUE k " + b"9" * 5000 + b" 1\r\nv\r\nEND\r\n"),
 ])
 def test_a_reply_we_cannot_read_is_a_protocol_error(op, reply):
     """Never a ValueError or KeyError: those would pass by the node's failure handling."""

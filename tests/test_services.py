@@ -1,6 +1,7 @@
 """The servers the suite runs against are real, reachable and the ones the env names."""
 from __future__ import annotations
 
+import hashlib
 import socket
 
 import MySQLdb
@@ -59,7 +60,11 @@ def test_twemproxy_spreads_keys_over_its_own_servers():
     the environment names (none of which is a shared node)."""
     assert not set(settings.TWEMPROXY_SERVERS) & set(settings.MEMCACHED_NODES)
     proxy = memcached_client(settings.TWEMPROXY)
-    keys = [f"kvcache-proxy-probe-{i}".encode() for i in range(30)]
+    # Keys unalike from their first byte: twemproxy's FNV-1a hash puts keys that differ in
+    # their last characters only next to one another on its ring (30 numbered keys all
+    # landed on one server when its servers listened on ports 31301-31303).
+    keys = [b"kvcache-proxy-probe-" + hashlib.sha256(b"%d" % i).hexdigest().encode()
+            for i in range(100)]
     try:
         proxy.set_many({key: b"here" for key in keys})
         assert proxy.get_many(keys) == {key: b"here" for key in keys}

@@ -29,7 +29,7 @@ import inspect
 import logging
 import random
 import time
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Collection, Iterable, Mapping, NamedTuple
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
@@ -56,7 +56,7 @@ from django_kvcache.memcached import (
 )
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.locks import MemcachedLockStore
-from django_kvcache.memcached.cluster import Placement, cluster_for
+from django_kvcache.memcached.cluster import Placement, Usable, cluster_for
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Batch, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
@@ -392,9 +392,11 @@ class MemcachedCache(KVCache):
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
-    def _node(self, key: str) -> Node:
+    def _node(self, key: str, failed: Collection[Node] = ()) -> Node:
+        """The key's node; with REPLICAS the deciding replica, passing over those that
+        ``failed`` earlier in the call."""
         if self.replicated:
-            return self.cluster.primary(key, self.failover, self._behind)
+            return self.cluster.primary(key, self.failover, self._behind, failed)
         return self.cluster.node(key, self.failover)
 
     def _behind(self, node: Node) -> bool:
@@ -666,16 +668,18 @@ class MemcachedCache(KVCache):
         data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(b"add", stored_key.encode(), data, flags, expire)
         sent = len(stored_key) + len(data)
-        for attempt in range(self.cluster.replicas):
+        failed: list[Node] = []  # deciders that failed this call: the next one decides
+        while True:
             try:
-                primary = self._node(stored_key)
+                primary = self._node(stored_key, failed)
                 stored = yield from primary.request(op, io, sent, saved)
             except Refused as exc:
                 refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
                 return False
             except MemcachedError as exc:
                 self._missed_on(stored_key, exc)  # (an add that may have landed: deleted)
-                if self._next_decides(exc, attempt):
+                if self._next_decides(exc, len(failed)):
+                    failed.append(self.cluster.by_name[exc.node])
                     continue
                 return self._failed(exc, False)
             break
@@ -688,10 +692,19 @@ class MemcachedCache(KVCache):
                 node.outdated.add((stored_key,))
         if copies:
             yield from fan_out(copies, io)
+        holding = []  # replicas that kept another value (an older one, or a racing set's)
         for batch in copies:
             if batch.error is not None and not isinstance(batch.error, Refused):
                 batch.node.outdated.add((stored_key,))
                 self._failed_softly(batch.error)
+            elif batch.error is None and not batch.result:
+                holding.append(Batch(batch.node, wire.delete(stored_key.encode())))
+        if holding:  # deleted there: a miss, never a value other than the one added
+            yield from fan_out(holding, io)
+            for batch in holding:
+                if batch.error is not None:
+                    batch.node.outdated.add((stored_key,))
+                    self._failed_softly(batch.error)
         if self._stale_copies and not stampede.is_side_key(key):
             yield from self._delete_stale_copies({stored_key: key}, version, io)
         return True
@@ -839,7 +852,7 @@ class MemcachedCache(KVCache):
         failed: list[Node] = []  # with REPLICAS: replicas that failed this call, skipped
         while True:
             try:
-                node = self._node(key)
+                node = self._node(key, failed)
                 if 0 <= delta <= INT64_MAX:
                     value = yield from self._incr_on_server(node, key, delta, caller_key, io)
                 else:
@@ -873,10 +886,11 @@ class MemcachedCache(KVCache):
         failed: list[Node],
     ) -> Plan:
         """With REPLICAS, once the deciding replica counted: every other replica applies
-        the same delta itself (one after another), so they stay equal — increments
-        commute. One that is down, fails or disagrees (a different value there: it
-        overflows, holds no integer) has the key marked outdated: deleted there before
-        it serves again, never a different count. One that has no such key stays
+        the same delta itself (one after another), so they converge — increments
+        commute; their results are not compared (concurrent calls make them differ on
+        the way). One that is down, fails or cannot apply the delta (it overflows there,
+        holds no integer) has the key marked outdated: deleted there before it serves
+        again. One that has no such key stays
         without it. A replica that was unreachable during the call is skipped: the key
         is outdated there."""
         for node in self.cluster.replica_set(key):
@@ -1068,7 +1082,7 @@ class MemcachedCache(KVCache):
             for key in key_map:
                 replicas = replica_set(key)
                 order[key] = replicas[start:] + replicas[:start]
-        usable: dict[Node, bool] = {}
+        usable = Usable()
         errors: dict[str, MemcachedError] = {}
         answered: set[str] = set()
         found: dict[Any, Any] = {}
@@ -1079,14 +1093,11 @@ class MemcachedCache(KVCache):
                 nodes = order[key]
                 while nodes:
                     node = nodes.pop(0)
-                    try:
-                        may = usable[node]
-                    except KeyError:
-                        may = usable[node] = not node.health.down_until or node.health.may_try()
-                    if may:
+                    if usable[node]:
                         groups.setdefault(node, []).append(key)
                         break
-                    errors.setdefault(node.name, node.skipped())
+                    if node.name not in errors:  # counted once per call, not per key
+                        errors[node.name] = node.skipped()
                 else:
                     if key not in answered and self.failover:
                         extra = self.cluster.beyond_replicas(key)

@@ -117,9 +117,7 @@ def batch_for(node: Any) -> Gets | None:
     if not node.pool.settings.autobatch:
         return None
     state = aio.loop_state()
-    gets = state.gets.get(node)
-    if gets is None:
-        gets = state.gets[node] = Gets(node.gets_to_fetch, node.name)
+    gets = _gets_in(state, node)
     if gets.waiting:
         return gets
     pool = state.pools.get(node)
@@ -132,7 +130,10 @@ def batch_for(node: Any) -> Gets | None:
 
 def gets_of(node: Any) -> Gets:
     """The running loop's batch of gets for ``node``, made on first use."""
-    state = aio.loop_state()
+    return _gets_in(aio.loop_state(), node)
+
+
+def _gets_in(state: Any, node: Any) -> Gets:
     gets = state.gets.get(node)
     if gets is None:
         gets = state.gets[node] = Gets(node.gets_to_fetch, node.name)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import ssl
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -38,6 +38,15 @@ if TYPE_CHECKING:
 #: AUTOBATCH's default, chosen by measurement (docs/async.rst, Autobatching).
 AUTOBATCH_DEFAULT = True
 
+
+
+class Usable(dict):
+    """Whether each node may be asked in one call: ``may_try`` is asked once per node
+    and call (it makes a caller the probe of a node whose retry time is up)."""
+
+    def __missing__(self, node: Node) -> bool:
+        may = self[node] = not node.health.down_until or node.health.may_try()
+        return may
 
 class Placement(NamedTuple):
     groups: dict[Node, list[str]]
@@ -83,13 +92,18 @@ class Cluster:
                 return node
         return None
 
-    def primary(self, key: str, failover: bool, behind: Callable[[Node], bool]) -> Node:
+    def primary(
+        self, key: str, failover: bool, behind: Callable[[Node], bool],
+        failed: Collection[Node] = (),
+    ) -> Node:
         """The replica that decides what must have one answer (``add``'s winner, the
         counter's value returned, get_or_set's lease): the first replica that is up and
         not ``behind`` (it answered all along), else the first up, else the first that
-        may be probed now; with FAILOVER and every replica down, the next node. Raises
-        ``NodeDown`` when none may be tried."""
-        replicas = self.replica_set(key)
+        may be probed now; with FAILOVER and every replica down, the next node. Replicas
+        that ``failed`` earlier in the same call are passed over (one failure does not
+        yet make a node down). Raises ``NodeDown`` when none may be tried."""
+        everyone = self.replica_set(key)
+        replicas = [node for node in everyone if node not in failed]
         up = [node for node in replicas if not node.health.down_until]
         for node in up:
             if not behind(node):
@@ -103,7 +117,7 @@ class Cluster:
             node = self.beyond_replicas(key)
             if node is not None:
                 return node
-        raise replicas[0].skipped()
+        raise everyone[0].skipped()
 
     def place_everywhere(
         self, keys: Iterable[str], failover: bool,
@@ -117,16 +131,12 @@ class Cluster:
         the probe of a node whose retry time is up)."""
         placement = Placement({}, [], [])
         groups = placement.groups
-        usable: dict[Node, bool] = {}
+        usable = Usable()
         reported: set[Node] = set()
         for key in keys:
             reached = False
             for node in self.replica_set(key):
-                try:
-                    may = usable[node]
-                except KeyError:
-                    may = usable[node] = not node.health.down_until or node.health.may_try()
-                if may:
+                if usable[node]:
                     groups.setdefault(node, []).append(key)
                     reached = True
                 else:

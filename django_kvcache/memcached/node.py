@@ -12,7 +12,7 @@ Outside a plan, :meth:`Node.call` runs one request on blocking sockets and
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Awaitable
 
 from django_kvcache import steps
 from django_kvcache.health import NodeHealth
@@ -101,11 +101,11 @@ class Node:
         batch.ops = ops
         return steps.run(request(batch, BLOCKING))
 
-    async def acall(self, op: wire.Op, ops: int = 1) -> Any:
-        """``request`` outside a plan, on the running event loop."""
+    def acall(self, op: wire.Op, ops: int = 1) -> Awaitable[Any]:
+        """``request`` outside a plan, on the running event loop (an awaitable)."""
         batch = Batch(self, op)
         batch.ops = ops
-        return await steps.arun(request(batch, ASYNCIO))
+        return steps.arun(request(batch, ASYNCIO))
 
     def count_get(self, found: tuple[bytes, int] | None) -> tuple[bytes, int] | None:
         """A single-key read's outcome, counted as a hit or a miss."""
@@ -142,12 +142,10 @@ class Node:
         error.__cause__ = exc
         return error
 
-    def gets_to_fetch(self, op: wire.Op) -> Any:
+    def gets_to_fetch(self, op: wire.Op) -> Awaitable[Any]:
         """The request of an autobatched get (``autobatch``), an awaitable: the callers
         count their ops."""
-        batch = Batch(self, op)
-        batch.ops = 0
-        return steps.arun(request(batch, ASYNCIO))
+        return self.acall(op, ops=0)
 
     def metrics(self) -> dict[str, Any]:
         counters = {name: getattr(self, name) for name in COUNTERS}

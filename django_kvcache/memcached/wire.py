@@ -152,8 +152,9 @@ def number(token: bytes, what: str) -> int:
 # --- reply parsers ----------------------------------------------------------------------
 
 
-#: A ``VALUE`` line of a ``get`` reply: key, flags, length.
-_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) ([0-9]+) ([0-9]+)\r\n")
+#: A ``VALUE`` line of a ``get`` reply: key, flags, length (the shortcuts' pattern: a
+#: number of more than ten digits, which no server sends, is left to the careful parser).
+_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) ([0-9]{1,10}) ([0-9]{1,10})\r\n")
 
 
 class Values:
@@ -288,9 +289,6 @@ class OneValue:
         buffer.pos = end + 7
         return True
 
-
-#: A ``VALUE <key> <flags> <length>`` line (``OneValue``'s shortcut).
-_VALUE_LINE = re.compile(rb"VALUE ([^ \r\n]+) (\d+) (\d+)\r\n")
 
 
 class Lines:
