@@ -110,15 +110,7 @@ class OwnNodes:
 
     def start(self, index: int) -> None:
         argv = list(self.helpers["memcached_argv"](self.ports[index]))
-        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.processes[index] = process
-        address = self.addresses[index]
-        deadline = time.monotonic() + 10
-        while not memcached_answers(address):
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"memcached on {address} did not start")
-            time.sleep(0.02)
+        self.processes[index] = _launch(argv, self.addresses[index])
 
     def kill(self, index: int) -> None:
         process = self.processes[index]
@@ -195,15 +187,20 @@ def _start_node(helpers: dict[str, Any], memory_mb: int | None = None) -> tuple[
     argv = list(helpers["memcached_argv"](port))
     if memory_mb is not None:  # same command line as the shared nodes but for its memory
         argv[argv.index("-m") + 1] = str(memory_mb)
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"{host}:{port}"
+    return address, _launch(argv, address)
+
+
+def _launch(argv: list[str], address: str) -> subprocess.Popen:
+    """Start memcached with ``argv`` and return once it answers on ``address``."""
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while not memcached_answers(address):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise RuntimeError(f"memcached on {address} did not start")
         time.sleep(0.02)
-    return address, process
+    return process
 
 
 # --- MariaDB servers of the benchmark's own, optionally CPU-capped ----------------------------
