@@ -809,7 +809,10 @@ def test_caches_sharing_a_table_or_nodes_are_warned_when_their_keys_disagree(mem
         "among CACHES['e']'s ENCRYPTION_KEYS: what one writes, the other reads as a miss.")
 
 
-def test_without_cryptography_the_check_command_says_what_to_install(monkeypatch,
+# The check command asks every database alias's server (Django 6.1's model checks): see
+# the check_order fixture.
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_without_cryptography_the_check_command_says_what_to_install(monkeypatch, check_order,
                                                                      memcached_locations):
     for name in [name for name in sys.modules if name.partition(".")[0] == "cryptography"]:
         monkeypatch.setitem(sys.modules, name, None)
