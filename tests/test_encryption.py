@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import random
 import re
@@ -534,6 +535,26 @@ def test_counters_stay_plain_and_count_on_the_server(side, api):
     cache.set("name", "not a number")
     with pytest.raises(TypeError):
         cache.incr("name")
+
+
+# memcached's incr reads any value that starts like a number (spaces, a sign, digits, then
+# a space, a newline or a NUL) as that number; an encrypted value starts with its nonce.
+@pytest.mark.parametrize("nonce_start", [b"7\n", b" 42 ", b"-0\0", b"+5\r"],
+                         ids=["digit", "space", "minus", "plus"])
+def test_incr_of_an_encrypted_text_raises_whatever_its_random_nonce(side, monkeypatch, nonce_start):
+    cache = side.build()
+    random_bytes = os.urandom
+    unlucky = [nonce_start.ljust(encryption.NONCE_BYTES, b"\xff")]
+
+    def urandom(size: int) -> bytes:  # the first nonce drawn is the unlucky one
+        return unlucky.pop() if unlucky and size == encryption.NONCE_BYTES else random_bytes(size)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "urandom", urandom)
+        cache.set("name", "not a number")
+    with pytest.raises(TypeError):
+        cache.incr("name")
+    assert cache.get("name") == "not a number"
 
 
 def test_ttl_and_herd_protection_work_on_encrypted_entries(side, api):
