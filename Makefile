@@ -62,7 +62,8 @@ bench: $(STAMP)
 	    --scenario default,shards,async --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
-$(STAMP): setup.cfg pyproject.toml scripts/services.py
+# __init__.py holds the version, which the installed metadata (pip list) repeats.
+$(STAMP): setup.cfg pyproject.toml scripts/services.py django_kvcache/__init__.py
 	$(PYTHON) scripts/services.py deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
