@@ -36,6 +36,8 @@ package: $(STAMP)
 # Servers up, tox, servers down again whatever tox's result; servers that do not start
 # fail it (as for test-galera), and so does any group services.py started (the shard
 # servers and the replica unless their ports are set empty) missing when tests start.
+# Each environment takes the tests in a new order (pytest-randomly) and prints its seed:
+# PYTEST_ARGS="-p no:cacheprovider -p randomly --randomly-seed=N" replays one.
 tox:
 	@test -n "$(ENVS)"
 	env="$$($(VENV)/bin/python scripts/services.py up)" || { \
