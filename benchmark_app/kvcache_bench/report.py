@@ -57,9 +57,10 @@ def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
         wall[entry["cache"], entry["operation"]] = cell + ("" if entry["correct"] else " WRONG")
         cpu[entry["cache"], entry["operation"]] = micros(entry.get("cpu_us"))
     caches = list(dict.fromkeys(entry["cache"] for entry in ops["results"]))
+    compared = (f", and speed-up over {reference} (its median / this median: above 1x is "
+                "faster)") if reference else ""
     return "\n\n".join([
-        f"ops, {mix} values: median per call, and speed-up over "
-        f"{reference or 'nothing (no DatabaseCache ran)'} (its median / this median: above 1x is faster)",
+        f"ops, {mix} values: median per call{compared}",
         *_blocks(ops["operations"], caches, wall),
         f"ops, {mix} values: CPU time of the benchmark process per call (mean; the client's work "
         "only, the servers' CPU is not included)",
@@ -362,11 +363,26 @@ TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": 
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
+#: The servers a run may describe, as the header names them (absent: not measured).
+SERVERS = (("mariadb", "MariaDB"), ("sqlite", "SQLite"), ("memcached", "memcached"))
+
+
+def header(machine: dict[str, Any]) -> str:
+    """The machine and the versions of the servers measured (those not measured omitted)."""
+    parts = [machine["cpu"], f"{machine['cores']} cores", f"Python {machine['python']}",
+             f"Django {machine['django']}"]
+    for key, name in SERVERS:
+        version = machine.get(key)
+        if version:
+            if key == "mariadb" and "mariadb" not in version.lower():
+                name = "MySQL"  # the key predates MySQL support; VERSION() says which
+            parts.append(f"{name} {version}")
+    return ", ".join(parts)
+
+
 def text(results: dict[str, Any]) -> str:
     machine, values = results["machine"], results["values"]
-    parts = [f"django-kvcache benchmark, {machine['date_utc']}: {machine['cpu']}, "
-             f"{machine['cores']} cores, Python {machine['python']}, Django {machine['django']}, "
-             f"MariaDB {machine['mariadb']}, memcached {machine['memcached']}\n{values['label']}"]
+    parts = [f"django-kvcache benchmark, {machine['date_utc']}: {header(machine)}\n{values['label']}"]
     for name, note in results["skipped"].items():
         parts.append(f"skipped {name}: {note}")
     for name, scenario in results["scenarios"].items():
