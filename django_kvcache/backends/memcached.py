@@ -436,7 +436,8 @@ class MemcachedCache(KVCache):
         """A replica's failure that cost the call nothing (another replica answered):
         logged once per episode, never raised; the key is outdated on that replica."""
         ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason} "
-                                "(another replica answered)")
+                                "(another replica answered)",
+                                label=f"node {error.node} of {self.cache_name}")
 
     def _batch_errors(self, batches: list[fanout.Batch]) -> list[MemcachedError]:
         """The errors of a round's batches that are the call's. With REPLICAS, a batch
@@ -465,9 +466,10 @@ class MemcachedCache(KVCache):
         """Raise ``error``, or with IGNORE_EXCEPTIONS (the default) log and count it,
         giving ``fallback``."""
         if not self.ignore_exceptions:
-            raise error
+            raise error.of_cache(self.cache_name)
         # Logged once per episode and then summarized: a down node fails every call.
-        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason}")
+        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason}",
+                                label=f"node {error.node} of {self.cache_name}")
         node = self.cluster.by_name.get(error.node)
         if node is not None:
             node.ignored += 1
@@ -1398,12 +1400,14 @@ class MemcachedCache(KVCache):
         return sampling.sample_entries(self._nodes, count)
 
     def server_stats(self) -> dict[str, dict[str, Any]]:
-        """memcached's ``stats`` of every node; ``{"error": ...}`` for a node that fails."""
+        """memcached's ``stats`` of every node; ``{"error": ..., "problem": ...}`` for a
+        node that fails (``MemcachedError.problem``: refused, timeout, unsupported...)."""
         stats: dict[str, dict[str, Any]] = {}
         for node in self._nodes:
             try:
                 stats[node.name] = node.call(wire.stats())
             except MemcachedError as exc:
-                stats[node.name] = {"error": str(exc)}
+                stats[node.name] = {"error": str(exc),
+                                    "problem": exc.problem}
         return stats
 
