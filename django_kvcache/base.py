@@ -197,8 +197,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
                     f"OPTIONS[{name!r}] does not apply to {type(self).__name__}: {reason}. "
                     "Remove it."
                 )
-        known = self.shared_options | self.backend_options
-        check_known(options, known, "OPTIONS", self.option_hints)
+        # What it refuses (above) it never offers: not in "Known:", nor as "did you mean"
+        # (a refused option in lower case is told why it does not apply).
+        known = (self.shared_options | self.backend_options) - set(self.inapplicable_options)
+        refused = {name.lower(): f"{name} does not apply to {type(self).__name__}: {reason}"
+                   for name, reason in self.inapplicable_options.items()}
+        check_known(options, known, "OPTIONS", {**refused, **self.option_hints})
         for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
             if name in options:
                 django_integer(options[name], f"OPTIONS[{name!r}]", minimum=0)
