@@ -363,6 +363,20 @@ TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": 
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
+def values_text(values: dict[str, Any]) -> str:
+    """The mix as generated: each kind's share, sizes, mean and zlib-6 ratio (alone, and
+    cut to 1 KB and 4 KB), so a run says how compressible its values were."""
+    at = values.get("zlib6_ratio_at", {})
+    rows = [[kind["kind"], f"{kind['percent']}%", f"{kind['min_bytes']:,}-{kind['max_bytes']:,}",
+             kind.get("sizes", ""), f"{kind['mean_bytes']:,.0f}", f"{kind['zlib6_ratio']:.2f}",
+             *(f"{at[kind['kind']][size]:.2f}" if size in at.get(kind["kind"], {}) else "-"
+               for size in ("1 KB", "4 KB"))]
+            for kind in values["kinds"]]
+    header = ["kind", "share", "bytes", "sizes", "mean", "zlib-6", "at 1 KB", "at 4 KB"]
+    return (f"{values['label']}: each kind as generated (zlib-6: original / compressed)\n\n"
+            + table(header, rows))
+
+
 #: The servers a run may describe, as the header names them (absent: not measured).
 SERVERS = (("mariadb", "MariaDB"), ("sqlite", "SQLite"), ("memcached", "memcached"))
 
