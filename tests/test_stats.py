@@ -131,7 +131,7 @@ def test_a_replica_is_listed_as_a_replica_not_as_a_shard(configured):
             document = json.loads(stats("replicated", "--json", "--no-server"))
         finally:
             drop_table(TABLE, "shard2")
-    assert "replicated (MySQLCache, 1 shard, 1 replica)" in text
+    assert "replicated (MySQLCache, 1 server, 1 replica)" in text  # one server: no shards
     process = document["replicated"]["process"]
     assert list(process["shards"]) == ["shard2"]
     assert list(process["replicas"]) == ["shard2_replica"]

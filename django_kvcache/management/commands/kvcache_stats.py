@@ -97,8 +97,9 @@ class Command(BaseCommand):
         counters (mostly zero in a fresh ``manage.py``: rows that are zero everywhere
         are left out); long text — why a server could not be asked — in numbered notes
         under its table, never in a cell."""
-        counts = Counter(place.kind for place in figures.places) or Counter({"node": 0})
-        places = ", ".join(f"{n} {kind}{'s' * (n != 1)}" for kind, n in counts.items())
+        counts = Counter(place_kind(place.kind, figures) for place in figures.places)
+        places = ", ".join(f"{n} {kind}{'s' * (n != 1)}"
+                           for kind, n in (counts or Counter({"node": 0})).items())
         lines = [f"{figures.alias} ({figures.backend}, {places})"]
         if servers:
             lines += server_table(servers)
@@ -156,10 +157,16 @@ def process_table(figures: stats.CacheFigures) -> list[str]:
     if rows:
         lines.append(table(["", *(place.name for place in figures.places)], rows))
     if quiet:
+        kinds = "/".join(sorted({place_kind(p.kind, figures) for p in figures.places}))
         lines.append(f"  {'the other' if rows else 'all'} {quiet} counters are 0 on every "
-                     f"{'/'.join(sorted({p.kind for p in figures.places})) or 'node'} "
-                     "(--json lists them)")
+                     f"{kinds or 'node'} (--json lists them)")
     return lines
+
+
+def place_kind(kind: str, figures: stats.CacheFigures) -> str:
+    """What a place is called: a MySQL cache on one database has a server, not a shard."""
+    shards = sum(place.kind == "shard" for place in figures.places)
+    return "server" if kind == "shard" and shards == 1 else kind
 
 
 def with_ratio(figures: dict[str, Any]) -> dict[str, Any]:
