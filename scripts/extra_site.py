@@ -190,9 +190,10 @@ def site_settings(backend: str, database: str | None) -> str:
     elif backend == "memcached":  # "A memcached cluster"
         caches = {"default": memcached}
         session = ["cached_db"]
-    elif backend == "both":  # "Both": sessions in the MySQL cache
-        caches = {"default": memcached, "db": mysql}
-        session = ["cache", 'SESSION_CACHE_ALIAS = "db"']
+    elif backend == "both":  # "Both": sessions in a MySQL cache of their own
+        caches = {"default": memcached, "db": mysql,
+                  "sessions": {**mysql, "LOCATION": "kvcache_sessions"}}
+        session = ["cache", 'SESSION_CACHE_ALIAS = "sessions"']
     else:
         caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
         session = ["cached_db"]
