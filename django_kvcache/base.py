@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
 from asgiref.sync import async_to_sync, sync_to_async
@@ -29,7 +30,7 @@ from django_kvcache.options import (
 from django_kvcache.zstd import FLAG_ZSTD
 
 logger = logging.getLogger(__name__)
-#: Corrupt entries, per backend class and kind of damage: one line when they start, then a
+#: Corrupt entries, per cache and kind of damage: one line when they start, then a
 #: summary at most every minute. Entries another host wrote with a compressor this one
 #: lacks (zstd in a rolling deploy) make every read of them a miss, and must not write a
 #: line each; nor may they hide the first entry of another kind (a bad signature).
@@ -116,15 +117,17 @@ class NamedConfiguration(type):
     naming the cache (``CACHES['mc']['OPTIONS']['IO_TIMEOUT'] must be ...``)."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        params = kwargs.get("params", args[-1] if args else {})
+        location = kwargs.get("location", args[0] if len(args) > 1 else None)
         try:
-            return super().__call__(*args, **kwargs)
+            cache = super().__call__(*args, **kwargs)
         except ImproperlyConfigured as exc:
-            params = kwargs.get("params", args[-1] if args else {})
-            location = kwargs.get("location", args[0] if len(args) > 1 else None)
             if not isinstance(params, Mapping):
                 raise
-            cache = describe_cache(cls, location, params)
-            raise ImproperlyConfigured(name_the_cache(str(exc), cache)) from exc
+            name = describe_cache(cls, location, params)
+            raise ImproperlyConfigured(name_the_cache(str(exc), name)) from exc
+        cache.built_from = (location, params)  # for ``cache_name``, worked out when needed
+        return cache
 
 
 class KVCache(BaseCache, metaclass=NamedConfiguration):
@@ -194,8 +197,12 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
                     f"OPTIONS[{name!r}] does not apply to {type(self).__name__}: {reason}. "
                     "Remove it."
                 )
-        known = self.shared_options | self.backend_options
-        check_known(options, known, "OPTIONS", self.option_hints)
+        # What it refuses (above) it never offers: not in "Known:", nor as "did you mean"
+        # (a refused option in lower case is told why it does not apply).
+        known = (self.shared_options | self.backend_options) - set(self.inapplicable_options)
+        refused = {name.lower(): f"{name} does not apply to {type(self).__name__}: {reason}"
+                   for name, reason in self.inapplicable_options.items()}
+        check_known(options, known, "OPTIONS", {**refused, **self.option_hints})
         for name in ("MAX_ENTRIES", "CULL_FREQUENCY"):
             if name in options:
                 django_integer(options[name], f"OPTIONS[{name!r}]", minimum=0)
@@ -203,6 +210,14 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     @property
     def backend_name(self) -> str:
         return f"{type(self).__module__}.{type(self).__qualname__}"
+
+    @cached_property
+    def cache_name(self) -> str:
+        """How log lines and errors name this cache: ``CACHES['default']`` (Django never
+        tells a backend its alias: found once, from the settings it was built with), or
+        what it is and where when it was built outside CACHES."""
+        location, params = getattr(self, "built_from", (None, {}))
+        return describe_cache(type(self), location, params)
 
     # --- timeouts --------------------------------------------------------------------
 
@@ -243,9 +258,9 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             return MISSING
 
     def report_unreadable(self, reason: str, message: str) -> None:
-        """Log an entry read as missing because it is corrupt: rate-limited per backend
-        class and ``reason`` (the kind of damage)."""
-        unreadable_entries.failed(f"{self.backend_name} ({reason})", message)
+        """Log an entry read as missing because it is corrupt: rate-limited per cache
+        and ``reason`` (the kind of damage)."""
+        unreadable_entries.failed(f"{self.cache_name} ({reason})", message)
 
     def get_or_set(
         self, key: Any, default: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -332,7 +347,7 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         ``blocking``, ``blocking_timeout`` and ``sleep``: how ``acquire()`` waits.
         Nothing happens until ``acquire()`` or ``with``."""
         return locks.Lock(self._lock_store(key, version, asynchronous=False), key, timeout,
-                          sleep, blocking, blocking_timeout, thread_local)
+                          sleep, blocking, blocking_timeout, thread_local, self.cache_name)
 
     def alock(
         self,
@@ -347,7 +362,8 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         """:meth:`lock` for async code: ``async with cache.alock("feed", timeout=60):``
         (not a coroutine: it builds the lock; its methods are awaited)."""
         return locks.AsyncLock(self._lock_store(key, version, asynchronous=True), key,
-                               timeout, sleep, blocking, blocking_timeout, thread_local)
+                               timeout, sleep, blocking, blocking_timeout, thread_local,
+                               self.cache_name)
 
     def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> locks.LockStore:
         """The backend's primitive for one lock name, for the sync or the async API."""

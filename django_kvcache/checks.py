@@ -13,7 +13,8 @@
   own database checks it needs a connection, so it runs only when the checks are given
   databases (``check --database <any alias>``, ``migrate``); then every MySQLCache's own
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
-  checked, whichever alias was named.
+  checked, whichever alias was named. Inside ``manage.py migrate``, a table the same run
+  is about to create (its ``pre_migrate`` receiver does) is no warning.
 * ``kvcache.E002`` the table exists in one of the cache's own databases with another
   layout: django-mysql's, Django's DatabaseCache's, or another application's table of that
   name (every cache call would fail); the message says whose it looks like and the fix.
@@ -36,16 +37,19 @@ ENCRYPTION_KEYS where cryptography is not installed: the message says what to in
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+import contextlib
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from django.conf import settings
 from django.core.cache import caches
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import connections
+from django.db import connections, router
 
 from django_kvcache.base import KVCache
 from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.encryption import configured_keys, key_id_text, weak_key
+from django_kvcache.maintenance import lives_in
 from django_kvcache.zstd import INSTALL_HINT, zstd_engine
 
 if TYPE_CHECKING:  # the MySQL backend is imported only by a site that configures it
@@ -79,6 +83,32 @@ def check_mysql_caches(
     return messages
 
 
+#: The databases the running ``migrate`` creates the cache tables in before it migrates
+#: (set by django_kvcache's ``migrate`` command around its checks).
+_MIGRATING: ContextVar[tuple[str, ...]] = ContextVar("kvcache_migrating", default=())
+
+
+@contextlib.contextmanager
+def migrating(databases: Iterable[str]) -> Iterator[None]:
+    """Around ``migrate`` on ``databases``: its ``pre_migrate`` receiver creates the
+    missing tables there, so W001 does not tell the user to run what is running."""
+    token = _MIGRATING.set(tuple(databases))
+    try:
+        yield
+    finally:
+        _MIGRATING.reset(token)
+
+
+def created_by_this_migrate(cache: MySQLCache, database: str) -> bool:
+    """Whether the running ``migrate`` is about to create the cache's tables in
+    ``database`` (as ``maintenance.create_tables_in`` decides, routers included)."""
+    return any(
+        connections[migrated].vendor == "mysql" and lives_in(database, migrated)
+        and router.allow_migrate_model(migrated, cache.cache_model_class)
+        for migrated in _MIGRATING.get()
+    )
+
+
 @register(Tags.caches, Tags.database)
 def check_mysql_cache_tables(
     app_configs: Iterable[Any] | None = None,
@@ -98,16 +128,16 @@ def check_mysql_cache_tables(
             if problem is not None:
                 found, fix = problem
                 messages.append(Error(found, hint=fix, id="kvcache.E002"))
-            if not missing:
+            if not missing or created_by_this_migrate(cache, database):
                 continue
             names = " and ".join(repr(table) for table in missing)
+            several = len(missing) > 1
             messages.append(
                 Warning(
-                    f"The table{'s' if len(missing) > 1 else ''} {names} of cache {alias!r} "
-                    f"{'do' if len(missing) > 1 else 'does'} not exist in database "
-                    f"{database!r}.",
-                    hint="'manage.py migrate' creates it before migrating (or run "
-                    f"'manage.py kvcache_createtable {alias}').",
+                    f"The table{'s' if several else ''} {names} of cache {alias!r} "
+                    f"{'do' if several else 'does'} not exist in database {database!r}.",
+                    hint=f"'manage.py migrate' creates {'them' if several else 'it'} before "
+                    f"migrating (or run 'manage.py kvcache_createtable {alias}').",
                     id="kvcache.W001",
                 )
             )

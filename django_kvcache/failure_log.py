@@ -31,6 +31,7 @@ class Episode:
     last_failure: float
     last_line: float  # when this episode last wrote a line
     last_error: str
+    label: str  # how the lines name the source
     total: int = 1
     unreported: int = 0  # failures since the last line
 
@@ -71,10 +72,13 @@ class FailureLog:
         self.lock = threading.Lock()
         forks.register(self)
 
-    def failed(self, source: str, error: object) -> None:
-        """Note one ignored failure of ``source``; log it if the rate allows."""
+    def failed(self, source: str, error: object, label: str | None = None) -> None:
+        """Note one ignored failure of ``source``; log it if the rate allows. ``label``:
+        how the lines name the source (``node h:p of CACHES['default']``), when more
+        than the source's key (``node h:p``, which :meth:`recovered` is called with)."""
         now = self.clock()
         error_text = str(error)
+        label = label or source
         lines: list[tuple] = []
         with self.lock:  # decide under the lock, log outside it
             episode = self.episodes.get(source)
@@ -82,8 +86,8 @@ class FailureLog:
                 self._summarize(lines, source, episode, until=episode.last_failure)  # quiet end
                 episode = None
             if episode is None:
-                self.episodes[source] = Episode(now, now, now, error_text)
-                lines.append(self._first(source, error_text))
+                self.episodes[source] = Episode(now, now, now, error_text, label)
+                lines.append(self._first(label, error_text))
             else:
                 episode.total += 1
                 episode.unreported += 1
@@ -94,7 +98,7 @@ class FailureLog:
         for line in lines:
             self.logger.warning(*line)
         if not lines:  # neither a first line nor a summary: only counted
-            self.logger.debug(self.COUNTED, self.kind, source, error_text)
+            self.logger.debug(self.COUNTED, self.kind, label, error_text)
 
     def recovered(self, source: str) -> None:
         """``source`` answers again: close its episode, if one is open, with its total."""
@@ -104,7 +108,8 @@ class FailureLog:
         if episode is not None:
             self.logger.warning(
                 "%s %s answers again: %d failure(s) ignored in %.1f s (last: %s)",
-                self.kind, source, episode.total, now - episode.started, episode.last_error,
+                self.kind, episode.label, episode.total, now - episode.started,
+                episode.last_error,
             )
 
     def _first(self, source: str, error_text: str) -> tuple:
@@ -116,7 +121,8 @@ class FailureLog:
         episode.unreported, episode.last_line = 0, until
         if unreported:
             lines.append((
-                self.SUMMARY, unreported, self.kind, source, until - since, episode.last_error,
+                self.SUMMARY, unreported, self.kind, episode.label, until - since,
+                episode.last_error,
             ))
 
     def after_fork(self) -> None:

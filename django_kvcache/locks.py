@@ -121,9 +121,12 @@ class _Rules:
         blocking: bool = True,
         blocking_timeout: float | None = None,
         thread_local: bool = True,
+        cache_name: str = "",
     ) -> None:
         self.store = store
         self.name = name
+        #: How log lines name the cache (``CACHES['default']``), beside the server.
+        self.cache_name = cache_name
         self.timeout = check_seconds(timeout, "timeout")
         self.sleep = check_seconds(sleep, "sleep", allow_none=False, positive=False)
         self.blocking = blocking
@@ -182,6 +185,7 @@ class _Rules:
                 unreachable.failed(
                     self.store.where, f"lock {self.name!r} not acquired: the server could "
                     f"not be reached ({type(exc).__name__}: {exc})",
+                    label=self._where(),
                 )
                 return False
             if granted:
@@ -222,8 +226,13 @@ class _Rules:
         try:
             yield from self.store.release(grant)
         except Exception as exc:
-            logger.warning("Could not release lock %r after an interrupted call; it expires "
-                           "after its timeout: %s: %s", self.name, type(exc).__name__, exc)
+            logger.warning("Could not release lock %r on %s after an interrupted call; it "
+                           "expires after its timeout: %s: %s", self.name, self._where(),
+                           type(exc).__name__, exc)
+
+    def _where(self) -> str:
+        """The server and the cache, for log lines: ``memcached node h:p of CACHES['x']``."""
+        return f"{self.store.where} of {self.cache_name}" if self.cache_name else self.store.where
 
     def _release(self) -> steps.Plan:
         grant = self.grant

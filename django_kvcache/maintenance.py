@@ -79,18 +79,32 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
     database routers let migrate there (``allow_migrate``, as Django's
     ``createcachetable`` asks for DatabaseCache); returns ``{alias: SQL}`` as
     ``create_tables``."""
+    return {alias: sql for alias, (sql, _) in _create_missing_in(database, dry_run).items()}
+
+
+def _create_missing_in(database: str, dry_run: bool = False) -> dict[str, tuple[str, list[str]]]:
+    """``create_tables_in``, with the names of the tables each cache lacked:
+    ``{alias: (SQL, [table, ...])}``."""
     done = {}
     for alias, cache in caches_in(database).items():
         if not router.allow_migrate_model(database, cache.cache_model_class):
             continue
         refuse_other_layout(cache, database)  # before its side tables are made
-        if cache.table_exists(database):
+        missing = cache.missing_tables(database)
+        if not missing:
             continue
-        done[alias] = cache.create_table_sql(database)
+        done[alias] = (cache.create_table_sql(database), missing)
         if not dry_run:
             cache.create_table(database)
-            logger.info("Created table %r of cache %r in database %r", cache.table, alias, database)
+            logger.info("Created the tables %s of cache %r in database %r",
+                        table_names(missing), alias, database)
     return done
+
+
+def table_names(tables: list[str]) -> str:
+    """``'a'``, ``'a' and 'b'``, ``'a', 'b' and 'c'``."""
+    quoted = [repr(table) for table in tables]
+    return " and ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
 
 
 def refuse_other_layout(cache: MySQLCache, database: str) -> None:
@@ -174,11 +188,11 @@ def prepare_migrate(
     before any migration runs there (and, while the test runner builds a test database,
     point their mirror aliases at it first)."""
     follow_test_mirror(using)
-    created = create_tables_in(using)
+    created = _create_missing_in(using)
     if verbosity >= 1 and stdout is not None:
-        for alias, cache in caches_in(using).items():
-            if alias in created:
-                stdout.write(f"  Created the table {cache.table!r} of cache {alias!r}.\n")
+        for alias, (_, tables) in created.items():
+            noun = "tables" if len(tables) > 1 else "table"
+            stdout.write(f"  Created the {noun} {table_names(tables)} of cache {alias!r}.\n")
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:

@@ -69,6 +69,13 @@ class LeaseStore(Protocol):
         """Give the lease up without a value (the computation failed)."""
 
 
+def cache_of(store: LeaseStore) -> str:
+    """How a log line names the store's cache (``CACHES['default']``): every store keeps
+    the cache it works for, as ``cache`` or (memcached's) ``host``."""
+    cache = getattr(store, "cache", None) or getattr(store, "host", None)
+    return getattr(cache, "cache_name", "the cache")
+
+
 class CacheCall:
     """A step: one method of the cache, ``name`` on the sync API, ``a<name>`` awaited on
     the async one (``get``/``aget``, ``add``/``aadd``...)."""
@@ -177,8 +184,8 @@ def plan(
                     raise
                 # An early recomputation that failed: the entry is still fresh, and a
                 # get_or_set that finds its entry never raises the default's errors.
-                logger.warning("Early recomputation failed; serving the present value",
-                               exc_info=True)
+                logger.warning("Early recomputation failed in %s; serving the present value",
+                               cache_of(store), exc_info=True)
                 return read.value
             except BaseException:
                 yield from store.release()
@@ -193,8 +200,8 @@ def plan(
             return read.value  # stale, while the lease holder recomputes
         if clock() >= give_up:
             logger.warning(
-                "get_or_set waited %.1f s (twice the lease's lifetime) without a fresh value or "
-                "the lease; computing without it", patience,
+                "get_or_set on %s waited %.1f s (twice the lease's lifetime) without a fresh "
+                "value or the lease; computing without it", cache_of(store), patience,
             )
             return (yield Compute(default))
         yield steps.Sleep(pause)

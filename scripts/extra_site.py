@@ -5,11 +5,12 @@
     python scripts/extra_site.py memcached   # py311-extra-memcached
     python scripts/extra_site.py none        # py311-extra-none: no extra at all
 
-tox installs the package (its sdist, not the checkout) with that extra only, plus Django
+tox installs the package (its sdist, not the checkout) with that extra and the ``bench``
+extra, as a user who benchmarks their site does (``none``: no extra at all), plus Django
 and pytest. This script then, outside the checkout:
 
-1. checks that the venv holds what the extra brings and nothing of the other backend's
-   (so the run proves what it claims);
+1. checks that the venv holds what the extras bring and nothing of the other backend's
+   (so the run proves what it claims: the ``bench`` extra brings no mysqlclient);
 2. makes a project with ``django-admin startproject``, adds ``django_kvcache`` to
    INSTALLED_APPS and the backend's cache as docs/quickstart.rst says (the MySQL site on
    a database of its own on the test server, the memcached site on the test nodes with
@@ -19,7 +20,9 @@ and pytest. This script then, outside the checkout:
 3. runs ``check``, ``check --database default``, ``migrate``, ``test`` and every
    management command of the app (``kvcache_train_dictionary`` on entries it writes),
    expecting each to succeed — or, for a backend whose extra is not installed (every one
-   in the ``none`` site), ``check`` to fail naming the extra and the package;
+   in the ``none`` site), ``check`` to fail naming the extra and the package; then
+   ``kvcache_benchmark --caches default --quick`` (four scenarios, small sizes), expecting
+   it to measure the site's cache (without the ``bench`` extra: to fail naming it);
 4. runs that backend's contract tests (the base class of tests/test_<backend>_contract.py)
    from a copy of the tests, so that the package under test is the installed one.
 
@@ -46,6 +49,14 @@ BACKENDS = {
 #: What each extra must bring, and what the backend's missing extra is named by.
 BRINGS = {"mysql": ["MySQLdb", "zstandard", "mmh3"], "memcached": ["mmh3", "zstandard"],
           "none": []}
+#: What the ``bench`` extra brings (installed beside each backend's extra, not in ``none``).
+BENCH = ["tqdm", "matplotlib", "pymemcache"]
+#: The benchmark on the site's cache, at the smallest sizes: the scenarios that import a
+#: backend or a peer (ops, codec), fill a table (rows) or start processes (concurrency);
+#: stampede, mostly fixed sleeps, is left to the suite (tests/test_benchmark_site.py).
+BENCHMARK = ("kvcache_benchmark", "--caches", "default", "--quick", "--scenario",
+             "ops,rows,concurrency,codec", "--rounds", "1", "--calls", "3", "--rows", "100",
+             "--iterations", "5", "--workers", "1")
 MISSING = {"mysql": "mysqlclient", "memcached": "mmh3"}
 COMMANDS = (
     ["createcachetable"], ["kvcache_createtable"], ["kvcache_cull"], ["kvcache_migration"],
@@ -131,9 +142,9 @@ def check_environment(extra: str) -> None:
 
     if not Path(django_kvcache.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()):
         raise SiteError(f"django_kvcache imported from {django_kvcache.__file__}, not the venv")
-    present = {name for name in ("MySQLdb", "mmh3", "zstandard")
+    present = {name for name in ("MySQLdb", "mmh3", "zstandard", *BENCH)
                if importlib.util.find_spec(name) is not None}
-    wanted = set(BRINGS[extra])
+    wanted = set(BRINGS[extra]) | (set() if extra == "none" else set(BENCH))
     if present != wanted:
         raise SiteError(f"the {extra!r} environment has {sorted(present)}, "
                         f"expected exactly {sorted(wanted)}")
@@ -164,7 +175,7 @@ def mysql_statement(statement: str) -> None:
 
 def site_settings(backend: str, database: str | None) -> str:
     """What the quick start adds to a new project's settings.py, for ``backend``."""
-    lines = ['INSTALLED_APPS += ["django_kvcache", "pages"]']
+    lines = ['INSTALLED_APPS += ["django_kvcache", "kvcache_bench", "pages"]']
     if database is not None:
         lines.append("DATABASES = " + repr({"default": {
             "ENGINE": "django.db.backends.mysql", "NAME": database, **mysql_server(),
@@ -181,9 +192,10 @@ def site_settings(backend: str, database: str | None) -> str:
     elif backend == "memcached":  # "A memcached cluster"
         caches = {"default": memcached}
         session = ["cached_db"]
-    elif backend == "both":  # "Both": sessions in the MySQL cache
-        caches = {"default": memcached, "db": mysql}
-        session = ["cache", 'SESSION_CACHE_ALIAS = "db"']
+    elif backend == "both":  # "Both": sessions in a MySQL cache of their own
+        caches = {"default": memcached, "db": mysql,
+                  "sessions": {**mysql, "LOCATION": "kvcache_sessions"}}
+        session = ["cache", 'SESSION_CACHE_ALIAS = "sessions"']
     else:
         caches = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
         session = ["cached_db"]
@@ -276,6 +288,7 @@ def main(extra: str) -> int:
                 fill_cache(site, env)
                 run(*manage, "kvcache_train_dictionary", "default", "--samples", "300",
                     "--output", str(root / "dictionary"), cwd=site, env=env)
+            benchmark(extra, root, site, env)
             check_missing_extras(extra, site, env)
             if extra == "mysql":  # the mysql extra brings mmh3: memcached works too
                 both(site, database, env)
@@ -289,6 +302,28 @@ def main(extra: str) -> int:
                 mysql_statement(f"DROP DATABASE IF EXISTS `{database}`")
     say(f"the {extra!r} site passed in {time.monotonic() - started:.0f} s")
     return 0
+
+
+def benchmark(extra: str, root: Path, site: Path, env: dict[str, str]) -> None:
+    """``kvcache_benchmark`` on the site's cache: it measures it (and Django's peer beside
+    it) and exits 0; without the ``bench`` extra it fails naming it."""
+    import json
+
+    results = root / "results"
+    if extra == "none":
+        result = run(sys.executable, "manage.py", *BENCHMARK, cwd=site, env=env,
+                     expect_failure=True)
+        if "pip install 'django-kvcache[bench]'" not in result.stderr:
+            raise SiteError(f"kvcache_benchmark without the bench extra does not name it:\n"
+                            f"{result.stderr[-2000:]}")
+        return
+    run(sys.executable, "manage.py", *BENCHMARK, "--results", str(results), cwd=site, env=env)
+    data = json.loads((results / "benchmark-realistic.json").read_text())
+    measured = {entry["cache"] for entry in data["scenarios"]["ops"]["results"]
+                if entry["correct"] and entry["median_us"]}
+    wanted = {"default", "default-databasecache" if extra == "mysql" else "default-pymemcache"}
+    if not wanted <= measured:
+        raise SiteError(f"the benchmark measured {sorted(measured)}, not {sorted(wanted)}")
 
 
 def both(site: Path, database: str | None, env: dict[str, str]) -> None:

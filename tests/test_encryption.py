@@ -492,6 +492,29 @@ def test_an_entry_moved_between_tables_or_backends_does_not_decrypt(
         memcached.clean()
 
 
+def test_the_log_line_of_an_entry_that_does_not_decrypt_names_the_cache_alias(
+        memcached_locations, caplog):
+    """Not the backend's class: a site has several caches of one backend (it said
+    "django_kvcache.backends.memcached.MemcachedCache (not authentic, ...)")."""
+    configured = {"secrets": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                              "LOCATION": memcached_locations, "KEY_PREFIX": "alias-named",
+                              "OPTIONS": {"ENCRYPTION_KEYS": [KEY1]}}}
+    with override_settings(CACHES=configured):
+        from django.core.cache import caches
+
+        cache = caches["secrets"]
+        cache.set("k", "value")
+        stored = cache.make_and_validate_key("k")
+        data, flags = cache._node(stored).call(wire.get_one(stored.encode()))
+        cache._node(stored).call(wire.store(b"set", stored.encode(), data[:-1] + bytes(
+            [data[-1] ^ 1]), flags, 0))
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert cache.get("k") is None
+        cache.delete("k")
+    (line,) = warnings_naming(caplog, "failed authentication")
+    assert "CACHES['secrets']" in line and "backends.memcached" not in line
+
+
 def test_an_unencrypted_entry_planted_in_an_encrypting_cache_is_never_unpickled(side, api, caplog):
     cache = side.build()
     stored = cache.make_and_validate_key("planted")

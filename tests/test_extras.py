@@ -49,12 +49,15 @@ except Exception as exc:
     outcome["setup"] = f"{type(exc).__name__}: {exc}"
 else:
     from django.core.management import call_command
+    outcome["stdout"] = {}
     for argv in json.loads(sys.argv[3]):
+        out = StringIO()
         try:
-            call_command(*argv, stdout=StringIO(), stderr=StringIO())
+            call_command(*argv, stdout=out, stderr=StringIO())
             outcome[" ".join(argv)] = "ok"
         except Exception as exc:
             outcome[" ".join(argv)] = f"{type(exc).__name__}: {exc}"
+        outcome["stdout"][" ".join(argv)] = out.getvalue()
 outcome["attempts"] = ATTEMPTS
 outcome["modules"] = sorted(m for m in sys.modules if m.startswith("django_kvcache"))
 print(json.dumps(outcome))
@@ -114,10 +117,13 @@ def test_a_memcached_site_never_imports_mysqlclient():
     for step in ("check", "check --database default", "migrate --verbosity 0",
                  "createcachetable", "kvcache_createtable", "kvcache_cull", "kvcache_stats"):
         assert outcome[step] == "ok", (step, outcome[step])
-    assert outcome["kvcache_migration"] == (
-        "CommandError: No MySQLCache in CACHES: there is no table to create.")
+    looked_for = ("no MySQLCache in CACHES (no BACKEND of 'default' is "
+                  "django_kvcache.backends.mysql.MySQLCache or a subclass)")
+    assert outcome["kvcache_migration"] == f"CommandError: {looked_for}: no migration to write."
     assert outcome["kvcache_rotate_key default"] == (
         "CommandError: Cache 'default' is not a MySQLCache")
+    assert outcome["stdout"]["kvcache_cull"] == f"{looked_for}: nothing to cull.\n"
+    assert outcome["stdout"]["kvcache_createtable"] == f"{looked_for}: no table to create.\n"
     # The shared node may hold enough entries to learn from, or too few: either is fine.
     trained = outcome[f"kvcache_train_dictionary default --output {os.devnull}"]
     assert trained == "ok" or trained.startswith("CommandError: Cache 'default' gave "), trained
@@ -206,6 +212,50 @@ def test_a_command_names_the_missing_extra_in_one_line():
     )
 
 
+def test_the_mysql_commands_say_once_that_there_is_no_mysql_cache():
+    """On a site without a MySQLCache, kvcache_cull and kvcache_createtable say so in one
+    line and succeed (nothing to do is no failure); with -v 0, as a cron line runs them,
+    they print nothing, so cron mails nothing."""
+    commands = [["kvcache_cull"], ["kvcache_createtable"], ["kvcache_cull", "-v", "0"],
+                ["kvcache_createtable", "-v", "0"]]
+    outcome = run_site(["MySQLdb"], site({"default": MEMCACHED}), commands)
+    assert [outcome[" ".join(argv)] for argv in commands] == ["ok"] * 4
+    assert [outcome["stdout"][" ".join(argv)].count("\n") for argv in commands] == [1, 1, 0, 0]
+    assert outcome["stdout"]["kvcache_cull"].startswith("no MySQLCache in CACHES")
+
+
+#: The benchmark on a site's cache at its smallest, a few calls of each site scenario but
+#: concurrency: its processes set Django up from DJANGO_SETTINGS_MODULE, which these
+#: sites (settings.configure) have not (scripts/extra_site.py runs it in a real site).
+BENCHMARK = ["kvcache_benchmark", "--caches", "default", "--quick", "--no-progress",
+             "--scenario", "ops,rows,stampede,codec", "--rounds", "1", "--calls", "3",
+             "--rows", "100", "--callers", "4"]
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("backend, blocked", [("memcached", "MySQLdb"), ("mysql", "mmh3")])
+def test_the_benchmark_runs_on_a_site_with_one_backend(backend, blocked, tmp_path, request):
+    """``kvcache_benchmark --caches default --quick`` on a site with one backend's extra
+    and the bench extra: it measures the site's cache (and Django's peer beside it), and
+    imports nothing of the other backend (it used to import the MySQL modules in every
+    run: MissingDependency on a memcached-only site)."""
+    if backend == "memcached":
+        config = site({"default": MEMCACHED})
+        peer = "default-pymemcache"
+    else:
+        config = site({"default": MYSQL}, request.getfixturevalue("own_database"))
+        peer = "default-databasecache"
+    config["INSTALLED_APPS"].append("kvcache_bench")
+    outcome = run_site([blocked], config, [BENCHMARK + ["--results", str(tmp_path)]])
+    assert outcome[" ".join(BENCHMARK + ["--results", str(tmp_path)])] == "ok"
+    assert outcome["attempts"] == []
+    other = ".mysql" if backend == "memcached" else ".memcached"
+    assert not [m for m in outcome["modules"] if other in m]
+    data = json.loads((tmp_path / "benchmark-realistic.json").read_text())
+    measured = {e["cache"] for e in data["scenarios"]["ops"]["results"] if e["correct"]}
+    assert {"default", peer} <= measured
+
+
 def test_a_site_with_neither_backend_runs_the_app():
     """django_kvcache installed without any extra and no kvcache cache: nothing breaks."""
     locmem = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
@@ -215,4 +265,7 @@ def test_a_site_with_neither_backend_runs_the_app():
     assert {step: outcome[step] for step in map(" ".join, commands)} == dict.fromkeys(
         map(" ".join, commands), "ok")
     assert outcome["attempts"] == []
+    assert outcome["stdout"]["kvcache_stats"] == (
+        "no django-kvcache cache in CACHES (no BACKEND of 'default' is a django_kvcache "
+        "backend or a subclass): nothing to show.\n")
 

@@ -8,6 +8,7 @@ processes and threads, a stalled holder) and the server faults follow.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -960,6 +961,23 @@ def test_an_unreachable_store_answers_a_non_blocking_acquire_and_raises_otherwis
     assert "lock 'job' not acquired: the server could not be reached" in caplog.text
     with pytest.raises(ConnectionError):
         lock.acquire()
+
+
+def test_an_unreachable_lock_server_is_logged_naming_the_cache(caplog):
+    """A non-blocking acquire on a memcached node nobody listens on: the log line names
+    the node and the cache alias (it named the node alone)."""
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    from tests.servers import free_port
+
+    closed = f"127.0.0.1:{free_port()}"
+    configured = {"locks": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                            "LOCATION": [closed]}}
+    with override_settings(CACHES=configured), caplog.at_level(logging.WARNING):
+        assert caches["locks"].lock("job", timeout=10).acquire(blocking=False) is False
+    assert (f"Ignored lock failure on memcached node {closed} of CACHES['locks']: lock 'job' "
+            "not acquired") in caplog.text
 
 
 def test_an_async_holder_and_waiter_share_the_rules():

@@ -222,7 +222,7 @@ def test_node_that_never_answers_times_out_then_is_skipped(silent_server, memcac
     silent_key = key_on(cache, type("N", (), {"address": silent_server})())
     for _ in range(2):
         started = time.monotonic()
-        with pytest.raises(NodeError, match="timed out"):
+        with pytest.raises(NodeError, match="did not answer within IO_TIMEOUT"):
             cache.get(silent_key)
         assert time.monotonic() - started < 5  # bounded by IO_TIMEOUT, not forever
     with pytest.raises(NodeDown):
@@ -272,6 +272,42 @@ def paused(two_nodes):
     resume(node)
 
 
+@pytest.mark.parametrize("ignore", [False, True], ids=["raised", "logged"])
+def test_a_hung_node_did_not_answer_within_io_timeout_naming_the_node_and_the_cache(
+        two_nodes, paused, caplog, ignore):
+    """A SIGSTOPped node: the kernel's timeout surfaces as BlockingIOError (EAGAIN), which
+    the message said as if it were the cause ("timed out (BlockingIOError: [Errno 11]
+    Resource temporarily unavailable)"), naming no cache."""
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    node, stop = paused
+    configured = {"pages": {"BACKEND": "django_kvcache.backends.memcached.MemcachedCache",
+                            "LOCATION": [n.address for n in two_nodes],
+                            "OPTIONS": {"IO_TIMEOUT": 0.2, "FAILURE_THRESHOLD": 100,
+                                        "IGNORE_EXCEPTIONS": ignore}}}
+    wanted = (f"memcached node {node.address} of CACHES['pages']: did not answer within "
+              "IO_TIMEOUT (0.2 s)")
+    with override_settings(CACHES=configured):
+        cache = caches["pages"]
+        key = key_on(cache, node)
+        stop()
+        with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
+            if ignore:
+                assert cache.get(key, "missed") == "missed"
+            else:
+                with pytest.raises(NodeError) as raised:
+                    cache.get(key)
+    if ignore:
+        (line,) = [r.getMessage() for r in caplog.records if "Ignored" in r.getMessage()]
+        assert line.startswith(f"Ignored memcached failure on node {node.address} of "
+                               "CACHES['pages']: NodeError: did not answer within IO_TIMEOUT "
+                               "(0.2 s) ")
+    else:
+        assert str(raised.value) == wanted
+    assert "Errno" not in caplog.text and "BlockingIOError" not in caplog.text
+
+
 def keys_on(cache, node, count):
     return [key_on(cache, node, prefix=f"k{i}") for i in range(count)]
 
@@ -308,7 +344,7 @@ def test_a_stale_copy_whose_delete_was_missed_is_deleted_before_the_node_serves(
     stop()
     with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
         assert cache.delete(key) is False  # timed out: logged, not raised
-    assert "timed out" in caplog.text
+    assert "did not answer within IO_TIMEOUT" in caplog.text
     assert cache.metrics()[node.address]["outdated_keys"] == 2  # the entry and its copy
     resume(node)
     wait_for_retry()
@@ -346,7 +382,7 @@ def test_a_stale_copy_on_another_node_whose_delete_was_missed_is_deleted_there_l
         stop()
         with caplog.at_level(logging.WARNING, logger="django_kvcache.backends.memcached"):
             assert cache.delete(key) is True  # the entry is gone; its copy's delete timed out
-        assert "timed out" in caplog.text
+        assert "did not answer within IO_TIMEOUT" in caplog.text
         assert cache.metrics()[paused_at]["outdated_keys"] == 1  # the copy
         resume(node)
         wait_for_retry()

@@ -284,6 +284,7 @@ def test_a_refused_value_never_fails_the_call(make_cache, caplog, api, ignore_ex
     assert 1 <= len(first) <= len(cache._nodes), first  # a line per node, then summaries
     for line in first:
         assert line.startswith("memcached node") and "refused the value of '" in line
+        assert f" of {cache.cache_name} refused" in line  # the node and its cache
         assert "too large" in line and "Ignored" not in line and ":1:" not in line
     logged = " ".join(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
     for key in ("'key'", "'kept'", "'many'"):  # each by the caller's key, at DEBUG or above
@@ -370,7 +371,7 @@ def test_set_many_logs_a_failed_clean_up_delete_and_deletes_later(delete_breaker
     with caplog.at_level(logging.WARNING, logger="django_kvcache"):
         refused = cache.set_many({"small": "new", "big": os.urandom(2 * ITEM_SIZE_MAX)})
     assert refused == ["big"]
-    assert "Could not delete 1 key(s) after a failed write" in caplog.text
+    assert f"Could not delete 1 key(s) of {cache.cache_name} after a failed write" in caplog.text
     assert "deleted when their node answers again" in caplog.text
     assert cache.metrics()[delete_breaker.address]["outdated_keys"] == 1
     delete_breaker.armed = False
@@ -410,7 +411,8 @@ def test_a_dead_node_logs_a_few_lines_however_many_calls_fail(locations, caplog)
     # Our first line and end line, the health's "down" and "back up", maybe a summary.
     assert len(lines) <= 5, lines
     ignored = cache.metrics()[dead.address]["ignored"]
-    assert f"node {dead.address} answers again: {ignored} failure(s) ignored" in caplog.text
+    assert (f"node {dead.address} of {cache.cache_name} answers again: {ignored} failure(s) "
+            "ignored") in caplog.text
 
 
 # --- corrupt entries and other writers ----------------------------------------------------

@@ -193,10 +193,9 @@ def test_migrate_creates_the_tables_first_and_says_so(runner_databases):
         with WritesWhileMigrating(["own", "mirrored"]) as writer:
             call_command("migrate", database=PRIMARY, verbosity=1, stdout=out)
         assert {"kvcache_tdb_own", "kvcache_tdb_mirrored"} <= tables(PRIMARY)
-        assert "  Created the table 'kvcache_tdb_own' of cache 'own'.\n" in out.getvalue()
-        assert "  Created the table 'kvcache_tdb_mirrored' of cache 'mirrored'.\n" in (
-            out.getvalue()
-        )
+        for cache in ("own", "mirrored"):  # each with its lock table
+            assert (f"  Created the tables 'kvcache_tdb_{cache}' and 'kvcache_tdb_{cache}_locks' "
+                    f"of cache '{cache}'.\n") in out.getvalue()
         assert writer.outcomes == {"own": PRIMARY, "mirrored": PRIMARY}
         out = StringIO()
         call_command("migrate", database=PRIMARY, verbosity=1, stdout=out)

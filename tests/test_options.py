@@ -2,6 +2,7 @@
 both backends, and errors that name the cache, the option and the nearest known key."""
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -282,14 +283,52 @@ def test_max_replica_lag_needs_replicas():
 
 @pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
 def test_an_unknown_key_names_the_cache_and_the_nearest_known_key(backend, location):
-    configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": {"max_entries": 10}}
+    configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": {"compressr": None}}
     with override_settings(CACHES={"mc": configured}):
         with pytest.raises(ImproperlyConfigured) as raised:
             caches["mc"]
     assert str(raised.value).startswith(
-        "CACHES['mc']['OPTIONS'] has unknown keys: max_entries (did you mean MAX_ENTRIES?). "
+        "CACHES['mc']['OPTIONS'] has unknown keys: compressr (did you mean COMPRESSOR?). "
         "Known: "
     ), raised.value
+
+
+def known_and_suggested(backend: str, location: Any, typed: str) -> tuple[list[str], str | None]:
+    """The "Known:" list of an unknown key's message, and what it suggests for ``typed``."""
+    message = configured_error(backend, location, {typed: 1})
+    known = message.rsplit("Known: ", 1)[1].split(", ")
+    suggested = re.search(r"did you mean (\w+)\?", message)
+    return known, suggested and suggested[1]
+
+
+@pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
+def test_a_backend_never_offers_an_option_it_refuses(backend, location):
+    """Each option of the "Known:" list, given to the backend, is taken (MemcachedCache
+    listed MAX_ENTRIES and CULL_FREQUENCY, and suggested them for a typo, then refused
+    them: memcached has no entry count); a typo of a refused option suggests nothing."""
+    known, _ = known_and_suggested(backend, location, "NOPE")
+    refused = []
+    for name in known:
+        configured = {"BACKEND": backend, "LOCATION": location, "OPTIONS": {name: 1}}
+        with override_settings(CACHES={"x": configured}):
+            try:
+                caches["x"]
+            except ImproperlyConfigured as exc:  # a value this test made up: fine
+                if "does not apply" in str(exc):
+                    refused.append(name)
+    assert refused == []
+    for typed in ("MAX_ENTRIE", "CULL_FREQUENCI", "MAX_ENTRIES_"):
+        _, suggested = known_and_suggested(backend, location, typed)
+        assert suggested is None or suggested in known
+
+
+def test_memcached_tells_a_refused_option_in_lower_case_why():
+    message = configured_error(MEMCACHED, NOWHERE, {"max_entries": 10})
+    assert message.startswith(
+        "CACHES['x']['OPTIONS'] has unknown keys: max_entries (MAX_ENTRIES does not apply to "
+        "MemcachedCache: memcached evicts the least recently used items when its memory "
+        "(memcached -m) is full, so there is no entry count to keep). Known: "), message
+    assert "MAX_ENTRIES" not in message.split("Known: ")[1]
 
 
 def test_a_message_about_another_setting_names_the_cache_in_front():

@@ -13,6 +13,7 @@ from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 from django.urls import path
 
+from django_kvcache.management.commands.kvcache_stats import PROCESS_NOTE
 from tests.mysql_support import BACKEND as MYSQL, drop_table
 
 MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
@@ -94,7 +95,8 @@ def test_mysql_hits_and_misses_are_counted_for_the_table_sync_and_async(configur
     figures = json.loads(stats("--json", "db"))["db"]["process"]["cache"]
     assert figures["hits"] == after["hits"] and figures["misses"] == after["misses"]
     assert figures["hit_ratio"] == round(after["hits"] / (after["hits"] + after["misses"]), 4)
-    assert "hit ratio" in stats("db").splitlines()[1]
+    lines = stats("db").splitlines()
+    assert "hit ratio" in lines[lines.index(f"  {PROCESS_NOTE}") + 1]  # the table's, as a whole
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "shard2", "shard2_replica"])
@@ -129,7 +131,7 @@ def test_a_replica_is_listed_as_a_replica_not_as_a_shard(configured):
             document = json.loads(stats("replicated", "--json", "--no-server"))
         finally:
             drop_table(TABLE, "shard2")
-    assert "replicated (MySQLCache, 1 shard, 1 replica)" in text
+    assert "replicated (MySQLCache, 1 server, 1 replica)" in text  # one server: no shards
     process = document["replicated"]["process"]
     assert list(process["shards"]) == ["shard2"]
     assert list(process["replicas"]) == ["shard2_replica"]
@@ -165,6 +167,41 @@ def test_a_node_that_is_down_is_shown_not_fatal(configured, memcached_node_facto
     with override_settings(CACHES=settings):
         document = json.loads(stats("--json"))
     assert "error" in document["gone"]["server"][down.address]
+
+
+def test_a_refused_node_a_hung_node_and_a_proxy_are_told_apart(configured, memcached_node_factory):
+    """A closed port says "refused", a SIGSTOPped memcached "timeout" (it did not answer
+    within IO_TIMEOUT), twemproxy "no stats": each in a word in the servers' table, which
+    comes first, with the full text in a note under it (a refused connection used to be
+    reported as "it closed the connection on stats … a proxy such as twemproxy")."""
+    from django.conf import settings as django_settings
+
+    from tests.servers import free_port
+    from tests.test_faults_memcached import stop_process
+
+    live, hung = memcached_node_factory(), memcached_node_factory()
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    stop_process(hung.process.pid)
+    settings = {
+        "mc": {"BACKEND": MEMCACHED, "LOCATION": [live.address, hung.address, closed],
+               "OPTIONS": {"IO_TIMEOUT": 0.3}},
+        "proxy": {"BACKEND": MEMCACHED, "LOCATION": [django_settings.TWEMPROXY]},
+    }
+    with override_settings(CACHES=settings):
+        mc, proxy = stats("mc"), stats("proxy")
+    lines = mc.splitlines()
+    assert lines[1].startswith("  the servers' own figures")
+    assert mc.index("the servers' own figures") < mc.index("this process's counters")
+    assert lines[3].split() == ["answer", "ok", "timeout", "[1]", "refused", "[2]"]
+    assert f"  [1] memcached node {hung.address}: did not answer within IO_TIMEOUT (0.3 s)" in lines
+    assert (f"  [2] memcached node {closed}: connection refused: nothing listens there "
+            "(memcached down, or a wrong LOCATION)") in lines
+    table = lines[2:lines.index(f"  [1] memcached node {hung.address}: did not answer within "
+                                "IO_TIMEOUT (0.3 s)")]
+    assert max(map(len, table)) == len(lines[2]) < 100  # no cell wider than its node's name
+    answer = proxy.splitlines()[3]
+    assert answer.split() == ["answer", "no", "stats", "[1]"]
+    assert "it closed the connection on stats instead of answering" in proxy
 
 
 @pytest.mark.parametrize("alias, message", [

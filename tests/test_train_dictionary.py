@@ -95,7 +95,7 @@ def test_entries_compressed_with_an_unknown_dictionary_are_skipped_and_counted(s
         rng = random.Random(3)
         caches["writer"].set("written-with-first", [api_response(rng) for _ in range(3)])
     _, err = train(tmp_path, "sampled", output=tmp_path / "second.zstd", samples=200)
-    assert "Skipped 1 entries this cache cannot decompress" in err
+    assert "Skipped 1 entries cache 'sampled' cannot decompress" in err
 
 
 def test_silent_at_verbosity_0(sampled, tmp_path):

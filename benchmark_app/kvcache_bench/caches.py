@@ -26,6 +26,7 @@ from django.core.cache.backends.base import BaseCache
 from django.db import connections, router
 from django.utils.module_loading import import_string
 
+from django_kvcache.configured import loaded_class
 from kvcache_bench.routers import SQLITE_TABLE_PREFIX
 
 #: The cache every other one is compared with, and the fallback when it is skipped.
@@ -251,11 +252,11 @@ def _backend(alias: str) -> tuple[str, str]:
     except ImportError:
         return path, "other"
     for kind, base in (("mysql", KV_MYSQL), ("memcached", KV_MEMCACHED)):
-        try:
-            if isinstance(backend, type) and issubclass(backend, import_string(base)):
-                return path, kind
-        except ImportError:  # that backend's extra is not installed
-            continue
+        # Importing ``backend`` imported its kvcache base: one not loaded is none of its
+        # bases (and importing it would need that backend's extra).
+        found = loaded_class(*base.rsplit(".", 1))
+        if found is not None and isinstance(backend, type) and issubclass(backend, found):
+            return path, kind
     return path, "other"
 
 

@@ -34,6 +34,7 @@ class Parameters:
     iterations: int = 150  # mixed-workload iterations per concurrent worker
     callers: tuple[int, ...] = (8, 32, 128)  # callers at once on one key in stampede
     storage_entries: int = 1000  # entries of the mix written to measure bytes stored
+    codec_values: int = 1500  # values of the mix each codec setting encodes and decodes
     capacity_mb: int = 32  # memory (-m) of the memcached node the capacity scenario fills
     capacity_fill: float = 4.0  # bytes of values written into it, as a multiple of its memory
     server_cpu: float | None = None  # shards: each server's CPU quota (cores); None: uncapped
@@ -70,13 +71,14 @@ class Parameters:
     def site_quick(cls) -> Parameters:
         """A site's caches (each with Django's beside it) in under a minute."""
         return cls(rounds=3, calls=10, batch=20, rows=(1_000,), row_calls=30, workers=(1, 4),
-                   iterations=20, callers=(8,), storage_entries=200)
+                   iterations=20, callers=(8,), storage_entries=200, codec_values=300)
 
     @classmethod
     def quick(cls) -> Parameters:
         """Small enough for the whole default set of caches in under two minutes."""
         return cls(rounds=3, calls=15, batch=20, rows=(1_000, 10_000), row_calls=40,
                    node_calls=60, workers=(1, 4), iterations=30, callers=(8, 32), storage_entries=200,
+                   codec_values=300,
                    capacity_mb=16, capacity_fill=2.5, shard_seconds=1.0, shard_rounds=1,
                    lock_seconds=1.0, replica_keys=500, replica_seconds=2.0)
 
@@ -102,8 +104,10 @@ class Context:
         return self.instances[spec.name]
 
     def progress(self, scenario: str, total: int) -> Any:
+        """A progress bar on stderr, only when stderr is a terminal: in a log file (``make
+        bench > log``, cron, CI) its redraws would be thousands of lines."""
         from tqdm import tqdm  # the bench extra; the command checks it is there first
 
+        shown = self.show_progress and sys.stderr.isatty()
         return tqdm(total=total, desc=scenario, unit="step", file=sys.stderr,
-                    disable=not self.show_progress, leave=False, dynamic_ncols=True,
-                    mininterval=0.5)
+                    disable=not shown, leave=False, dynamic_ncols=True, mininterval=0.5)

@@ -7,7 +7,7 @@ import platform
 import socket
 import sqlite3
 from importlib import metadata
-from typing import Any
+from typing import Any, Iterable
 
 import django
 from django.db import connections
@@ -33,13 +33,18 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def mariadb_version() -> str | None:
-    try:
-        with connections["default"].cursor() as cursor:
-            cursor.execute("SELECT VERSION()")
-            return cursor.fetchone()[0]
-    except Exception:  # no server: the description says so
-        return None
+def mariadb_version(databases: Iterable[str]) -> str | None:
+    """The server version of the first MySQL/MariaDB database among ``databases``."""
+    for alias in databases:
+        if connections[alias].vendor != "mysql":
+            continue
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT VERSION()")
+                return cursor.fetchone()[0]
+        except Exception:  # no server: the description says so
+            return None
+    return None
 
 
 def memcached_version(address: str) -> str | None:
@@ -53,7 +58,12 @@ def memcached_version(address: str) -> str | None:
     return reply[1] if len(reply) > 1 and reply[0] == "VERSION" else None
 
 
-def describe(memcached_nodes: list[str]) -> dict[str, Any]:
+def describe(memcached_nodes: list[str], databases: Iterable[str] = ()) -> dict[str, Any]:
+    """The machine, and the servers of what is measured: the database servers of the
+    table caches (``databases``, their aliases) and memcached; None where nothing of
+    that kind is measured."""
+    databases = list(dict.fromkeys(databases))
+    sqlite = any(connections[alias].vendor == "sqlite" for alias in databases)
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
@@ -64,8 +74,8 @@ def describe(memcached_nodes: list[str]) -> dict[str, Any]:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "django": django.get_version(),
         "packages": {name: package_version(name) for name in PACKAGES},
-        "mariadb": mariadb_version(),
-        "sqlite": sqlite3.sqlite_version,
+        "mariadb": mariadb_version(databases),
+        "sqlite": sqlite3.sqlite_version if sqlite else None,
         "memcached": memcached_version(memcached_nodes[0]) if memcached_nodes else None,
         "memcached_nodes": len(memcached_nodes),
     }

@@ -57,9 +57,10 @@ def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
         wall[entry["cache"], entry["operation"]] = cell + ("" if entry["correct"] else " WRONG")
         cpu[entry["cache"], entry["operation"]] = micros(entry.get("cpu_us"))
     caches = list(dict.fromkeys(entry["cache"] for entry in ops["results"]))
+    compared = (f", and speed-up over {reference} (its median / this median: above 1x is "
+                "faster)") if reference else ""
     return "\n\n".join([
-        f"ops, {mix} values: median per call, and speed-up over "
-        f"{reference or 'nothing (no DatabaseCache ran)'} (its median / this median: above 1x is faster)",
+        f"ops, {mix} values: median per call{compared}",
         *_blocks(ops["operations"], caches, wall),
         f"ops, {mix} values: CPU time of the benchmark process per call (mean; the client's work "
         "only, the servers' CPU is not included)",
@@ -362,11 +363,40 @@ TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": 
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
+def values_text(values: dict[str, Any]) -> str:
+    """The mix as generated: each kind's share, sizes, mean and zlib-6 ratio (alone, and
+    cut to 1 KB and 4 KB), so a run says how compressible its values were."""
+    at = values.get("zlib6_ratio_at", {})
+    rows = [[kind["kind"], f"{kind['percent']}%", f"{kind['min_bytes']:,}-{kind['max_bytes']:,}",
+             kind.get("sizes", ""), f"{kind['mean_bytes']:,.0f}", f"{kind['zlib6_ratio']:.2f}",
+             *(f"{at[kind['kind']][size]:.2f}" if size in at.get(kind["kind"], {}) else "-"
+               for size in ("1 KB", "4 KB"))]
+            for kind in values["kinds"]]
+    header = ["kind", "share", "bytes", "sizes", "mean", "zlib-6", "at 1 KB", "at 4 KB"]
+    return (f"{values['label']}: each kind as generated (zlib-6: original / compressed)\n\n"
+            + table(header, rows))
+
+
+#: The servers a run may describe, as the header names them (absent: not measured).
+SERVERS = (("mariadb", "MariaDB"), ("sqlite", "SQLite"), ("memcached", "memcached"))
+
+
+def header(machine: dict[str, Any]) -> str:
+    """The machine and the versions of the servers measured (those not measured omitted)."""
+    parts = [machine["cpu"], f"{machine['cores']} cores", f"Python {machine['python']}",
+             f"Django {machine['django']}"]
+    for key, name in SERVERS:
+        version = machine.get(key)
+        if version:
+            if key == "mariadb" and "mariadb" not in version.lower():
+                name = "MySQL"  # the key predates MySQL support; VERSION() says which
+            parts.append(f"{name} {version}")
+    return ", ".join(parts)
+
+
 def text(results: dict[str, Any]) -> str:
     machine, values = results["machine"], results["values"]
-    parts = [f"django-kvcache benchmark, {machine['date_utc']}: {machine['cpu']}, "
-             f"{machine['cores']} cores, Python {machine['python']}, Django {machine['django']}, "
-             f"MariaDB {machine['mariadb']}, memcached {machine['memcached']}\n{values['label']}"]
+    parts = [f"django-kvcache benchmark, {machine['date_utc']}: {header(machine)}\n{values['label']}"]
     for name, note in results["skipped"].items():
         parts.append(f"skipped {name}: {note}")
     for name, scenario in results["scenarios"].items():

@@ -51,7 +51,8 @@ def benchmark(parameters: Parameters, mixes: Sequence[str], scenarios: Sequence[
             nodes = caches.memcached_locations(selection.caches)
         else:
             selection = caches.select(token, nodes, patterns, extras)
-        described = {"machine": machine.describe(nodes)}  # load average before the run
+        databases = [alias for spec in selection.caches for alias in spec.table_databases]
+        described = {"machine": machine.describe(nodes, databases)}  # load average before the run
         context = Context(token, parameters, [], None, nodes, show_progress)
         runs = []
         try:
@@ -93,6 +94,10 @@ def _run_mix(context: Context, parameters: Parameters, scenarios: Sequence[str],
                                       parameters.large_size)
     results, durations = {}, {}
     for name in scenarios:
+        missing = _nothing_to_measure(name, context)
+        if missing:
+            context.notes.append(f"{name} not run: {missing}")
+            continue
         scenario_started = time.monotonic()
         results[name] = _run_scenario(name, context)
         durations[name] = round(time.monotonic() - scenario_started, 1)
@@ -100,7 +105,7 @@ def _run_mix(context: Context, parameters: Parameters, scenarios: Sequence[str],
         "values": data.describe(context.values, parameters.seed),
         "machine": described["machine"],
         "parameters": asdict(parameters),
-        "scenarios_run": list(scenarios),
+        "scenarios_run": list(results),
         "reference": context.reference,
         "caches": described["caches"],
         "skipped": described["skipped"],
@@ -110,6 +115,19 @@ def _run_mix(context: Context, parameters: Parameters, scenarios: Sequence[str],
         "duration_s": round(time.monotonic() - started, 1),
         "scenario_durations_s": durations,
     }
+
+
+#: Scenarios about one kind of cache, and what they say when no cache of that kind runs
+#: (a memcached-only site has no table to grow).
+SUBJECTS = {"rows": (lambda spec: spec.table is not None,
+                     "it measures table-backed caches, and none is measured")}
+
+
+def _nothing_to_measure(name: str, context: Context) -> str | None:
+    subject = SUBJECTS.get(name)
+    if subject is None or any(subject[0](spec) for spec in context.caches):
+        return None
+    return subject[1]
 
 
 def _run_scenario(name: str, context: Context) -> dict[str, Any]:

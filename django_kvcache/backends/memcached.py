@@ -436,7 +436,8 @@ class MemcachedCache(KVCache):
         """A replica's failure that cost the call nothing (another replica answered):
         logged once per episode, never raised; the key is outdated on that replica."""
         ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason} "
-                                "(another replica answered)")
+                                "(another replica answered)",
+                                label=f"node {error.node} of {self.cache_name}")
 
     def _batch_errors(self, batches: list[fanout.Batch]) -> list[MemcachedError]:
         """The errors of a round's batches that are the call's. With REPLICAS, a batch
@@ -465,9 +466,10 @@ class MemcachedCache(KVCache):
         """Raise ``error``, or with IGNORE_EXCEPTIONS (the default) log and count it,
         giving ``fallback``."""
         if not self.ignore_exceptions:
-            raise error
+            raise error.of_cache(self.cache_name)
         # Logged once per episode and then summarized: a down node fails every call.
-        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason}")
+        ignored_failures.failed(f"node {error.node}", f"{type(error).__name__}: {error.reason}",
+                                label=f"node {error.node} of {self.cache_name}")
         node = self.cluster.by_name.get(error.node)
         if node is not None:
             node.ignored += 1
@@ -648,7 +650,8 @@ class MemcachedCache(KVCache):
         try:
             stored = yield from self._write(stored_key, op, io, len(stored_key) + len(data), saved)
         except Refused as exc:
-            refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
+            refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}",
+                            label=f"node {exc.node} of {self.cache_name}")
             if name == b"set":
                 yield from self._forget(stored_key, key, io)
             return False if name == b"add" else None
@@ -674,7 +677,8 @@ class MemcachedCache(KVCache):
                 primary = self._node(stored_key, failed)
                 stored = yield from primary.request(op, io, sent, saved)
             except Refused as exc:
-                refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}")
+                refusals.failed(f"node {exc.node}", f"{key!r}: {exc.reason}",
+                                label=f"node {exc.node} of {self.cache_name}")
                 return False
             except MemcachedError as exc:
                 self._missed_on(stored_key, exc)  # (an add that may have landed: deleted)
@@ -788,7 +792,8 @@ class MemcachedCache(KVCache):
             return
         refused = next((r[entry] for r in every if isinstance(r[entry], wire.ErrorReply)), None)
         if refused is not None:
-            refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}")
+            refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}",
+                            label=f"node {self._node(stored_key).name} of {self.cache_name}")
             yield from self._forget(stored_key, key, io)
 
     def _forget(self, stored_key: str, key: Any, io: Transport) -> Plan:
@@ -796,8 +801,8 @@ class MemcachedCache(KVCache):
         try:
             yield from self._write(stored_key, wire.delete(stored_key.encode()), io)
         except MemcachedError as exc:  # remembered as outdated by _write
-            logger.warning("Could not delete %r after its value was refused (it is deleted "
-                           "when its node answers again): %s", key, exc)
+            logger.warning("Could not delete %r of %s after its value was refused (it is "
+                           "deleted when its node answers again): %s", key, self.cache_name, exc)
 
     def _touch(self, key: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
@@ -1203,8 +1208,7 @@ class MemcachedCache(KVCache):
         return fanout.store_batch(node, name, keys, encoded, self.expire_time(timeout), saved,
                                   riding)
 
-    @staticmethod
-    def _written(batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
+    def _written(self, batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
         """What the nodes that answered did with each value: stored, not stored (``add``
         over an entry), refused (each refusal logged with the caller's key), or not
         served (``SERVER_ERROR``: behind a proxy, the key's server is down: failed)."""
@@ -1220,7 +1224,8 @@ class MemcachedCache(KVCache):
                 elif line != b"NOT_STORED":
                     written.refused.append(key)
                     reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
-                    refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}")
+                    refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}",
+                                    label=f"node {batch.node.name} of {self.cache_name}")
         return written
 
     @staticmethod
@@ -1327,8 +1332,9 @@ class MemcachedCache(KVCache):
         if errors:  # a clean-up delete (set_many): the keys are remembered as outdated
             undeleted = len(placement.stranded) + sum(len(b.keys) for b in batches if b.error)
             logger.warning(
-                "Could not delete %d key(s) after a failed write; they are deleted when "
-                "their node answers again: %s", undeleted, "; ".join(map(str, errors)),
+                "Could not delete %d key(s) of %s after a failed write; they are deleted "
+                "when their node answers again: %s", undeleted, self.cache_name,
+                "; ".join(map(str, errors)),
             )
 
     def _clear(self, io: Transport) -> Plan:
@@ -1398,12 +1404,14 @@ class MemcachedCache(KVCache):
         return sampling.sample_entries(self._nodes, count)
 
     def server_stats(self) -> dict[str, dict[str, Any]]:
-        """memcached's ``stats`` of every node; ``{"error": ...}`` for a node that fails."""
+        """memcached's ``stats`` of every node; ``{"error": ..., "problem": ...}`` for a
+        node that fails (``MemcachedError.problem``: refused, timeout, unsupported...)."""
         stats: dict[str, dict[str, Any]] = {}
         for node in self._nodes:
             try:
                 stats[node.name] = node.call(wire.stats())
             except MemcachedError as exc:
-                stats[node.name] = {"error": str(exc)}
+                stats[node.name] = {"error": str(exc),
+                                    "problem": exc.problem}
         return stats
 

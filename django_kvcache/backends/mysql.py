@@ -554,7 +554,7 @@ class MySQLCache(KVCache):
         and the log says so once per episode, naming the caller's key."""
         oversized.failed(
             f"table {self.table}",
-            f"not caching {key!r} in {self.backend_name}: its row takes {too_large.size} "
+            f"not caching {key!r} in {self.cache_name}: its row takes {too_large.size} "
             "bytes in a statement (escaped, with the key), over the limit of "
             f"{too_large.budget} bytes (the connection's max_allowed_packet minus "
             f"{PACKET_HEADROOM})",
@@ -599,7 +599,7 @@ class MySQLCache(KVCache):
     def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
         encryption = self.codec.encryption
         if encryption is None:
-            raise ValueError(f"{self.backend_name} on table {self.table!r} has no ENCRYPTION_KEYS")
+            raise ValueError(f"{self.cache_name} (table {self.table!r}) has no ENCRYPTION_KEYS")
         if batch_rows < 1:
             raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
         done = Rotation(encryption.writer_id)

@@ -18,20 +18,40 @@ from __future__ import annotations
 
 
 class MemcachedError(Exception):
-    """Base class of the errors the memcached backend raises; ``node`` names the server."""
+    """Base class of the errors the memcached backend raises; ``node`` names the server,
+    and once the backend has it in hand (:meth:`of_cache`), ``cache`` the cache.
+    ``problem``: what went wrong in a word or two, for an operator's table
+    (``kvcache_stats``): "refused", "timeout", "no answer"..."""
+
+    problem = "error"
 
     def __init__(self, node: str, reason: str) -> None:
         super().__init__(f"memcached node {node}: {reason}")
         self.node = node
         self.reason = reason
+        self.cache: str | None = None
+
+    def of_cache(self, cache: str) -> MemcachedError:
+        """This error, its message naming the cache too (``memcached node h:p of
+        CACHES['default']: ...``): nodes are shared by the caches of one process, and
+        only the backend knows which cache the failed call was for."""
+        if self.cache is None:
+            self.cache = cache
+            self.args = (f"memcached node {self.node} of {cache}: {self.reason}",)
+        return self
 
 
 class NodeError(MemcachedError):
-    """A node did not answer: connection refused or reset, timeout, garbled reply."""
+    """A node did not answer: connection refused or reset, timeout, garbled reply
+    (``problem`` says which: "refused", "timeout" or "failed")."""
+
+    problem = "failed"
 
 
 class NodeDown(NodeError):
     """The node failed too often and is skipped until its retry time has passed."""
+
+    problem = "marked down"
 
 
 class NodeBusy(NodeError):
@@ -53,6 +73,8 @@ class Unsupported(MemcachedError, NotImplementedError):
     memcached before 1.6.6 has no meta commands; twemproxy forwards neither them nor
     ``flush_all``, ``stats`` or ``lru_crawler`` (it closes the connection on one). Raised
     whatever IGNORE_EXCEPTIONS says: it is no failure, and retrying cannot help."""
+
+    problem = "unsupported"
 
 
 class PoolExhausted(MemcachedError):

@@ -29,6 +29,7 @@ from django_kvcache.loops import PerLoop
 from django_kvcache.memcached import PoolExhausted, wire
 from django_kvcache.memcached.connection import (
     ConnectionClosed,
+    ConnectTimeout,
     ConnectionSettings,
     UnsettledSocket,
     deadline_after,
@@ -188,7 +189,10 @@ class AsyncConnection:
         else:
             host, port = address.server  # type: ignore[misc]
             opening = loop.create_connection(_Stream, host, port, ssl=tls)
-        _, stream = await asyncio.wait_for(opening, self.settings.connect_timeout)
+        try:
+            _, stream = await asyncio.wait_for(opening, self.settings.connect_timeout)
+        except asyncio.TimeoutError as exc:  # said as what it is, as the blocking driver does
+            raise ConnectTimeout(self.settings.connect_timeout) from exc
         self.stream, self.sock = stream, stream.transport.get_extra_info("socket")
         return stream
 

@@ -74,9 +74,11 @@ class Attempt:
 
     def refused_by_closing(self, exc: BaseException) -> bool:
         """A new connection the server closed on an optional command before answering
-        anything (``wire.Op.optional``): how twemproxy refuses what it does not forward."""
+        anything (``wire.Op.optional``): how twemproxy refuses what it does not forward.
+        A connection refused never opened: that is the node's failure (nothing listens)."""
         return (self.state is State.IN_FLIGHT and self.op is not None and self.op.optional
                 and not self.reused and isinstance(exc, CLOSED)
+                and not isinstance(exc, ConnectionRefusedError)
                 and self.connection.received == self.mark)
 
     def give_back(self) -> None:

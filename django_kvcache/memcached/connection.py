@@ -69,6 +69,13 @@ class ConnectionClosed(ConnectionError):
     """The server closed the connection (restarted, or dropped us)."""
 
 
+class ConnectTimeout(TimeoutError):
+    """No connection within CONNECT_TIMEOUT (a ``socket.timeout``, as Python's own)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        super().__init__(f"no connection within CONNECT_TIMEOUT ({seconds:g} s)")
+
+
 class SendTimeout(TimeoutError):
     """The deadline passed with part of a request unsent (the connection's ``unsent``)."""
 
@@ -328,18 +335,21 @@ def poll(sock: socket.socket, deadline: float | None, events: int) -> None:
 
 def open_socket(address: NodeAddress, settings: ConnectionSettings) -> socket.socket:
     """A connected socket with the settings' timeouts (and TLS, if configured)."""
-    if address.path is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(settings.connect_timeout)
-            sock.connect(address.path)
-        except BaseException:
-            sock.close()
-            raise
-    else:
-        host, port = address.server  # type: ignore[misc]
-        sock = socket.create_connection((host, port), timeout=settings.connect_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        if address.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(settings.connect_timeout)
+                sock.connect(address.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            host, port = address.server  # type: ignore[misc]
+            sock = socket.create_connection((host, port), timeout=settings.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except socket.timeout as exc:  # said as what it is, not "timed out"
+        raise ConnectTimeout(settings.connect_timeout) from exc
     try:
         if settings.tls is not None:
             server_hostname = None if address.path is not None else address.server[0]

@@ -142,6 +142,9 @@ class LeaseHost(Protocol):
     Where a key lives now and what a failure becomes are handed to the store apart
     (``node_for``, ``failed``)."""
 
+    #: How log lines name the cache (``CACHES['default']``).
+    cache_name: str
+
     def make_and_validate_key(self, key: Any, version: int | None = None) -> str: ...
 
     def decode(self, data: bytes, flags: int, key: str) -> Any:
@@ -280,8 +283,8 @@ class MetaLeaseStore:
         try:
             yield from self.node.request(self.release_op(), self.io)
         except MemcachedError as exc:  # not raised: it would hide the computation's error
-            logger.warning("Could not release the lease of %r (it expires by itself): %s",
-                           self.caller_key, exc)
+            logger.warning("Could not release the lease of %r in %s (it expires by itself): "
+                           "%s", self.caller_key, self.host.cache_name, exc)
 
     # --- the commands and what their replies mean ------------------------------------
 
@@ -424,5 +427,5 @@ class ClassicLeaseStore(stampede.AddLeaseStore):
                 return  # not ours: a successor's, after ours expired
             yield from node.request(wire.cas(key.encode(), b"", 0, wire.EXPIRED, cas), self.io)
         except MemcachedError as exc:  # not raised: it would hide the computation's error
-            logger.warning("Could not release the lease of %r (it expires by itself): %s",
-                           self.key, exc)
+            logger.warning("Could not release the lease of %r in %s (it expires by itself): "
+                           "%s", self.key, self.host.cache_name, exc)

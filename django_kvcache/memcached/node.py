@@ -17,7 +17,7 @@ from typing import Any, Awaitable
 from django_kvcache import steps
 from django_kvcache.health import NodeHealth
 from django_kvcache.memcached import NodeDown, NodeError, Unsupported, aio, wire
-from django_kvcache.memcached.connection import TIMEOUTS
+from django_kvcache.memcached.connection import TIMEOUTS, ConnectTimeout, SendTimeout
 from django_kvcache.memcached.exchange import (
     ASYNCIO,
     BLOCKING,
@@ -134,11 +134,10 @@ class Node:
         self.behind_since = time.monotonic()
         if isinstance(exc, TIMEOUT_ERRORS):  # Python's or the kernel's
             self.timeouts += 1
-            reason = f"timed out ({type(exc).__name__}: {exc})"
-        else:
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        reason = failure_reason(exc, self.pool.settings.io_timeout)
         self.health.failed(reason)
         error = NodeError(self.name, reason)
+        error.problem = failure_problem(exc)
         error.__cause__ = exc
         return error
 
@@ -159,3 +158,25 @@ class Node:
         )
         counters.update(aio.pool_figures(self))
         return counters
+
+
+def failure_reason(exc: BaseException, io_timeout: float | None) -> str:
+    """What a node's failure was, in the settings' words: a kernel timeout surfaces as
+    ``BlockingIOError`` (EAGAIN), which is the deadline, not the cause."""
+    if isinstance(exc, ConnectTimeout):
+        return str(exc)  # no connection within CONNECT_TIMEOUT (1 s)
+    if isinstance(exc, TIMEOUT_ERRORS):
+        limit = "" if io_timeout is None else f" ({io_timeout:g} s)"
+        detail = str(exc)  # kept where it says more than that time ran out
+        plain = isinstance(exc, (BlockingIOError, SendTimeout)) or detail in ("", "timed out")
+        return f"did not answer within IO_TIMEOUT{limit}" + ("" if plain else f": {detail}")
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused: nothing listens there (memcached down, or a wrong LOCATION)"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def failure_problem(exc: BaseException) -> str:
+    """``failure_reason`` in a word (``NodeError.problem``)."""
+    if isinstance(exc, TIMEOUT_ERRORS):
+        return "timeout"
+    return "refused" if isinstance(exc, ConnectionRefusedError) else "failed"

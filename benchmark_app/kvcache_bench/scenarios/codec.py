@@ -1,7 +1,7 @@
 """``codec``: what compression costs and saves on the mix's values, without any server.
 
-For each setting (compressor, level, COMPRESS_MIN_LENGTH, zstd engine) CODEC_VALUES values
-of the mix go through our codec: the CPU time per value to encode and to decode (process
+For each setting (compressor, level, COMPRESS_MIN_LENGTH, zstd engine) ``codec_values``
+values of the mix (1500; 300 with ``--quick``) go through our codec: the CPU time per value to encode and to decode (process
 time, best of several passes, in this process: what other load on the machine moves
 least), and the bytes stored as a share of the serialized payload. The first row is
 django-mysql's policy done the same way (pickle, zlib level 6 from 5000 bytes) and the
@@ -13,6 +13,10 @@ are chosen from (bytes against read CPU per threshold, docs/codec.rst); rows mar
 where it is installed. The last rows use a zstd dictionary trained on DICTIONARY_SAMPLES
 other values of the mix (another seed), as ``kvcache_train_dictionary`` trains one on a
 site's live entries.
+
+Each backend's defaults are marked, and its dictionary threshold measured, only when a
+cache of that backend is measured in the run: the backend is imported then, so a site
+with one backend's extra never imports the other's.
 """
 from __future__ import annotations
 
@@ -25,9 +29,8 @@ from typing import Any, Callable, Sequence
 
 from django.core.management import call_command
 from django.test import override_settings
+from django.utils.module_loading import import_string
 
-from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.codec import Codec
 from django_kvcache.zstd import (
     DEFAULT_LEVEL,
@@ -41,8 +44,6 @@ from kvcache_bench.context import Context
 from kvcache_bench.data import make_values
 
 PASSES = 5
-#: Values of the mix each setting encodes and decodes (as in issue 23's measurements).
-CODEC_VALUES = 1500
 #: Values of the mix (another seed) a dictionary is trained on.
 DICTIONARY_SAMPLES = 2000
 ZSTD = "django_kvcache.zstd.ZstdCompressor"
@@ -67,11 +68,26 @@ FALLBACK_CURVE = (400, 1000, 4000)
 FALLBACK = "compression.zstd"
 
 
+#: The kvcache backend of each cache family, by the name the results give it.
+BACKENDS = {"MySQL": ("kv-mysql", "django_kvcache.backends.mysql.MySQLCache"),
+            "memcached": ("kv-memcached", "django_kvcache.backends.memcached.MemcachedCache")}
+
+
+def measured_backends(context: Context) -> dict[str, type]:
+    """``{"MySQL": MySQLCache, ...}``: the kvcache backends a cache of the run is of."""
+    families = {spec.family for spec in context.caches}
+    return {name: import_string(path) for name, (family, path) in BACKENDS.items()
+            if any(measured.startswith(family) for measured in families)}
+
+
 def run(context: Context) -> dict[str, Any]:
     p = context.parameters
-    values = make_values(p.seed, CODEC_VALUES, p.values, 0).entries
+    backends = measured_backends(context)
+    values = make_values(p.seed, p.codec_values, p.values, 0).entries
     payload = sum(len(_serialized(value)) for value in values)
     engine = zstd_engine()
+    thresholds = dict.fromkeys([400, *(backend.default_compress_min_length
+                                       for backend in backends.values())])
     settings = [(label, options, None) for label, options in SETTINGS
                 if engine is not None or options.get("COMPRESSOR") != ZSTD]
     fallback = standard_library_engine()
@@ -84,16 +100,17 @@ def run(context: Context) -> dict[str, Any]:
             settings += [(f"zstd-{DEFAULT_LEVEL} + dictionary from {n}", {
                 "COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n,
                 "COMPRESS_DICTIONARY": trained_dictionary(context, folder)}, None)
-                for n in (400, MySQLCache.default_compress_min_length)]
-        return _run_settings(context, values, payload, settings)
+                for n in thresholds]
+        return _run_settings(context, values, payload, settings, backends)
 
 
-def _default_of(options: dict[str, Any], engine: StandardLibrary | None) -> str | None:
-    """Which backend's defaults the setting is, if any ("MySQL", "memcached")."""
+def _default_of(options: dict[str, Any], engine: StandardLibrary | None,
+                backends: dict[str, type]) -> str | None:
+    """Which of ``backends``' defaults the setting is, if any ("MySQL", "memcached")."""
     if (engine is not None or options.get("COMPRESSOR") != ZSTD or "COMPRESS_LEVEL" in options
             or "COMPRESS_DICTIONARY" in options):
         return None
-    defaults = [name for name, backend in (("MySQL", MySQLCache), ("memcached", MemcachedCache))
+    defaults = [name for name, backend in backends.items()
                 if backend.default_compress_min_length == options["COMPRESS_MIN_LENGTH"]]
     return " and ".join(defaults) or None
 
@@ -163,7 +180,8 @@ def variant_peer_ratios(results: list[dict[str, Any]], metric: str, subject: str
 
 
 def _run_settings(context: Context, values: Sequence[Any], payload: int,
-                  settings: list[tuple[str, dict[str, Any], StandardLibrary | None]]) -> dict[str, Any]:
+                  settings: list[tuple[str, dict[str, Any], StandardLibrary | None]],
+                  backends: dict[str, type]) -> dict[str, Any]:
     results = [_measure("django-mysql policy", values, payload, *_django_mysql_policy())]
     with context.progress("codec", len(settings)) as bar:
         for label, options, engine in settings:
@@ -174,7 +192,7 @@ def _run_settings(context: Context, values: Sequence[Any], payload: int,
                                     lambda encoded, codec=codec: codec.decode(*encoded)))
             results[-1]["compressor"] = type(codec.compressor).__name__ if codec.compressor else None
             results[-1]["engine"] = getattr(getattr(codec.compressor, "engine", None), "name", None)
-            results[-1]["default_of"] = _default_of(options, engine)
+            results[-1]["default_of"] = _default_of(options, engine, backends)
             bar.update()
     return {"values": len(values), "payload_bytes": payload, "passes": PASSES,
             "results": results}

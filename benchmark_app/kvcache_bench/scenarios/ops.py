@@ -31,9 +31,6 @@ from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
 
-from django_kvcache.mysql import blocking
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
-
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
 from kvcache_bench.context import Context
@@ -211,7 +208,12 @@ class Floor:
                    many)
 
     def _pool(self) -> Any:
-        """The cache's own pool of connections to its database (its defaults)."""
+        """The cache's own pool of connections to its database (its defaults). Imported
+        here: only a kvcache MySQL cache has a floor, and a site without mysqlclient
+        measures none."""
+        from django_kvcache.mysql import blocking
+        from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+
         return blocking.pool_of(self.alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
 
     def time(self, stored: list[Any]) -> Any:

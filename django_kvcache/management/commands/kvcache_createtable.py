@@ -10,6 +10,7 @@ from django_kvcache.maintenance import create_tables
 
 class Command(MySQLCacheCommand):
     help = "Create the tables of MySQLCache caches that do not exist yet."
+    nothing = "no table to create"
 
     def add_arguments(self, parser: Any) -> None:
         super().add_arguments(parser)
@@ -20,7 +21,7 @@ class Command(MySQLCacheCommand):
     def handle(
         self, *args: Any, aliases: list[str], dry_run: bool, verbosity: int, **options: Any
     ) -> None:
-        for alias, cache in self.selected_caches(aliases).items():
+        for alias, cache in self.selected_caches(aliases, verbosity).items():
             with failing(alias, cache):
                 created = create_tables([alias], dry_run=dry_run)
             if dry_run and alias in created:  # the SQL asked for: printed at any verbosity

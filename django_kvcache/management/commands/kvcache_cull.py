@@ -10,11 +10,12 @@ from django_kvcache.management.commands._mysql import MySQLCacheCommand
 class Command(MySQLCacheCommand):
     help = (
         "Delete expired entries of MySQLCache caches and evict down to MAX_ENTRIES; "
-        "prints the rows deleted per cache."
+        "prints the rows deleted per cache (nothing with -v 0, for cron)."
     )
+    nothing = "nothing to cull"
 
     def handle(self, *args: Any, aliases: list[str], verbosity: int, **options: Any) -> None:
-        for alias, cache in self.selected_caches(aliases).items():
+        for alias, cache in self.selected_caches(aliases, verbosity).items():
             with failing(alias, cache):
                 deleted = cache.cull(fail_open=False)  # a cron job fails loudly
             if verbosity >= 1:

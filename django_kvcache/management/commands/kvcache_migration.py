@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from django_kvcache.management.commands._errors import failing
-from django_kvcache.management.commands._mysql import MySQLCacheCommand
+from django_kvcache.management.commands._mysql import MySQLCacheCommand, no_mysql_cache
 from django_kvcache.maintenance import migration_source
 
 
@@ -17,9 +17,9 @@ class Command(MySQLCacheCommand):
     )
 
     def handle(self, *args: Any, aliases: list[str], **options: Any) -> None:
-        selected = self.selected_caches(aliases)
-        if not selected:  # an empty migration saved in an app would only mislead
-            raise CommandError("No MySQLCache in CACHES: there is no table to create.")
+        selected = self.selected_caches(aliases, verbosity=0)
+        if not selected:  # an empty migration saved in an app would only mislead: exit 1
+            raise CommandError(no_mysql_cache("no migration to write"))
         for alias, cache in selected.items():  # the SQL depends on the server: ask each
             with failing(alias, cache):
                 cache.create_table_sql()

@@ -79,7 +79,7 @@ class Command(BaseCommand):
         if samples < 10 or size < 256:
             raise CommandError("--samples must be at least 10 and --size at least 256")
         engine = require_zstd("Training a dictionary")  # without zstd: one line (failing)
-        payloads = self.payloads(cache, cache.sample_entries(samples))
+        payloads = self.payloads(cache, cache.sample_entries(samples), alias)
         if len(payloads) < 10:
             raise CommandError(
                 f"Cache {alias!r} gave {len(payloads)} usable entries; at least 10 are needed"
@@ -118,7 +118,8 @@ class Command(BaseCommand):
                 "'auto' to compress with the dictionaries in its table."
             )
 
-    def payloads(self, cache: Any, entries: list[tuple[str, bytes, int]]) -> list[bytes]:
+    def payloads(self, cache: Any, entries: list[tuple[str, bytes, int]],
+                 alias: str = "") -> list[bytes]:
         """Serialized values as compressors see them (decrypted, with ENCRYPTION_KEYS);
         integers and unreadable entries dropped."""
         payloads = []
@@ -135,7 +136,7 @@ class Command(BaseCommand):
             if 0 < len(payload) <= MAX_SAMPLE_BYTES:
                 payloads.append(bytes(payload))
         if unreadable:
-            self.stderr.write(f"Skipped {unreadable} entries this cache cannot decompress.")
+            self.stderr.write(f"Skipped {unreadable} entries cache {alias!r} cannot decompress.")
         return payloads
 
     @staticmethod

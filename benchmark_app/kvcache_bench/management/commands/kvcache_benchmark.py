@@ -105,7 +105,8 @@ class Command(BaseCommand):
         parser.add_argument("--csv", type=Path,
                             help="CSV path, the mix name added (default RESULTS/benchmark.csv)")
         parser.add_argument("--plot", type=Path, help="folder for the PNG plots (default RESULTS)")
-        parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+        parser.add_argument("--no-progress", action="store_true",
+                            help="no progress bar (shown on stderr only when it is a terminal)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         missing = [package for module, package in REQUIRED.items()
