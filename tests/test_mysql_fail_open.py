@@ -14,6 +14,7 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import MySQLdb
 import pytest
 from django.db import DatabaseError, OperationalError, connections
 
@@ -234,6 +235,10 @@ def test_errors_are_classified_once_for_every_path():
     assert not errors.is_unreachable(errors.PoolExhausted("busy"))
     for code in (1045, 1049, 1146, 1054, 1064):
         assert not errors.fails_open(error(code))
+    # Limits that are the account's or the server's state, not the configuration's.
+    for code in (1226, 3032, 1040, 1203, 1135):
+        assert errors.fails_open(error(code)) and errors.is_unreachable(error(code)), code
+    assert errors.fails_open(error(1637)) and not errors.is_unreachable(error(1637))
 
 
 def test_error_1047_is_galera_s_only_from_a_galera_node(mysql_tables):
@@ -314,3 +319,62 @@ def test_1290_for_another_option_is_a_statement_error(mysql_tables):
                                "option so it cannot execute this statement") as table:
         with pytest.raises(OperationalError):
             make_cache(table).set("k", "v")
+
+
+# --- limits of the account and of the server (issue 39) --------------------------------------
+
+USER_LIMIT = (1226, "User kvcache_limited has exceeded the max_queries_per_hour resource "
+                    "(current value: 100)")
+OFFLINE_MODE = (3032, "The server is currently in offline mode")
+
+
+@pytest.mark.parametrize("code, message", [USER_LIMIT, OFFLINE_MODE])
+def test_an_account_limit_or_offline_mode_fails_open_as_too_many_connections_does(
+        mysql_tables, code, message):
+    """A per-account limit (1226: MAX_QUERIES_PER_HOUR, MAX_UPDATES_PER_HOUR…) and
+    MySQL 8's offline mode (3032) say the server will not serve this client now, as the
+    server-wide 1040 and 1203 do: failed open and held against the server's health — a
+    cache limit must not become a site error."""
+    with failing_inserts(code, message) as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1, "RETRY_TIMEOUT": 0.5})
+        assert cache.set("k", "v") is None
+        assert cache.add("k", "v") is False
+        shard = cache.metrics()["shards"]["default"]
+        assert shard["ignored"] >= 1 and shard["down"] is True
+
+
+LIMITED = "kvcache_limited"
+
+
+@pytest.fixture
+def limited_account(alias_with) -> Iterator[str]:
+    """An alias that logs in as an account allowed one connection at a time
+    (MAX_USER_CONNECTIONS 1, a per-account limit: error 1226 past it)."""
+    hosts = ("%", "localhost")
+    for host in hosts:
+        sql(f"DROP USER IF EXISTS '{LIMITED}'@'{host}'")
+        sql(f"CREATE USER '{LIMITED}'@'{host}' WITH MAX_USER_CONNECTIONS 1")
+        sql(f"GRANT ALL PRIVILEGES ON *.* TO '{LIMITED}'@'{host}'")
+    try:
+        yield alias_with(LIMITED, USER=LIMITED, PASSWORD="")
+    finally:
+        for host in hosts:
+            sql(f"DROP USER IF EXISTS '{LIMITED}'@'{host}'")
+
+
+def test_an_account_at_its_connection_limit_fails_open(mysql_tables, limited_account):
+    from django_kvcache.mysql.connect import connection_params
+
+    holder = MySQLdb.connect(**connection_params(limited_account).kwargs)  # the one allowed
+    try:
+        cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": limited_account}})
+        assert cache.get("k", "default") == "default"
+        assert cache.set("k", 1) is None
+        assert cache.metrics()["shards"][limited_account]["errors"] >= 1
+        strict = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": limited_account,
+                                                "IGNORE_EXCEPTIONS": False}})
+        with pytest.raises(OperationalError) as raised:
+            strict.get("k")
+        assert raised.value.args[0] == 1226
+    finally:
+        holder.close()

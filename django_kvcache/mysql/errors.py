@@ -14,7 +14,7 @@ else:
 * ``unreachable``: the server, or the path to it, failed: it also counts against the
   server's health (``FAILURE_THRESHOLD``);
 * ``connection_lost``: the connection is unusable: the driver closes it, and the next
-  statement starts on a fresh one;
+  statement starts on a fresh one (any other error reply leaves it in step);
 * ``rerun``: whether the statement may run again: ``NOT_APPLIED`` errors prove the
   server did not apply it (so it may run again, whatever it does), ``LOST_REPLY``
   errors leave that open (only a statement that may run twice runs again);
@@ -68,15 +68,26 @@ MAX_PAUSE = 0.016
 #: or MySQL closed an idle session before reading it (4031): never run.
 NOT_SENT = ErrorClass("not sent", unreachable=True, connection_lost=True, rerun=Rerun.NOT_APPLIED)
 #: The connection broke after the statement was sent: 2013 lost connection during query
-#: (also a KILLed connection or a read_timeout), 2055 lost connection (extended), 1927
-#: MariaDB connection killed, 1158-1161 the server's network errors on the connection.
-#: The server may have run the statement.
+#: (also a KILLed connection, or mysqlclient's own read_timeout in a reply cut short),
+#: 2055 lost connection (extended), 1927 MariaDB connection killed, MySQL's 3169 session
+#: killed, 1158-1161 the server's network errors on the connection, 2027 a malformed
+#: packet. The server may have run the statement.
 LOST_REPLY = ErrorClass("reply lost", unreachable=True, connection_lost=True,
                         rerun=Rerun.IF_IDEMPOTENT)
-#: No connection: 2002/2003 cannot connect (socket/TCP), 2005 unknown host, 1040 too many
-#: connections, 1203 the user's max_user_connections, 1053 server shutdown in progress,
-#: 1129 host blocked after connection errors.
+#: No connection: 2002/2003 cannot connect (socket/TCP), 2005 unknown host, 2001/2004 no
+#: socket could be made, 2012 a broken handshake, 1040 too many connections, 1203 the
+#: server-wide max_user_connections, 1053 server shutdown in progress, 1129 host blocked
+#: after connection errors, 1043 bad handshake, 1042 no host name for the client's
+#: address, 1135 no thread for the connection, MySQL 8's 3032 offline mode (the server
+#: serves administrators only).
 NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=True,
+                           rerun=Rerun.NEVER)
+#: A per-account limit (1226: MAX_USER_CONNECTIONS, MAX_QUERIES_PER_HOUR,
+#: MAX_UPDATES_PER_HOUR, MAX_CONNECTIONS_PER_HOUR): the server will not serve this
+#: account for now, as 1040 and 1203 say for everyone. Unreachable for the cache (the
+#: alias is skipped for RETRY_TIMEOUT instead of being refused call after call); a
+#: connection that met it on a statement stays in step.
+ACCOUNT_LIMIT = ErrorClass("account limit reached", unreachable=True, connection_lost=False,
                            rerun=Rerun.NEVER)
 #: The server answers but serves no statement: Galera's 1047 "WSREP has not yet prepared
 #: node for application use", a node cut off from the cluster's primary component (a
@@ -92,7 +103,8 @@ NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=F
 #: proxy or a DNS name follows the failover.
 READ_ONLY = ErrorClass("read-only server", unreachable=True, connection_lost=True,
                        rerun=Rerun.NOT_APPLIED)
-#: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
+#: 1213: InnoDB chose the statement as a deadlock's victim (1020 "record has changed since
+#: last read": MariaDB's snapshot isolation, the same race), or a Galera node aborted it at
 #: commit because a write committed on another node conflicts with it (a certification
 #: failure); 3101 (and 3100, the before_commit hook's error that reports it): MySQL Group
 #: Replication rolled it back at commit for the same reason. Either way nothing was
@@ -111,22 +123,31 @@ LOCK_WAIT = ErrorClass("lock wait timeout, not applied", unreachable=False,
                        connection_lost=False, rerun=Rerun.NOT_APPLIED)
 #: The server is overloaded: a statement stopped by MariaDB's max_statement_time (1969)
 #: or MySQL's max_execution_time (3024), killed (1317), out of memory or resources
-#: (1037, 1038, 1041), a table or disk full (1114, 1021). Not sent again: it would meet
-#: the same limit; not held against the server's health.
+#: (1037, 1038, 1041, the client's 2008), a table or disk full (1114, 1021), too many
+#: concurrent transactions (1637). Not sent again: it would meet the same limit; not
+#: held against the server's health.
 OVERLOADED = ErrorClass("server overloaded", unreachable=False, connection_lost=False,
                         rerun=Rerun.NEVER)
 #: Anything else: the statement or the configuration is wrong. Raised under any setting.
 STATEMENT = ErrorClass("statement", unreachable=False, connection_lost=False,
                        rerun=Rerun.NEVER, fails_open=False)
+#: The connection is out of step with the server, by a fault of the client: 2014
+#: commands out of sync, 1153 a packet over max_allowed_packet (the server closes the
+#: connection). Raised, as a statement error, and the connection closed.
+OUT_OF_STEP = ErrorClass("connection out of step", unreachable=False, connection_lost=True,
+                         rerun=Rerun.NEVER, fails_open=False)
 
 CLASSES: dict[int, ErrorClass] = {
     **dict.fromkeys((2006, 4031), NOT_SENT),
-    **dict.fromkeys((2013, 2055, 1927, 1158, 1159, 1160, 1161), LOST_REPLY),
-    **dict.fromkeys((2002, 2003, 2005, 1040, 1203, 1053, 1129), NO_CONNECTION),
+    **dict.fromkeys((2013, 2055, 1927, 3169, 1158, 1159, 1160, 1161, 2027), LOST_REPLY),
+    **dict.fromkeys((2001, 2002, 2003, 2004, 2005, 2012, 1040, 1203, 1053, 1129, 1043, 1042,
+                     1135, 3032), NO_CONNECTION),
+    1226: ACCOUNT_LIMIT,
     1836: READ_ONLY,
-    **dict.fromkeys((1213, 3100, 3101), CONFLICT),
+    **dict.fromkeys((1213, 1020, 3100, 3101), CONFLICT),
     1205: LOCK_WAIT,
-    **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 1114, 1021), OVERLOADED),
+    **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 2008, 1114, 1021, 1637), OVERLOADED),
+    **dict.fromkeys((2014, 1153), OUT_OF_STEP),
 }
 #: Codes that mean one thing from one kind of server and another elsewhere: the class
 #: when the message says so, else ``STATEMENT``.
