@@ -23,12 +23,14 @@ else:
   writers that collided do not collide again in step).
 
 A new retryable class is one more entry in :data:`CLASSES`; ``docs/mysql.rst`` has the
-table of which errors fail open.
+table of which errors fail open. An error the cache passes on never quotes a cached value
+(:func:`translate`).
 """
 from __future__ import annotations
 
 import enum
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -231,12 +233,30 @@ def may_rerun(exc: BaseException, idempotent: bool, reruns: int = 0) -> bool:
 
 def translate(exc: Exception) -> Exception:
     """A DB-API error of the driver as Django's exception of the same name (what Django's
-    own wrapper does), the driver's error chained as ``__cause__``."""
+    own wrapper does), the driver's error chained as ``__cause__``. A server message that
+    quotes the data of a statement (:data:`QUOTING`) comes with the quoted text left out,
+    and nothing chained: no cached value reaches a log line or a traceback."""
     if isinstance(exc, DatabaseError):  # Django's already
         return exc
     django_class = getattr(django.db.utils, type(exc).__name__, None)
     if not (isinstance(django_class, type) and issubclass(django_class, DatabaseError)):
         return exc
-    translated = django_class(*exc.args)
-    translated.__cause__ = exc
+    args = exc.args
+    quoting = error_code(exc) in QUOTING and len(args) > 1 and isinstance(args[1], str)
+    if quoting:
+        args = (args[0], QUOTED.sub("'…'", args[1]), *args[2:])
+    translated = django_class(*args)
+    if quoting:
+        translated.__suppress_context__ = True  # the original, with its quotes, is dropped
+    else:
+        translated.__cause__ = exc
     return translated
+
+
+#: Errors whose text quotes data the statement carried (a value, a key): 1064 a syntax
+#: error "near '…'", 1292 and 1366 a value that is not a number ("Truncated incorrect
+#: INTEGER value: '…'", what an ``incr`` of a corrupt counter meets), 1300 invalid
+#: characters, 1367 an illegal value, 1411 an incorrect date, 1062 a duplicate entry.
+QUOTING = frozenset({1064, 1292, 1366, 1300, 1367, 1411, 1062})
+#: A quoted text in a server message ('…' with '' inside it).
+QUOTED = re.compile(r"'(?:[^']|'')*'")

@@ -39,7 +39,7 @@ from django_kvcache.failure_log import FailureLog
 from django_kvcache.mysql import errors, layouts, replica_lag
 from django_kvcache.mysql import cluster as owed
 from django_kvcache.mysql.cluster import ANY_KEY, MissedWrites, Session
-from django_kvcache.mysql.query import Query
+from django_kvcache.mysql.query import Query, redacted
 from django_kvcache.mysql.server import DETECT, remember_server
 from django_kvcache.mysql.shards import SHARD_KIND, Shard
 from django_kvcache.mysql.sql import Statements
@@ -325,8 +325,9 @@ class Run:
                 # The caller's outcome is unknown: say why it was not sent again. (A
                 # statement that may run twice was, once; maintenance and questions on
                 # the side have rate-limited logs of their own.)
-                logger.warning("Not retried after error %s (the server may have run it): %s",
-                               errors.error_code(error), query.sql)
+                # The statement's text without its values: a value may be session data.
+                logger.warning("Not retried after error %s on %r (the server may have run "
+                               "it): %s", errors.error_code(error), alias, redacted(query.sql))
             self.failed_on = alias
             if task.quiet:
                 self._maintenance_failed(alias, error)
