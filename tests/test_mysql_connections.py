@@ -13,11 +13,15 @@ connection under Django's checks otherwise.)
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import json
 import os
+import re
 import select
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -328,6 +332,68 @@ def test_forked_workers_never_share_a_connection(cache):
     # The parent's connections are still its own, alive: nothing reopened.
     assert (pool.connects, pool.reconnects) == (connects, reconnects)
     assert parent <= {raw.thread_id() for raw in pool.idle}
+
+
+#: A process that used the cache (threads' pool and an event loop's), then forks a worker
+#: that exits the way gunicorn's, uWSGI's and Celery's workers do: ``sys.exit()``, which
+#: finalizes the interpreter (every object it still holds is deallocated). The workers
+#: the test above forks end with ``os._exit()``, which skips that. Prints the cache's
+#: server sessions before the fork, and the ones still open after the worker exited.
+FORKING_PARENT = """
+import asyncio, os, sys, time
+import django
+PARENT = os.getpid()
+django.setup()
+from django_kvcache.backends.mysql import MySQLCache
+import MySQLdb
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.connect import connection_params
+
+cache = MySQLCache(sys.argv[1], {"OPTIONS": {"CULL_PROBABILITY": 0}})
+cache.create_table()
+
+def sessions():  # asked on a connection of the script's own
+    watcher = MySQLdb.connect(**connection_params("default").kwargs)
+    try:
+        watcher.query(b"SELECT ID FROM information_schema.PROCESSLIST "
+                      b"WHERE DB = DATABASE() AND ID <> CONNECTION_ID()")
+        return sorted(row[0] for row in watcher.store_result().fetch_row(0))
+    finally:
+        watcher.close()
+
+async def main():
+    cache.set("k", "parent")
+    await cache.aset("k", "parent")  # this loop's pool: open while the worker runs
+    before = sessions()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # the worker's end: raised through asyncio.run, the interpreter exits
+    os.waitpid(pid, 0)
+    time.sleep(0.5)  # the server has read a COM_QUIT by now, if one was sent
+    print(before, sessions(), await cache.aget("k"), cache.get("k"))
+
+try:
+    asyncio.run(main())
+finally:
+    if os.getpid() == PARENT:
+        blocking.query("default", cache.drop_table_sql().split(";")[0])
+"""
+
+
+def test_a_forked_worker_that_exits_normally_leaves_its_parent_s_sessions_open(cache):
+    """A forked child must never send COM_QUIT on the sockets it inherited: the server
+    would end the parent's sessions (a parent thread using one gets 2013). At interpreter
+    exit mysqlclient closes every connection still referenced, so the child's copies of
+    its parent's connections must be closed without a word to the server."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "PYTHONPATH": os.getcwd()}
+    result = subprocess.run([sys.executable, "-c", FORKING_PARENT, "kvcache_fork_exit"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sessions = [ast.literal_eval(part) for part in re.findall(r"\[[^]]*\]", result.stdout)]
+    assert len(sessions) == 2 and len(sessions[0]) >= 2, result.stdout
+    assert sessions[1] == sessions[0], "the worker's exit ended its parent's sessions"
+    assert result.stdout.split("]")[-1].split() == ["parent", "parent"]
 
 
 # --- Django's test cases ----------------------------------------------------------------------

@@ -20,10 +20,15 @@ server's too).
 A forked child must never close a connection it inherited: closing sends ``COM_QUIT``
 on the socket it shares with its parent, which ends the parent's session. Every open
 connection is held by :data:`opened` until the cache closes it, so the garbage collector
-never closes one; a forked child keeps the inherited ones there, unused.
+never closes one; a forked child keeps the inherited ones there, unused, their
+descriptors pointed at ``/dev/null``: however the child exits — ``os._exit()``, or
+``sys.exit()`` as gunicorn's, uWSGI's and Celery's workers do, when the interpreter
+deallocates every object and mysqlclient closes what it still holds — its ``COM_QUIT``
+goes nowhere.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import MySQLdb
@@ -164,7 +169,7 @@ class Opened:
     Held here, a connection is closed only by its :meth:`OwnConnection.close`, never by
     the garbage collector — which would also close, in a forked child, the connections
     it inherited when the pools forget them (see the module). The child keeps those,
-    unused."""
+    unused, their sockets replaced by ``/dev/null``."""
 
     def __init__(self) -> None:
         self.open: dict[Any, str] = {}
@@ -178,8 +183,23 @@ class Opened:
         self.open.pop(raw, None)
 
     def after_fork(self) -> None:
-        self.inherited.append(self.open)  # the parent's: never used, never closed here
-        self.open = {}
+        """In a forked child: the parent's connections are kept, never used, and their
+        descriptors now name ``/dev/null``, so that whatever closes them — this process
+        closing a connection, or mysqlclient at interpreter exit — writes its
+        ``COM_QUIT`` there, not on the socket the child shares with its parent."""
+        inherited, self.open = self.open, {}
+        self.inherited.append(inherited)
+        if not inherited:
+            return
+        nowhere = os.open(os.devnull, os.O_RDWR)
+        try:
+            for raw in inherited:
+                try:
+                    os.dup2(nowhere, raw.fileno(), inheritable=False)
+                except Exception:  # noqa: BLE001  (closed already: nothing of the parent's)
+                    continue
+        finally:
+            os.close(nowhere)
 
 
 opened = Opened()
