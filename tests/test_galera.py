@@ -31,8 +31,7 @@ from django.test.utils import override_settings
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_engine_on_galera, is_galera_node
-from django_kvcache.mysql import blocking
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import blocking, pools
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.server import forget_server
 from tests.contract import CacheContract
@@ -76,7 +75,7 @@ def causal_reads(alias: str) -> Iterator[None]:
 def set_sync_wait(alias: str, value: int) -> None:
     with connections[alias].cursor() as cursor:
         cursor.execute(f"SET SESSION wsrep_sync_wait = {value}")
-    pool = blocking.pool_of(alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+    pool = pools.process_pool(alias)
     if not pool.idle:
         blocking.query(alias, "SELECT 1")  # one connection, idle now
     for raw in list(pool.idle):

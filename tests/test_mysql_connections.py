@@ -36,8 +36,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.codec import INT64_MAX
-from django_kvcache.mysql import blocking, errors
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import blocking, errors, pools
 from django_kvcache.mysql.connect import connection_params
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
@@ -46,6 +45,7 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     make_cache,
     mysql_tables,
     now_ms,
+    registered_alias,
     rows,
     sql,
 )
@@ -54,8 +54,8 @@ from tests.settings import SHARD_ALIASES
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def default_pool() -> blocking.AliasPool:
-    return blocking.pool_of(DEFAULT_DB_ALIAS, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+def default_pool() -> pools.ProcessPool:
+    return pools.process_pool(DEFAULT_DB_ALIAS)
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_threads_wait_for_a_connection_and_are_counted(mysql_tables):
     for the first one's connection (POOL_TIMEOUT at most), and the wait is counted."""
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 5})
     small.set("k", 1)
-    pool = blocking.pool_of(DEFAULT_DB_ALIAS, 1, 5.0)
+    pool = pools.process_pool(DEFAULT_DB_ALIAS, small.cluster.connections)
     held = pool.checkout()
     results: list[Any] = []
     worker = threading.Thread(target=lambda: results.append(small.get("k")))
@@ -247,7 +247,7 @@ def test_a_pool_that_stays_busy_for_pool_timeout_raises_pool_exhausted(mysql_tab
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05,
                                 "IGNORE_EXCEPTIONS": False})
     small.get("warm-up")
-    pool = blocking.pool_of(DEFAULT_DB_ALIAS, 1, 0.05)
+    pool = pools.process_pool(DEFAULT_DB_ALIAS, small.cluster.connections)
     held = pool.checkout()
     try:
         with pytest.raises(errors.PoolExhausted, match="MAX_POOL_SIZE"):
@@ -332,6 +332,50 @@ def test_forked_workers_never_share_a_connection(cache):
     # The parent's connections are still its own, alive: nothing reopened.
     assert (pool.connects, pool.reconnects) == (connects, reconnects)
     assert parent <= {raw.thread_id() for raw in pool.idle}
+
+
+# --- timeouts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias_options, cache_options, expected", [
+    # The quick start's alias, the cache's defaults: 1 s to connect, 2 s for a reply.
+    ({}, {}, (1, 2, 2, 2.0)),
+    # An alias that sets its own keeps them (the write timeout too).
+    ({"connect_timeout": 5, "read_timeout": 30, "write_timeout": 7}, {}, (5, 30, 7, 30.0)),
+    ({"read_timeout": 10}, {}, (1, 10, 2, 10.0)),
+    # The cache's OPTIONS win over the alias's; whole seconds for mysqlclient, the reply
+    # wait to the fraction; None: no limit.
+    ({"connect_timeout": 5, "read_timeout": 30}, {"CONNECT_TIMEOUT": 2, "IO_TIMEOUT": 0.5},
+     (2, 1, 1, 0.5)),
+    ({}, {"CONNECT_TIMEOUT": None, "IO_TIMEOUT": None}, (None, None, None, None)),
+])
+def test_the_cache_s_connections_are_bounded_unless_told_otherwise(
+        django_db_blocker, alias_options, cache_options, expected):
+    entry = {**connections.settings[DEFAULT_DB_ALIAS], "TEST": {},
+             "OPTIONS": {"charset": "utf8mb4", **alias_options}}
+    with registered_alias("kvcache_timeouts", entry, django_db_blocker):
+        cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": "kvcache_timeouts", **cache_options}})
+        params = connection_params("kvcache_timeouts", cache.cluster.connections)
+    kwargs = params.kwargs
+    assert (kwargs.get("connect_timeout"), kwargs.get("read_timeout"),
+            kwargs.get("write_timeout"), params.io_timeout) == expected
+
+
+@pytest.mark.parametrize("name", ["CONNECT_TIMEOUT", "IO_TIMEOUT"])
+@pytest.mark.parametrize("value", [0, -1, "soon", float("inf")], ids=repr)
+def test_a_bad_timeout_names_the_cache_and_the_option(name, value):
+    from django.core.exceptions import ImproperlyConfigured
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    configured = {"BACKEND": "django_kvcache.backends.mysql.MySQLCache",
+                  "LOCATION": TABLE, "OPTIONS": {name: value}}
+    with override_settings(CACHES={"sessions": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["sessions"]
+    assert str(raised.value).startswith(
+        f"CACHES['sessions']['OPTIONS'][{name!r}] must be a positive number of seconds"
+    ), raised.value
 
 
 #: A process that used the cache (threads' pool and an event loop's), then forks a worker

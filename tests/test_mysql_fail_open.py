@@ -19,7 +19,7 @@ import pytest
 from django.db import DatabaseError, OperationalError, connections
 
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
-from django_kvcache.mysql import blocking, errors
+from django_kvcache.mysql import errors, pools
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
     make_cache,
@@ -204,7 +204,7 @@ def test_a_write_that_failed_open_is_never_read_stale(mysql_tables):
 def test_a_busy_pool_fails_open(mysql_tables):
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05})
     small.set("busy", 1)
-    pool = blocking.pool_of("default", 1, 0.05)
+    pool = pools.process_pool("default", small.cluster.connections)
     before = small.metrics()["shards"]["default"]["ignored"]
     held = pool.checkout()
     try:
@@ -304,7 +304,7 @@ def test_a_read_only_server_after_a_failover_is_unreachable_for_writes(mysql_tab
     counted against its health."""
     with failing_inserts(code, message, times=1) as table:
         cache = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": False})
-        pool = blocking.pool_of("default", 16, 1.0)
+        pool = pools.process_pool("default", cache.cluster.connections)
         connects = pool.connects
         assert cache.set("k", "v") is None  # the rerun, on a new connection, went through
         assert pool.connects == connects + 1 and cache.get("k") == "v"

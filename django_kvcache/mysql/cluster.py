@@ -25,6 +25,12 @@ from typing import Any, Callable, Collection, Generator, Iterator, Mapping
 from django_kvcache.forks import Registry
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql.config import router_model
+from django_kvcache.mysql.connect import (  # noqa: F401  (the pool defaults, named here too)
+    DEFAULT_POOL_SIZE,
+    DEFAULT_POOL_TIMEOUT,
+    ConnectionSettings,
+    connection_settings,
+)
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, like_prefix
 from django_kvcache.mysql.query import Query, rowcount
 from django_kvcache.mysql.replica_lag import LagMonitor
@@ -51,11 +57,6 @@ OWED_BATCH_ROWS = 1000
 #: Owed-clean-up statements one call to a shard may run before its own work.
 OWED_BATCHES_PER_CALL = 1
 
-#: Connections per process and alias on the sync API, and per event loop and alias on
-#: the async API (OPTIONS["MAX_POOL_SIZE"]).
-DEFAULT_POOL_SIZE = 16
-#: Seconds a thread or coroutine waits for a pooled connection (OPTIONS["POOL_TIMEOUT"]).
-DEFAULT_POOL_TIMEOUT = 1.0
 #: IGNORE_EXCEPTIONS when OPTIONS do not say: fail open, as MemcachedCache does.
 IGNORE_EXCEPTIONS_DEFAULT = True
 
@@ -211,10 +212,11 @@ class Cluster:
         self.retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
         self.read_your_writes = read_your_writes(options)
         self.max_replica_lag = max_replica_lag(options)
-        # The cache's own connections: per process and alias on the sync API, per event
-        # loop and alias on the async API (docs/mysql.rst, docs/async.rst).
-        self.max_pool_size = integer(options, "MAX_POOL_SIZE", DEFAULT_POOL_SIZE)
-        self.pool_timeout = seconds(options, "POOL_TIMEOUT", DEFAULT_POOL_TIMEOUT)
+        # The cache's own connections: a pool per alias and these settings, per process
+        # on the sync API, per event loop on the async API (docs/mysql.rst).
+        self.connections: ConnectionSettings = connection_settings(options)
+        self.max_pool_size = self.connections.max_size
+        self.pool_timeout = self.connections.pool_timeout
         # Reads may leave the primary only with a replica or routers that pick readers.
         self.tracks_writes = any(s.replica or s.alias is None for s in self.shards)
         self._health: dict[str, NodeHealth] = {}

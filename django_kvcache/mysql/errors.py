@@ -13,8 +13,8 @@ else:
   logged and counted, and a write that failed so is remembered as missed;
 * ``unreachable``: the server, or the path to it, failed: it also counts against the
   server's health (``FAILURE_THRESHOLD``);
-* ``connection_lost``: the connection is unusable: the driver closes it, and the next
-  statement starts on a fresh one (any other error reply leaves it in step);
+* ``connection_lost``: the connection is unusable: the exchange closes it, and the next
+  statement starts on a fresh one (any other error reply leaves it in step: kept);
 * ``rerun``: whether the statement may run again: ``NOT_APPLIED`` errors prove the
   server did not apply it (so it may run again, whatever it does), ``LOST_REPLY``
   errors leave that open (only a statement that may run twice runs again);
@@ -23,8 +23,13 @@ else:
   writers that collided do not collide again in step).
 
 A new retryable class is one more entry in :data:`CLASSES`; ``docs/mysql.rst`` has the
-table of which errors fail open. An error the cache passes on never quotes a cached value
-(:func:`translate`).
+table of which errors fail open.
+
+Errors the cache raises itself: :class:`ReplyTimeout` (no reply within IO_TIMEOUT),
+:class:`ShardDown` and :class:`PoolExhausted`. An error met while opening a connection
+(:func:`connect_failed`) is classified by its code, but never sent again when it means
+the server cannot be reached.
+An error the cache passes on never quotes a cached value (:func:`translate`).
 """
 from __future__ import annotations
 
@@ -91,6 +96,11 @@ NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=Tr
 #: connection that met it on a statement stays in step.
 ACCOUNT_LIMIT = ErrorClass("account limit reached", unreachable=True, connection_lost=False,
                            rerun=Rerun.NEVER)
+#: No reply within IO_TIMEOUT (:class:`ReplyTimeout`): the server, or the path to it, is
+#: hung (or the statement slower than IO_TIMEOUT allows). The connection is closed (its
+#: reply may still come) and the statement is not sent again: a rerun would wait as long.
+TIMED_OUT = ErrorClass("no reply in time", unreachable=True, connection_lost=True,
+                       rerun=Rerun.NEVER)
 #: The server answers but serves no statement: Galera's 1047 "WSREP has not yet prepared
 #: node for application use", a node cut off from the cluster's primary component (a
 #: partition, a lost quorum) or still joining. As unreachable as a stopped server, but the
@@ -163,7 +173,18 @@ NO_SUCH_TABLE = 1146
 
 
 class ShardDown(OperationalError):
-    """A shard marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
+    """A server marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
+
+
+class ReplyTimeout(OperationalError):
+    """No reply within IO_TIMEOUT: the connection is closed (as mysqlclient's own read
+    timeout reports it: 2013, lost connection)."""
+
+    def __init__(self, alias: str, seconds: float) -> None:
+        super().__init__(2013, f"Lost connection to server during query (no reply from "
+                               f"{alias!r} within {seconds:g} s: IO_TIMEOUT)")
+
+
 
 
 class CacheTableMissing(ProgrammingError):
@@ -193,6 +214,15 @@ def classify(exc: BaseException) -> ErrorClass:
         return NO_CONNECTION
     if isinstance(exc, PoolExhausted):
         return POOL_BUSY
+    if isinstance(exc, ReplyTimeout):
+        return TIMED_OUT
+    found = _by_code(exc)
+    if found.unreachable and getattr(exc, "connecting", False):
+        return NO_CONNECTION  # never sent again: reconnecting would wait as long
+    return found
+
+
+def _by_code(exc: BaseException) -> ErrorClass:
     code = error_code(exc)
     if code is None:
         return STATEMENT
@@ -251,6 +281,16 @@ def translate(exc: Exception) -> Exception:
     else:
         translated.__cause__ = exc
     return translated
+
+
+def connect_failed(exc: Exception) -> Exception:
+    """An error raised while opening a connection, as Django's exception, marked
+    ``connecting``: nothing was sent, and a server that could not be reached this way (a
+    connect timeout included) is not tried again by the same call."""
+    failed = translate(exc)
+    if isinstance(failed, DatabaseError):
+        failed.connecting = True  # type: ignore[attr-defined]
+    return failed
 
 
 #: Errors whose text quotes data the statement carried (a value, a key): 1064 a syntax

@@ -31,8 +31,7 @@ from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
 
-from django_kvcache.mysql import blocking
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import pools
 
 from kvcache_bench.caches import CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
@@ -212,7 +211,7 @@ class Floor:
 
     def _pool(self) -> Any:
         """The cache's own pool of connections to its database (its defaults)."""
-        return blocking.pool_of(self.alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+        return pools.process_pool(self.alias)
 
     def time(self, stored: list[Any]) -> Any:
         """The SELECTs alone (for their CPU time), on one of the cache's connections."""
