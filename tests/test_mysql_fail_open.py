@@ -88,6 +88,22 @@ def test_an_unreachable_server_gives_misses_and_no_ops(unreachable, caplog):
     assert shard["errors"] + shard["skipped"] >= 10 and shard["down"] is True
 
 
+def test_the_log_names_the_server_and_the_cache(unreachable, caplog):
+    """A cache on one database calls it its server (not a shard), and names the cache
+    by its CACHES alias."""
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    configured = {"BACKEND": "django_kvcache.backends.mysql.MySQLCache", "LOCATION": TABLE,
+                  "OPTIONS": {"DATABASE": unreachable, "RETRY_TIMEOUT": 61}}
+    with override_settings(CACHES={"sessions": configured}), \
+            caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert caches["sessions"].get("k", "default") == "default"
+    assert any(r.getMessage().startswith(
+        f"Ignored MySQL failure on server {unreachable!r} of cache 'sessions': ")
+        for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def test_without_ignore_exceptions_an_unreachable_server_raises(unreachable):
     cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": unreachable, "IGNORE_EXCEPTIONS": False}})
     with pytest.raises(OperationalError) as raised:

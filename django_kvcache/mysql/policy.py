@@ -48,15 +48,18 @@ from django_kvcache.mysql.sql import Statements
 from django_kvcache.signals import node_up
 
 logger = logging.getLogger("django_kvcache.backends.mysql")
-#: Shard failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
+#: Failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
 ignored_failures = FailureLog(logger, "MySQL")
 #: Maintenance that failed (owed clean-up, a cull on the write path): logged, never raised.
 maintenance_failures = FailureLog(logger, "MySQL maintenance")
+#: alias -> the sources (server and cache) of ``ignored_failures`` episodes about it.
+_episodes: dict[str, set[str]] = {}
 
 
 def _shard_answers_again(sender: Any, node: str, kind: str = "", **kwargs: Any) -> None:
     if kind == SHARD_KIND:
-        ignored_failures.recovered(f"shard {node}")
+        for source in _episodes.pop(node, ()):
+            ignored_failures.recovered(source)
 
 
 node_up.connect(_shard_answers_again, dispatch_uid="django_kvcache.mysql.ignored_failures")
@@ -231,15 +234,17 @@ class Run:
         if self.call.keys is ANY_KEY and self.call.access is Access.MAINTENANCE:
             # cull(): what is owed first, within the cull's own budget of statements.
             budget = self.call.owed_budget
+            named = self.session.cluster.describe(primary)
             self.tasks.append(Task(primary,
-                                   lambda sql: owed.steps(record, scope, sql, primary, budget)))
+                                   lambda sql: owed.steps(record, scope, sql, named, budget)))
             return
         if time.monotonic() >= record.resume_at and record.cleaning.acquire(blocking=False):
             # (another call's step is never waited for; a failed one pauses the steps)
             self.cleaning = record
             budget = owed.OWED_BATCHES_PER_CALL
+            named = self.session.cluster.describe(primary)
             self.tasks.append(Task(
-                primary, lambda sql: owed.steps(record, scope, sql, primary, budget),
+                primary, lambda sql: owed.steps(record, scope, sql, named, budget),
                 quiet=True, done=self._release_cleaning,
             ))
         if self.call.keys is ANY_KEY:
@@ -311,8 +316,9 @@ class Run:
                 # statement that may run twice was, once; maintenance and questions on
                 # the side have rate-limited logs of their own.) The statement's text
                 # without its values: a value may be session data.
-                logger.warning("Not retried after error %s on %r (the server may have run "
-                               "it): %s", errors.error_code(error), alias, redacted(query.sql))
+                logger.warning("Not retried after error %s on %s (the server may have run "
+                               "it): %s", errors.error_code(error),
+                               self.session.cluster.describe(alias), redacted(query.sql))
             self.failed_on = alias
             if task.quiet:
                 self._maintenance_failed(alias, error)
@@ -377,7 +383,7 @@ class Run:
         what = "Cull" if self.call.quiet else "Owed clean-up"
         why = "a lock conflict" if errors.is_lock_conflict(error) else "an error"
         maintenance_failures.failed(
-            f"shard {alias}",
+            self.session.cluster.describe(alias, kind=False),
             f"{what} of {self.session.cluster.table} skipped after {why}: "
             f"{type(error).__name__}: {error}",
         )
@@ -455,10 +461,10 @@ def _skipped(session: Session, run: Run) -> Any:
     health = cluster.health(alias)
     retry_in = max(0.0, health.down_until - time.monotonic())
     down = errors.ShardDown(
-        f"{SHARD_KIND} {alias} is marked down after {health.failures} consecutive "
+        f"{cluster.describe(alias)} is marked down after {health.failures} consecutive "
         f"failures; next try in {retry_in:.1f} s (RETRY_TIMEOUT)"
     )
-    return _ignored(alias, stats, down, call.fallback)
+    return _ignored(session, alias, stats, down, call.fallback)
 
 
 def _failed(session: Session, run: Run) -> Any:
@@ -484,7 +490,7 @@ def _failed(session: Session, run: Run) -> Any:
         raise error
     if call.access is not Access.MAINTENANCE and errors.is_unreachable(error):
         cluster.health(alias).failed(f"{type(error).__name__}: {error}")
-    return _ignored(alias, stats, error, call.fallback)
+    return _ignored(session, alias, stats, error, call.fallback)
 
 
 def _missed(session: Session, call: Call) -> None:
@@ -495,10 +501,13 @@ def _missed(session: Session, call: Call) -> None:
         session.cluster.missed(call.shard).add(missed)
 
 
-def _ignored(alias: str, stats: Any, error: BaseException, fallback: Any) -> Any:
+def _ignored(session: Session, alias: str, stats: Any, error: BaseException,
+             fallback: Any) -> Any:
     if fallback is RAISE:
         raise error
     stats.ignored += 1
-    # Logged once per episode and then summarized: a down shard fails every call.
-    ignored_failures.failed(f"shard {alias}", f"{type(error).__name__}: {error}")
+    # Logged once per episode and then summarized: a down server fails every call.
+    source = session.cluster.describe(alias, kind=False)
+    _episodes.setdefault(alias, set()).add(source)
+    ignored_failures.failed(source, f"{type(error).__name__}: {error}")
     return fallback
