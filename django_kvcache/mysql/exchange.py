@@ -96,7 +96,12 @@ def perform(items: Sequence[tuple[str, Query]], settings: ConnectionSettings,
     """One round: per ``(alias, query)``, the reply or a :class:`Failed`, in order."""
     if len(items) != 1:
         return (yield from pipelined(items, settings, io))
-    alias, query = items[0]  # the usual call: one statement, written out for speed
+    return [(yield from one(*items[0], settings, io))]
+
+
+def one(alias: str, query: Query, settings: ConnectionSettings, io: Driver) -> Plan:
+    """The usual round, one statement: its reply or a :class:`Failed` (written out for
+    speed: what :func:`pipelined` does for one)."""
     pool = io.pool(alias, settings)
     try:
         connection = pool.try_checkout()  # an idle connection, or a new one if room
@@ -105,20 +110,20 @@ def perform(items: Sequence[tuple[str, Query]], settings: ConnectionSettings,
             if type(connection) is Wait:
                 connection = yield connection
     except Exception as exc:
-        return [Failed(errors.translate(exc))]
+        return Failed(errors.translate(exc))
     sent = send(pool, connection, query)
     if sent is not connection:
-        return [sent]
+        return sent
     try:
         waiting = io.reply(connection, _deadline(connection))
         if waiting is not None:
             yield waiting
     except Exception as exc:
-        return [settle(pool, connection, exc)]
+        return settle(pool, connection, exc)
     except BaseException:  # cancelled: the reply is left unread
         pool.discard(connection)
         raise
-    return [receive(pool, connection, query)]
+    return receive(pool, connection, query)
 
 
 def pipelined(items: Sequence[tuple[str, Query]], settings: ConnectionSettings,

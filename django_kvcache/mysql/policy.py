@@ -113,17 +113,20 @@ class Call:
 def execute(session: Session, calls: Sequence[Call], io: Driver) -> Generator[Wait, Any, list[Any]]:
     """Run ``calls`` together, on ``io``'s connections; returns their answers in order, or
     raises the first error that no fallback answers once every call is done."""
-    runs = [Run(session, call) for call in calls]
     settings = session.cluster.connections
+    if len(calls) == 1:  # the usual call: one run, one statement per round
+        run = Run(session, calls[0])
+        runs = [run]
+    else:
+        runs = [Run(session, call) for call in calls]
     try:
-        if len(runs) == 1:  # the usual call: one run, one statement per round
-            run = runs[0]
+        if len(runs) == 1:
             if run.begin():
                 while run.pending is not None:
                     pause = run.take_pause()
                     if pause and (waiting := io.sleep(pause)) is not None:
                         yield waiting  # a rerun's back-off, on the loop
-                    run.advance((yield from exchange.perform([run.pending], settings, io))[0])
+                    run.advance((yield from exchange.one(*run.pending, settings, io)))
             return settle(session, runs)
         active = [run for run in runs if run.begin()]
         while active:
