@@ -30,7 +30,13 @@ from typing import Any, Callable, Iterator
 
 import MySQLdb
 import pytest
-from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    OperationalError,
+    ProgrammingError,
+    connections,
+    transaction,
+)
 from django.test import LiveServerTestCase, TestCase, TransactionTestCase
 from django.test.utils import CaptureQueriesContext
 
@@ -359,6 +365,38 @@ def test_the_cache_s_connections_are_bounded_unless_told_otherwise(
     kwargs = params.kwargs
     assert (kwargs.get("connect_timeout"), kwargs.get("read_timeout"),
             kwargs.get("write_timeout"), params.io_timeout) == expected
+
+
+def test_io_timeout_bounds_the_wait_for_a_reply_on_both_apis(cache):
+    """A statement held up (here by a table lock) fails after IO_TIMEOUT, a fraction of a
+    second included, on the sync and the async API alike; not sent again."""
+    cache.set("locked", 1)
+    strict = make_cache(OPTIONS={"IO_TIMEOUT": 0.3, "IGNORE_EXCEPTIONS": False})
+    strict.get("warm-up")
+    locker = MySQLdb.connect(**connection_params(DEFAULT_DB_ALIAS).kwargs)
+    locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
+    waits: list[tuple[float, BaseException]] = []
+
+    async def aget() -> None:  # (the loop's connection opens within the clock: quickly)
+        started = time.monotonic()
+        try:
+            await strict.aget("locked")
+        except OperationalError as exc:
+            waits.append((time.monotonic() - started, exc))
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError) as raised:
+            strict.get("locked")
+        waits.append((time.monotonic() - started, raised.value))
+        asyncio.run(aget())
+    finally:
+        locker.close()  # (its lock goes with it)
+    assert len(waits) == 2
+    for waited, error in waits:
+        assert 0.25 <= waited < 1.0, waited
+        assert errors.classify(error) is errors.TIMED_OUT and error.args[0] == 2013
+    assert strict.get("locked") == 1
 
 
 @pytest.mark.parametrize("name", ["CONNECT_TIMEOUT", "IO_TIMEOUT"])
