@@ -25,8 +25,9 @@ it waits is all that differs; everything else is decided here, once:
     connection is lost (:func:`~django_kvcache.mysql.errors.classify`), then closed;
   - no reply in time, or a reply read only in part: closed;
   - a cancellation (``CancelledError``, ``KeyboardInterrupt``, anything raised into a
-    wait): a connection with a statement out is closed (its reply would be left unread),
-    an unused one goes back; the exception goes on.
+    wait): a connection with a statement out is closed (its reply would be left unread);
+    a wait for a pooled connection leaves the pool as it found it
+    (:mod:`django_kvcache.pool`); the exception goes on.
 
 Errors come back as :class:`Failed` answers (Django's exception classes, translated
 once), for the policy to classify and account; only a cancellation is raised.
