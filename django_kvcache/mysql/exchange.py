@@ -24,6 +24,9 @@ it waits is all that differs; everything else is decided here, once:
   - an error reply: back to its pool, in step — unless the error's class says the
     connection is lost (:func:`~django_kvcache.mysql.errors.classify`), then closed;
   - no reply in time, or a reply read only in part: closed;
+  - an error that says every idle connection of the pool is stale too (a read-only
+    server: a primary demoted by a failover): they are closed with it, so that the rerun
+    goes out on a new connection;
   - a cancellation (``CancelledError``, ``KeyboardInterrupt``, anything raised into a
     wait): a connection with a statement out is closed (its reply would be left unread);
     a wait for a pooled connection leaves the pool as it found it
@@ -199,13 +202,17 @@ def receive(pool: Any, connection: Connection, query: Query) -> Any:
 
 def settle(pool: Any, connection: Connection, exc: Exception) -> Failed:
     """``exc`` as a :class:`Failed`; ``connection`` back to its pool, or closed if the
-    error lost it (a reply read in part, a timeout, a broken connection)."""
+    error lost it (a reply read in part, a timeout, a broken connection), and with it
+    the pool's idle ones where they reach the same stale server (a demoted primary)."""
     lost = isinstance(exc, Unreadable)
     error = errors.translate(exc.error if lost else exc)  # type: ignore[union-attr, arg-type]
-    if lost or errors.classify(error).connection_lost:
+    kind = errors.classify(error)
+    if lost or kind.connection_lost:
         pool.discard(connection)
     else:
         pool.checkin(connection)
+    if kind.pool_stale:
+        pool.close_idle()
     return Failed(error)
 
 
