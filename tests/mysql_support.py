@@ -16,7 +16,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_kvcache.backends.mysql import MySQLCache, now_ms  # noqa: F401  (re-exported)
-from django_kvcache.mysql import aio, blocking, connect
+from django_kvcache.mysql import blocking, connection
 from django_kvcache.mysql.server import forget_server
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
@@ -117,15 +117,14 @@ def sent_statements(alias: str | None = None) -> Iterator[list[str]]:
     def recording(before: Callable[..., bytes]) -> Callable[..., bytes]:
         def record(raw: Any, statement: str, params: Any) -> bytes:
             sent_bytes = before(raw, statement, params)
-            if alias is None or connect.alias_of(raw) == alias:
+            if alias is None or connection.alias_of(raw) == alias:
                 sent.append(sent_bytes.decode(raw.encoding, "replace"))
             return sent_bytes
 
         return record
 
-    with pytest.MonkeyPatch.context() as patch:
-        for driver in (blocking, aio):  # (around another recording block's, if any)
-            patch.setattr(driver, "statement_bytes", recording(driver.statement_bytes))
+    with pytest.MonkeyPatch.context() as patch:  # (around another recording block's, if any)
+        patch.setattr(connection, "statement_bytes", recording(connection.statement_bytes))
         yield sent
 
 

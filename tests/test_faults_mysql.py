@@ -19,9 +19,8 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql import blocking, errors
+from django_kvcache.mysql import blocking, errors, pools
 from django_kvcache.mysql.blocking import server_info
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
 from django_kvcache.mysql.connect import connection_params
 from django_kvcache.mysql.server import PACKET_HEADROOM, forget_server
 from tests.lost_reply_proxy import LostReplyProxy
@@ -63,8 +62,8 @@ def statements_on(alias: str, run: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, sent
 
 
-def pool() -> blocking.AliasPool:
-    return blocking.pool_of(ALIAS, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+def pool() -> pools.ProcessPool:
+    return pools.process_pool(ALIAS)
 
 
 #: The server's counters of the statements the cache sends.

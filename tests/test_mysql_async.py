@@ -22,7 +22,7 @@ from django.db import OperationalError, connections, transaction
 
 import django_kvcache.base
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.mysql import aio, errors
+from django_kvcache.mysql import errors, pools
 from tests.mysql_support import make_cache, registered_alias
 from tests.test_memcached_async import run_on_a_fresh_loop
 
@@ -157,13 +157,13 @@ def test_own_connections_honour_the_alias_options(options_alias):
         awkward = {"back\\slash": "\\", "quote'": "'", 'double"': '"'}
         await cache.aset_many(awkward)
         found = await cache.aget_many(awkward)
-        pool = aio.pool_of(options_alias, 4, 1.0)
+        pool = pools.loop_pool(options_alias, cache.cluster.connections)
         connection = await pool.checkout()
         try:
-            connection.raw.query(b"SELECT @@SESSION.sql_mode, @@SESSION.autocommit, "
-                                 b"@@SESSION.tx_isolation")
-            row = connection.raw.store_result().fetch_row()[0]
-            charset = connection.raw.character_set_name()
+            connection.query(b"SELECT @@SESSION.sql_mode, @@SESSION.autocommit, "
+                             b"@@SESSION.tx_isolation")
+            row = connection.store_result().fetch_row()[0]
+            charset = connection.character_set_name()
         finally:
             pool.checkin(connection)
         return found == awkward, row, charset
@@ -178,7 +178,8 @@ def test_own_connections_honour_the_alias_options(options_alias):
 
 def test_a_statement_waits_on_the_loop_and_gives_up_after_read_timeout(options_alias):
     """The statement waits for a table lock: the loop keeps running other work meanwhile,
-    and after read_timeout the call fails as a lost reply; its connection is closed."""
+    and after read_timeout (the alias's: no IO_TIMEOUT in the cache's OPTIONS) the call
+    fails, not sent again (a rerun would wait as long); its connection is closed."""
     cache = build(DATABASE=options_alias, IGNORE_EXCEPTIONS=False)
     cache.set("locked", 1)
     locker = MySQLdb.connect(**observer(options_alias))
@@ -203,7 +204,7 @@ def test_a_statement_waits_on_the_loop_and_gives_up_after_read_timeout(options_a
             error = exc
         stop.set()
         await ticking
-        pool = aio.pool_of(options_alias, cache.cluster.max_pool_size, 1.0)
+        pool = pools.loop_pool(options_alias, cache.cluster.connections)
         return ticks, time.monotonic() - started, error, pool.size
 
     try:
@@ -211,10 +212,11 @@ def test_a_statement_waits_on_the_loop_and_gives_up_after_read_timeout(options_a
     finally:
         locker.query(b"UNLOCK TABLES")
         locker.close()
-    assert error is not None and errors.classify(error) is errors.LOST_REPLY
-    assert 1.9 <= waited < 4  # read_timeout, twice: a read may run again
+    assert error is not None and errors.classify(error) is errors.TIMED_OUT
+    assert error.args[0] == 2013  # as mysqlclient's own read timeout reports it
+    assert 0.9 <= waited < 2  # read_timeout, once
     assert ticks > 50  # the loop ran the ticker all along
-    assert pool_size == 0  # both connections with an unanswered statement were closed
+    assert pool_size == 0  # the connection with an unanswered statement was closed
     assert cache.get("locked") == 1
     cache.clear()
 
@@ -236,7 +238,7 @@ def test_a_cancelled_call_leaves_no_unread_reply_behind(cache):
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        pool = aio.pool_of("default", cache.cluster.max_pool_size, 1.0)
+        pool = pools.loop_pool("default", cache.cluster.connections)
         size = pool.size  # the connection with the unread reply was closed, not kept
         locker.query(b"UNLOCK TABLES")
         return size, await cache.aget("k")
@@ -249,13 +251,13 @@ def test_a_cancelled_call_leaves_no_unread_reply_behind(cache):
 
 
 def test_each_loop_has_its_own_pool_closed_with_the_loop(cache):
-    pools: list[Any] = []
+    loop_pools: list[Any] = []
     failures: list[BaseException] = []
 
     async def work() -> None:
         await asyncio.gather(*(cache.aset(f"k{i}", i) for i in range(8)))
         assert await cache.aget_many([f"k{i}" for i in range(8)]) == {f"k{i}": i for i in range(8)}
-        pools.append(aio.pool_of("default", cache.cluster.max_pool_size, 1.0))
+        loop_pools.append(pools.loop_pool("default", cache.cluster.connections))
 
     def in_a_thread() -> None:
         try:
@@ -271,8 +273,8 @@ def test_each_loop_has_its_own_pool_closed_with_the_loop(cache):
     for thread in threads:
         thread.join(timeout=60)
     assert failures == []
-    assert len({id(pool) for pool in pools}) == 3
-    assert all(pool.idle == [] and pool.size == 0 for pool in pools)
+    assert len({id(pool) for pool in loop_pools}) == 3
+    assert all(pool.idle == [] and pool.size == 0 for pool in loop_pools)
 
 
 def test_concurrent_coroutines_share_a_bounded_pool(cache):
@@ -281,19 +283,21 @@ def test_concurrent_coroutines_share_a_bounded_pool(cache):
     async def scenario() -> int:
         await bounded.aset("k", "v")
         assert await asyncio.gather(*(bounded.aget("k") for _ in range(200))) == ["v"] * 200
-        return aio.pool_of("default", 3, 5.0).connects
+        return pools.loop_pool("default", bounded.cluster.connections).connects
 
     assert asyncio.run(scenario()) <= 3
 
 
 @contextmanager
-def row_locked(key: str) -> Iterator[Any]:
-    """``key``'s row locked by a transaction of another connection (yielded: ROLLBACK on
-    it lets go), so a write of it holds its pooled connection until then."""
+def row_locked(*keys: str) -> Iterator[Any]:
+    """``keys``' rows locked by a transaction of another connection (yielded: ROLLBACK on
+    it lets go), so a write of one holds its pooled connection until then."""
     locker = MySQLdb.connect(**observer("default"))
+    listed = ", ".join(f"'{key}'" for key in keys)
     try:
         locker.query(b"BEGIN")
-        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` = '{key}' FOR UPDATE".encode())
+        locker.query(f"SELECT * FROM `{TABLE}` WHERE `cache_key` IN ({listed}) FOR UPDATE"
+                     .encode())
         locker.store_result()
         yield locker
     finally:
@@ -472,7 +476,7 @@ def test_a_connection_closed_while_idle_is_discarded_once(own_server):
 
     async def scenario() -> tuple[int, int, int]:
         await cache.aset("k", 1)
-        pool = aio.pool_of(FAULTY, 1, 2.0)
+        pool = pools.loop_pool(FAULTY, cache.cluster.connections)
         own_server.stop()  # no await since: the loop has not seen the close
         assert await cache.aadd("fresh", 1) is False  # failed open: no server
         after_failure = pool.size
@@ -483,3 +487,52 @@ def test_a_connection_closed_while_idle_is_discarded_once(own_server):
     after_failure, size, idle = asyncio.run(scenario())
     assert after_failure == 0
     assert size <= 1 and idle <= 1
+
+
+# --- issue 39 ----------------------------------------------------------------------------------
+
+
+def test_each_cache_s_pool_options_hold_on_the_event_loop(cache):
+    """Two caches on one alias with different MAX_POOL_SIZE and POOL_TIMEOUT: the first
+    on a loop used to fix both for every cache on that alias and loop, so the second's
+    concurrent writes waited for the first's one connection, gave up after its
+    POOL_TIMEOUT and were dropped (failed open, with a PoolExhausted naming options the
+    second was never given)."""
+    small = build(MAX_POOL_SIZE=1, POOL_TIMEOUT=0.05)
+    wide = build()  # 16 connections, 1 s
+    keys = ["a", "b", "c"]
+    cache.set_many(dict.fromkeys(keys, 0))
+
+    async def scenario(locker: Any) -> None:
+        await small.aget("warm-up")  # the first cache on this loop and alias
+        writes = [asyncio.create_task(wide.aset(key, 1)) for key in keys]
+        await asyncio.sleep(0.3)  # each holds a connection, waiting for its row
+        locker.query(b"ROLLBACK")
+        await asyncio.gather(*writes)
+
+    with row_locked(*(f":1:{key}" for key in keys)) as locker:
+        asyncio.run(scenario(locker))
+    assert cache.get_many(keys) == dict.fromkeys(keys, 1)
+
+
+def test_an_error_reply_keeps_the_connection_on_the_event_loop_as_on_threads(cache):
+    """An error reply (here the server's 1146, no such table) leaves the connection in
+    step: both drivers keep it. The asyncio driver closed it on every error reply and
+    opened a new one for the next call: five failing calls, five connections."""
+    missing = MySQLCache("kvcache_async_no_such_table", {})
+
+    def fail_five(call: Callable[[], Any]) -> None:
+        for _ in range(5):
+            with pytest.raises(errors.CacheTableMissing):
+                call()
+
+    async def scenario() -> int:
+        for _ in range(5):
+            with pytest.raises(errors.CacheTableMissing):
+                await missing.aget("k")
+        return missing.metrics()["shards"]["default"]["async_pool_connects"]
+
+    before = missing.metrics()["shards"]["default"].get("pool_connects", 0)
+    fail_five(lambda: missing.get("k"))
+    assert missing.metrics()["shards"]["default"]["pool_connects"] - before <= 1
+    assert run_on_a_fresh_loop(scenario()) == 1

@@ -13,11 +13,15 @@ connection under Django's checks otherwise.)
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import json
 import os
+import re
 import select
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -26,14 +30,19 @@ from typing import Any, Callable, Iterator
 
 import MySQLdb
 import pytest
-from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    OperationalError,
+    ProgrammingError,
+    connections,
+    transaction,
+)
 from django.test import LiveServerTestCase, TestCase, TransactionTestCase
 from django.test.utils import CaptureQueriesContext
 
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.codec import INT64_MAX
-from django_kvcache.mysql import blocking, errors
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import blocking, errors, pools
 from django_kvcache.mysql.connect import connection_params
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
@@ -42,6 +51,7 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     make_cache,
     mysql_tables,
     now_ms,
+    registered_alias,
     rows,
     sql,
 )
@@ -50,8 +60,8 @@ from tests.settings import SHARD_ALIASES
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def default_pool() -> blocking.AliasPool:
-    return blocking.pool_of(DEFAULT_DB_ALIAS, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+def default_pool() -> pools.ProcessPool:
+    return pools.process_pool(DEFAULT_DB_ALIAS)
 
 
 @pytest.fixture
@@ -221,7 +231,7 @@ def test_threads_wait_for_a_connection_and_are_counted(mysql_tables):
     for the first one's connection (POOL_TIMEOUT at most), and the wait is counted."""
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 5})
     small.set("k", 1)
-    pool = blocking.pool_of(DEFAULT_DB_ALIAS, 1, 5.0)
+    pool = pools.process_pool(DEFAULT_DB_ALIAS, small.cluster.connections)
     held = pool.checkout()
     results: list[Any] = []
     worker = threading.Thread(target=lambda: results.append(small.get("k")))
@@ -243,7 +253,7 @@ def test_a_pool_that_stays_busy_for_pool_timeout_raises_pool_exhausted(mysql_tab
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05,
                                 "IGNORE_EXCEPTIONS": False})
     small.get("warm-up")
-    pool = blocking.pool_of(DEFAULT_DB_ALIAS, 1, 0.05)
+    pool = pools.process_pool(DEFAULT_DB_ALIAS, small.cluster.connections)
     held = pool.checkout()
     try:
         with pytest.raises(errors.PoolExhausted, match="MAX_POOL_SIZE"):
@@ -328,6 +338,144 @@ def test_forked_workers_never_share_a_connection(cache):
     # The parent's connections are still its own, alive: nothing reopened.
     assert (pool.connects, pool.reconnects) == (connects, reconnects)
     assert parent <= {raw.thread_id() for raw in pool.idle}
+
+
+# --- timeouts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias_options, cache_options, expected", [
+    # The quick start's alias, the cache's defaults: 1 s to connect, 2 s for a reply.
+    ({}, {}, (1, 2, 2, 2.0)),
+    # An alias that sets its own keeps them (the write timeout too).
+    ({"connect_timeout": 5, "read_timeout": 30, "write_timeout": 7}, {}, (5, 30, 7, 30.0)),
+    ({"read_timeout": 10}, {}, (1, 10, 2, 10.0)),
+    # The cache's OPTIONS win over the alias's; whole seconds for mysqlclient, the reply
+    # wait to the fraction; None: no limit.
+    ({"connect_timeout": 5, "read_timeout": 30}, {"CONNECT_TIMEOUT": 2, "IO_TIMEOUT": 0.5},
+     (2, 1, 1, 0.5)),
+    ({}, {"CONNECT_TIMEOUT": None, "IO_TIMEOUT": None}, (None, None, None, None)),
+])
+def test_the_cache_s_connections_are_bounded_unless_told_otherwise(
+        django_db_blocker, alias_options, cache_options, expected):
+    entry = {**connections.settings[DEFAULT_DB_ALIAS], "TEST": {},
+             "OPTIONS": {"charset": "utf8mb4", **alias_options}}
+    with registered_alias("kvcache_timeouts", entry, django_db_blocker):
+        cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": "kvcache_timeouts", **cache_options}})
+        params = connection_params("kvcache_timeouts", cache.cluster.connections)
+    kwargs = params.kwargs
+    assert (kwargs.get("connect_timeout"), kwargs.get("read_timeout"),
+            kwargs.get("write_timeout"), params.io_timeout) == expected
+
+
+def test_io_timeout_bounds_the_wait_for_a_reply_on_both_apis(cache):
+    """A statement held up (here by a table lock) fails after IO_TIMEOUT, a fraction of a
+    second included, on the sync and the async API alike; not sent again."""
+    cache.set("locked", 1)
+    strict = make_cache(OPTIONS={"IO_TIMEOUT": 0.3, "IGNORE_EXCEPTIONS": False})
+    strict.get("warm-up")
+    locker = MySQLdb.connect(**connection_params(DEFAULT_DB_ALIAS).kwargs)
+    locker.query(f"LOCK TABLES `{TABLE}` WRITE".encode())
+    waits: list[tuple[float, BaseException]] = []
+
+    async def aget() -> None:  # (the loop's connection opens within the clock: quickly)
+        started = time.monotonic()
+        try:
+            await strict.aget("locked")
+        except OperationalError as exc:
+            waits.append((time.monotonic() - started, exc))
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError) as raised:
+            strict.get("locked")
+        waits.append((time.monotonic() - started, raised.value))
+        asyncio.run(aget())
+    finally:
+        locker.close()  # (its lock goes with it)
+    assert len(waits) == 2
+    for waited, error in waits:
+        assert 0.25 <= waited < 1.0, waited
+        assert errors.classify(error) is errors.TIMED_OUT and error.args[0] == 2013
+    assert strict.get("locked") == 1
+
+
+@pytest.mark.parametrize("name", ["CONNECT_TIMEOUT", "IO_TIMEOUT"])
+@pytest.mark.parametrize("value", [0, -1, "soon", float("inf")], ids=repr)
+def test_a_bad_timeout_names_the_cache_and_the_option(name, value):
+    from django.core.exceptions import ImproperlyConfigured
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    configured = {"BACKEND": "django_kvcache.backends.mysql.MySQLCache",
+                  "LOCATION": TABLE, "OPTIONS": {name: value}}
+    with override_settings(CACHES={"sessions": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["sessions"]
+    assert str(raised.value).startswith(
+        f"CACHES['sessions']['OPTIONS'][{name!r}] must be a positive number of seconds"
+    ), raised.value
+
+
+#: A process that used the cache (threads' pool and an event loop's), then forks a worker
+#: that exits the way gunicorn's, uWSGI's and Celery's workers do: ``sys.exit()``, which
+#: finalizes the interpreter (every object it still holds is deallocated). The workers
+#: the test above forks end with ``os._exit()``, which skips that. Prints the cache's
+#: server sessions before the fork, and the ones still open after the worker exited.
+FORKING_PARENT = """
+import asyncio, os, sys, time
+import django
+PARENT = os.getpid()
+django.setup()
+from django_kvcache.backends.mysql import MySQLCache
+import MySQLdb
+from django_kvcache.mysql import blocking
+from django_kvcache.mysql.connect import connection_params
+
+cache = MySQLCache(sys.argv[1], {"OPTIONS": {"CULL_PROBABILITY": 0}})
+cache.create_table()
+
+def sessions():  # asked on a connection of the script's own
+    watcher = MySQLdb.connect(**connection_params("default").kwargs)
+    try:
+        watcher.query(b"SELECT ID FROM information_schema.PROCESSLIST "
+                      b"WHERE DB = DATABASE() AND ID <> CONNECTION_ID()")
+        return sorted(row[0] for row in watcher.store_result().fetch_row(0))
+    finally:
+        watcher.close()
+
+async def main():
+    cache.set("k", "parent")
+    await cache.aset("k", "parent")  # this loop's pool: open while the worker runs
+    before = sessions()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # the worker's end: raised through asyncio.run, the interpreter exits
+    os.waitpid(pid, 0)
+    time.sleep(0.5)  # the server has read a COM_QUIT by now, if one was sent
+    print(before, sessions(), await cache.aget("k"), cache.get("k"))
+
+try:
+    asyncio.run(main())
+finally:
+    if os.getpid() == PARENT:
+        blocking.query("default", cache.drop_table_sql().split(";")[0])
+"""
+
+
+def test_a_forked_worker_that_exits_normally_leaves_its_parent_s_sessions_open(cache):
+    """A forked child must never send COM_QUIT on the sockets it inherited: the server
+    would end the parent's sessions (a parent thread using one gets 2013). At interpreter
+    exit mysqlclient closes every connection still referenced, so the child's copies of
+    its parent's connections must be closed without a word to the server."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "PYTHONPATH": os.getcwd()}
+    result = subprocess.run([sys.executable, "-c", FORKING_PARENT, "kvcache_fork_exit"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sessions = [ast.literal_eval(part) for part in re.findall(r"\[[^]]*\]", result.stdout)]
+    assert len(sessions) == 2 and len(sessions[0]) >= 2, result.stdout
+    assert sessions[1] == sessions[0], "the worker's exit ended its parent's sessions"
+    assert result.stdout.split("]")[-1].split() == ["parent", "parent"]
 
 
 # --- Django's test cases ----------------------------------------------------------------------

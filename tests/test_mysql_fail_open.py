@@ -15,11 +15,12 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import MySQLdb
 import pytest
 from django.db import DatabaseError, OperationalError, connections
 
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
-from django_kvcache.mysql import aio, blocking, errors
+from django_kvcache.mysql import errors, pools
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
     make_cache,
@@ -86,6 +87,22 @@ def test_an_unreachable_server_gives_misses_and_no_ops(unreachable, caplog):
     assert len(failures) == 1  # one line per episode, then a summary
     shard = cache.metrics()["shards"][unreachable]
     assert shard["errors"] + shard["skipped"] >= 10 and shard["down"] is True
+
+
+def test_the_log_names_the_server_and_the_cache(unreachable, caplog):
+    """A cache on one database calls it its server (not a shard), and names the cache
+    by its CACHES alias."""
+    from django.core.cache import caches
+    from django.test import override_settings
+
+    configured = {"BACKEND": "django_kvcache.backends.mysql.MySQLCache", "LOCATION": TABLE,
+                  "OPTIONS": {"DATABASE": unreachable, "RETRY_TIMEOUT": 61}}
+    with override_settings(CACHES={"sessions": configured}), \
+            caplog.at_level(logging.WARNING, logger="django_kvcache"):
+        assert caches["sessions"].get("k", "default") == "default"
+    assert any(r.getMessage().startswith(
+        f"Ignored MySQL failure on server {unreachable!r} of cache 'sessions': ")
+        for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_without_ignore_exceptions_an_unreachable_server_raises(unreachable):
@@ -204,7 +221,7 @@ def test_a_write_that_failed_open_is_never_read_stale(mysql_tables):
 def test_a_busy_pool_fails_open(mysql_tables):
     small = make_cache(OPTIONS={"MAX_POOL_SIZE": 1, "POOL_TIMEOUT": 0.05})
     small.set("busy", 1)
-    pool = blocking.pool_of("default", 1, 0.05)
+    pool = pools.process_pool("default", small.cluster.connections)
     before = small.metrics()["shards"]["default"]["ignored"]
     held = pool.checkout()
     try:
@@ -235,6 +252,10 @@ def test_errors_are_classified_once_for_every_path():
     assert not errors.is_unreachable(errors.PoolExhausted("busy"))
     for code in (1045, 1049, 1146, 1054, 1064):
         assert not errors.fails_open(error(code))
+    # Limits that are the account's or the server's state, not the configuration's.
+    for code in (1226, 3032, 1040, 1203, 1135):
+        assert errors.fails_open(error(code)) and errors.is_unreachable(error(code)), code
+    assert errors.fails_open(error(1637)) and not errors.is_unreachable(error(1637))
 
 
 def test_error_1047_is_galera_s_only_from_a_galera_node(mysql_tables):
@@ -300,7 +321,7 @@ def test_a_read_only_server_after_a_failover_is_unreachable_for_writes(mysql_tab
     counted against its health."""
     with failing_inserts(code, message, times=1) as table:
         cache = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": False})
-        pool = blocking.pool_of("default", 16, 1.0)
+        pool = pools.process_pool("default", cache.cluster.connections)
         # Idle connections opened before the failover reach the demoted server too: the
         # rerun takes none of them (it took one where earlier tests had left some).
         opened_before = [pool.checkout() for _ in range(3)]
@@ -321,7 +342,7 @@ def test_on_the_event_loop_a_read_only_server_s_write_reruns_on_a_new_connection
         cache = make_cache(table, OPTIONS={"IGNORE_EXCEPTIONS": False})
 
         async def failover() -> tuple[int, list[Any]]:
-            pool = aio.pool_of("default", 16, 1.0)
+            pool = pools.loop_pool("default", cache.cluster.connections)
             opened_before = [await pool.checkout() for _ in range(3)]
             for connection in opened_before:
                 pool.checkin(connection)
@@ -331,7 +352,7 @@ def test_on_the_event_loop_a_read_only_server_s_write_reruns_on_a_new_connection
 
         opened, opened_before = asyncio.run(failover())
         assert opened == 1 and cache.get("k") == "v"
-        assert not any(connection.raw.open for connection in opened_before)
+        assert not any(connection.open for connection in opened_before)
 
 
 def test_1290_for_another_option_is_a_statement_error(mysql_tables):
@@ -339,3 +360,62 @@ def test_1290_for_another_option_is_a_statement_error(mysql_tables):
                                "option so it cannot execute this statement") as table:
         with pytest.raises(OperationalError):
             make_cache(table).set("k", "v")
+
+
+# --- limits of the account and of the server (issue 39) --------------------------------------
+
+USER_LIMIT = (1226, "User kvcache_limited has exceeded the max_queries_per_hour resource "
+                    "(current value: 100)")
+OFFLINE_MODE = (3032, "The server is currently in offline mode")
+
+
+@pytest.mark.parametrize("code, message", [USER_LIMIT, OFFLINE_MODE])
+def test_an_account_limit_or_offline_mode_fails_open_as_too_many_connections_does(
+        mysql_tables, code, message):
+    """A per-account limit (1226: MAX_QUERIES_PER_HOUR, MAX_UPDATES_PER_HOUR…) and
+    MySQL 8's offline mode (3032) say the server will not serve this client now, as the
+    server-wide 1040 and 1203 do: failed open and held against the server's health — a
+    cache limit must not become a site error."""
+    with failing_inserts(code, message) as table:
+        cache = make_cache(table, OPTIONS={"FAILURE_THRESHOLD": 1, "RETRY_TIMEOUT": 0.5})
+        assert cache.set("k", "v") is None
+        assert cache.add("k", "v") is False
+        shard = cache.metrics()["shards"]["default"]
+        assert shard["ignored"] >= 1 and shard["down"] is True
+
+
+LIMITED = "kvcache_limited"
+
+
+@pytest.fixture
+def limited_account(alias_with) -> Iterator[str]:
+    """An alias that logs in as an account allowed one connection at a time
+    (MAX_USER_CONNECTIONS 1, a per-account limit: error 1226 past it)."""
+    hosts = ("%", "localhost")
+    for host in hosts:
+        sql(f"DROP USER IF EXISTS '{LIMITED}'@'{host}'")
+        sql(f"CREATE USER '{LIMITED}'@'{host}' WITH MAX_USER_CONNECTIONS 1")
+        sql(f"GRANT ALL PRIVILEGES ON *.* TO '{LIMITED}'@'{host}'")
+    try:
+        yield alias_with(LIMITED, USER=LIMITED, PASSWORD="")
+    finally:
+        for host in hosts:
+            sql(f"DROP USER IF EXISTS '{LIMITED}'@'{host}'")
+
+
+def test_an_account_at_its_connection_limit_fails_open(mysql_tables, limited_account):
+    from django_kvcache.mysql.connect import connection_params
+
+    holder = MySQLdb.connect(**connection_params(limited_account).kwargs)  # the one allowed
+    try:
+        cache = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": limited_account}})
+        assert cache.get("k", "default") == "default"
+        assert cache.set("k", 1) is None
+        assert cache.metrics()["shards"][limited_account]["errors"] >= 1
+        strict = MySQLCache(TABLE, {"OPTIONS": {"DATABASE": limited_account,
+                                                "IGNORE_EXCEPTIONS": False}})
+        with pytest.raises(OperationalError) as raised:
+            strict.get("k")
+        assert raised.value.args[0] == 1226
+    finally:
+        holder.close()

@@ -17,8 +17,7 @@ from django.db import OperationalError, ProgrammingError, connections, transacti
 from django.test import override_settings
 
 from django_kvcache.backends.mysql import ALWAYS_FITS, MySQLCache
-from django_kvcache.mysql import blocking
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import blocking, pools
 from django_kvcache.mysql.connect import connection_params
 from tests.mysql_support import (  # noqa: F401  (fixtures)
     TABLE,
@@ -150,7 +149,7 @@ def monitor(alias: str = "default") -> Iterator[Any]:
 def kill(alias: str) -> None:
     """Kill the server side of the cache's idle connections to ``alias``, as a restart or
     wait_timeout would."""
-    victims = list(blocking.pool_of(alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT).idle)
+    victims = list(pools.process_pool(alias).idle)
     assert victims
     with monitor(alias) as killer:
         for raw in victims:

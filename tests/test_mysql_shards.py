@@ -25,8 +25,7 @@ from django.test.utils import override_settings
 from django_kvcache.backends.mysql import CacheTableMissing, MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.maintenance import create_tables_in, cull_all, migration_source
-from django_kvcache.mysql import blocking, errors, policy
-from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+from django_kvcache.mysql import blocking, errors, policy, pools
 from django_kvcache.mysql.query import Query, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
@@ -316,7 +315,7 @@ def test_a_lost_reply_is_sent_again_only_for_an_idempotent_statement(cache, idem
     ]
 
     def call() -> None:
-        pool = blocking.pool_of("shard2", DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+        pool = pools.process_pool("shard2")
         raw = pool.checkout()  # the connection the call takes next (the last one in)
         session.append(raw.thread_id())
         pool.checkin(raw)
@@ -731,17 +730,17 @@ def test_one_replica_alias_for_two_shards_gets_one_statement_at_a_time():
     writer.set_many(items)
     reader = sharded("shard2", "shard3", REPLICAS={"shard2": "shard3", "shard3": "shard3"})
     reader.get("warm-up")
-    from django_kvcache.mysql import policy
+    from django_kvcache.mysql import exchange
 
     seen: list[list[str]] = []
-    original = policy.Exchange.__init__
+    original = exchange.perform
 
-    def recording(self, items_: Any, pause: float = 0.0) -> None:
-        original(self, items_, pause)
-        seen.append([alias for alias, _ in self.items])
+    def recording(items_: Any, *args: Any) -> Any:
+        seen.append([alias for alias, _ in items_])
+        return original(items_, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(policy.Exchange, "__init__", recording)
+        patch.setattr(exchange, "perform", recording)
         found = reader.get_many(items)
     on_shard3 = {k: v for k, v in items.items() if reader._shard_for(reader.make_key(k)).alias == "shard3"}
     assert found == on_shard3  # shard2's keys were asked of shard3, which lacks them

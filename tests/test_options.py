@@ -147,6 +147,8 @@ MYSQL_NUMBERS = [
     ("MAX_REPLICA_LAG", "2.5", 2.5, REPLICATED, lambda c: c.cluster.max_replica_lag),
     ("MAX_POOL_SIZE", "8", 8, {}, lambda c: c.cluster.max_pool_size),
     ("POOL_TIMEOUT", "3", 3.0, {}, lambda c: c.cluster.pool_timeout),
+    ("CONNECT_TIMEOUT", "2", 2.0, {}, lambda c: c.cluster.connections.connect_timeout),
+    ("IO_TIMEOUT", "1.5", 1.5, {}, lambda c: c.cluster.connections.io_timeout),
     ("CULL_PROBABILITY", "0.25", 0.25, {}, lambda c: c.cull_probability),
 ]
 #: Memcached's connection options shape the process-wide cluster: a cache whose option
@@ -399,8 +401,8 @@ def test_timeout_in_options_names_the_socket_timeouts_too():
         "OPTIONS: the entries' default expiry in seconds; the socket timeouts are " \
         "CONNECT_TIMEOUT and IO_TIMEOUT)" in memcached
     mysql = configured_error(MYSQL, "kvcache_options", {"TIMEOUT": 60})
-    assert "the connection's timeouts are connect_timeout, read_timeout and write_timeout " \
-        "in the OPTIONS of its DATABASES entry)" in mysql
+    assert "the entries' default expiry in seconds; the connections' timeouts are " \
+        "CONNECT_TIMEOUT and IO_TIMEOUT)" in mysql
 
 
 @pytest.mark.parametrize("name, said", [
@@ -423,10 +425,11 @@ def test_memcached_names_the_equivalent_of_a_carried_over_option(name, said):
 
 @pytest.mark.parametrize("name, said", [
     ("ignore_exc", "ignore_exc (pymemcache's name: here IGNORE_EXCEPTIONS)"),
-    ("CONNECT_TIMEOUT", "CONNECT_TIMEOUT (a connection setting: connect_timeout in the "
-                        "OPTIONS of the cache's DATABASES entry)"),
-    ("IO_TIMEOUT", "IO_TIMEOUT (a connection setting: read_timeout and write_timeout in the "
-                   "OPTIONS of the cache's DATABASES entry)"),
+    ("connect_timeout", "connect_timeout (here CONNECT_TIMEOUT, in seconds; connect_timeout "
+                        "belongs in the OPTIONS of a DATABASES entry)"),
+    ("read_timeout", "read_timeout (here IO_TIMEOUT, in seconds; read_timeout belongs in the "
+                     "OPTIONS of a DATABASES entry)"),
+    ("SOCKET_TIMEOUT", "SOCKET_TIMEOUT (django-redis's name: here IO_TIMEOUT)"),
     ("REVERSE_KEY_FUNCTION", "REVERSE_KEY_FUNCTION (django-mysql's option: not needed here, "
                              "the prefix operations read keys made by the default "
                              "KEY_FUNCTION)"),

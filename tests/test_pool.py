@@ -25,7 +25,7 @@ from django_kvcache.memcached import PoolExhausted
 from django_kvcache.memcached import aio as memcached_aio
 from django_kvcache.memcached.pool import ConnectionSettings, NodePool
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.mysql import aio
+from django_kvcache.mysql import pools
 from tests.mysql_support import make_cache, mysql_tables  # noqa: F401  (a fixture)
 
 
@@ -159,15 +159,15 @@ def test_mysql_loops_closed_without_shutting_down_close_their_connections(mysql_
         async def use(index: int = index) -> None:
             await cache.aset(f"key-{index}", index)
             assert await cache.aget(f"key-{index}") == index
-            for pool in aio._pools.get().values():
-                opened.extend(connection.raw for connection in pool.idle)
+            for pool in pools._loops.get().values():
+                opened.extend(pool.idle)
 
         loop.run_until_complete(use())
         loop.close()
         loops.append(weakref.ref(loop))
         del loop, use
     assert opened and opened[-1].open
-    assert aio._pools.every() == []  # the closed loops' pools: closed and forgotten
+    assert pools._loops.every() == []  # the closed loops' pools: closed and forgotten
     assert not [raw for raw in opened if raw.open]
     gc.collect()
     assert not [ref for ref in loops if ref() is not None]

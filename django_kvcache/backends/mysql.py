@@ -44,7 +44,7 @@ from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow,
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, blocking, dictionaries, layouts, plans
+from django_kvcache.mysql import aio, blocking, dictionaries, layouts, plans, pools
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
@@ -133,22 +133,22 @@ class MySQLCache(KVCache):
             "CULL_PROBABILITY",
             "MAX_POOL_SIZE",
             "POOL_TIMEOUT",
+            "CONNECT_TIMEOUT",
+            "IO_TIMEOUT",
         }
     )
     option_hints = {
         **TOP_LEVEL_HINTS,
-        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the connection's "
-        "timeouts are connect_timeout, read_timeout and write_timeout in the OPTIONS of its "
-        "DATABASES entry",
-        "timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS of "
-        "the cache's DATABASES entry; the entries' default expiry is TIMEOUT, at the top "
-        f"level of {THIS_CACHE}",
-        "connect_timeout": "a connection setting: connect_timeout in the OPTIONS of the "
-        "cache's DATABASES entry",
-        "io_timeout": "a connection setting: read_timeout and write_timeout in the OPTIONS "
-        "of the cache's DATABASES entry",
-        "socket_timeout": "a connection setting: read_timeout and write_timeout in the "
-        "OPTIONS of the cache's DATABASES entry",
+        "TIMEOUT": f"{TOP_LEVEL}: the entries' default expiry in seconds; the connections' "
+        "timeouts are CONNECT_TIMEOUT and IO_TIMEOUT",
+        "timeout": "the connections' timeout: here IO_TIMEOUT, in seconds; the entries' "
+        f"default expiry is TIMEOUT, at the top level of {THIS_CACHE}",
+        "connect_timeout": "here CONNECT_TIMEOUT, in seconds; connect_timeout belongs in the "
+        "OPTIONS of a DATABASES entry",
+        "io_timeout": "here IO_TIMEOUT, in seconds",
+        "read_timeout": "here IO_TIMEOUT, in seconds; read_timeout belongs in the OPTIONS of "
+        "a DATABASES entry",
+        "socket_timeout": "django-redis's name: here IO_TIMEOUT",
         "tls": "a connection setting: ssl in the OPTIONS of the cache's DATABASES entry",
         "ignore_exc": "pymemcache's name: here IGNORE_EXCEPTIONS",
         "reverse_key_function": "django-mysql's option: not needed here, the prefix "
@@ -753,8 +753,7 @@ class MySQLCache(KVCache):
                 **asdict(cluster.stats(alias)),
                 "down": health.down,
                 "consecutive_failures": health.failures,
-                **blocking.pool_figures(alias, cluster.max_pool_size, cluster.pool_timeout),
-                **aio.pool_figures(alias),
+                **pools.figures(alias, cluster.connections),
             }
             if alias == shard.primary():
                 missed = cluster.missed(shard)

@@ -22,9 +22,18 @@ import threading
 import time
 from typing import Any, Callable, Collection, Generator, Iterator, Mapping
 
+from django.conf import settings
+from django.core.cache.backends.base import default_key_func
+
 from django_kvcache.forks import Registry
 from django_kvcache.health import NodeHealth, health_for
 from django_kvcache.mysql.config import router_model
+from django_kvcache.mysql.connect import (  # noqa: F401  (the pool defaults, named here too)
+    DEFAULT_POOL_SIZE,
+    DEFAULT_POOL_TIMEOUT,
+    ConnectionSettings,
+    connection_settings,
+)
 from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, like_prefix
 from django_kvcache.mysql.query import Query, rowcount
 from django_kvcache.mysql.replica_lag import LagMonitor
@@ -40,7 +49,7 @@ from django_kvcache.mysql.shards import (
     shard_stats,
 )
 from django_kvcache.mysql.sql import Statements, quote_name
-from django_kvcache.options import flag, integer, seconds
+from django_kvcache.options import flag, integer, read_number_options, seconds
 from django_kvcache.outdated import LIMIT, OutdatedCopies
 
 logger = logging.getLogger(__name__)
@@ -51,11 +60,6 @@ OWED_BATCH_ROWS = 1000
 #: Owed-clean-up statements one call to a shard may run before its own work.
 OWED_BATCHES_PER_CALL = 1
 
-#: Connections per process and alias on the sync API, and per event loop and alias on
-#: the async API (OPTIONS["MAX_POOL_SIZE"]).
-DEFAULT_POOL_SIZE = 16
-#: Seconds a thread or coroutine waits for a pooled connection (OPTIONS["POOL_TIMEOUT"]).
-DEFAULT_POOL_TIMEOUT = 1.0
 #: IGNORE_EXCEPTIONS when OPTIONS do not say: fail open, as MemcachedCache does.
 IGNORE_EXCEPTIONS_DEFAULT = True
 
@@ -175,7 +179,7 @@ def steps(
     budget: int | None = None,
 ) -> Generator[Query, Any, None]:
     """Up to ``budget`` bounded statements of what ``record`` owes on its primary
-    ``alias`` (``None``: until nothing is owed)."""
+    (``alias``: how the log names it) (``None``: until nothing is owed)."""
     taken = 0
     while record.pending and (budget is None or taken < budget):
         taken += 1
@@ -193,10 +197,8 @@ def steps(
             what = f"the {record.deleted} key(s)"
         if settled:
             record.deleted = 0
-            logger.warning(
-                "%s %s answers again: deleted %s written while it could not be reached",
-                SHARD_KIND, alias, what,
-            )
+            logger.warning("%s answers again: deleted %s written while it could not be "
+                           "reached", alias, what)
 
 
 class Cluster:
@@ -211,10 +213,13 @@ class Cluster:
         self.retry_timeout = seconds(options, "RETRY_TIMEOUT", 10.0)
         self.read_your_writes = read_your_writes(options)
         self.max_replica_lag = max_replica_lag(options)
-        # The cache's own connections: per process and alias on the sync API, per event
-        # loop and alias on the async API (docs/mysql.rst, docs/async.rst).
-        self.max_pool_size = integer(options, "MAX_POOL_SIZE", DEFAULT_POOL_SIZE)
-        self.pool_timeout = seconds(options, "POOL_TIMEOUT", DEFAULT_POOL_TIMEOUT)
+        # The cache's own connections: a pool per alias and these settings, per process
+        # on the sync API, per event loop on the async API (docs/mysql.rst).
+        self.connections: ConnectionSettings = connection_settings(options)
+        self.max_pool_size = self.connections.max_size
+        self.pool_timeout = self.connections.pool_timeout
+        self.identity = _frozen(options)
+        self._names: tuple[Any, str] = (None, "")  # (settings.CACHES, the caches' names)
         # Reads may leave the primary only with a replica or routers that pick readers.
         self.tracks_writes = any(s.replica or s.alias is None for s in self.shards)
         self._health: dict[str, NodeHealth] = {}
@@ -278,6 +283,38 @@ class Cluster:
         MAX_REPLICA_LAG (INFINITE before the first answer and after a failed question)."""
         monitor, bound = self.lag_monitor(shard), self.max_replica_lag
         return monitor is not None and bound is not None and monitor.seconds > bound
+
+    def describe(self, alias: str, kind: bool = True) -> str:
+        """How log lines and errors name ``alias``: its role in this cache (server,
+        shard, replica) and the cache, by its name in CACHES (``kind``: with "MySQL ")."""
+        if any(shard.replica == alias for shard in self.shards):
+            role = "replica"
+        else:
+            role = "shard" if len(self.shards) > 1 else "server"
+        return f"{'MySQL ' if kind else ''}{role} {alias!r} of {self.cache_name()}"
+
+    def cache_name(self) -> str:
+        """``cache 'sessions'`` (the CACHES entries that make this configuration), else
+        the table's name."""
+        caches = settings.CACHES
+        if self._names[0] is not caches:
+            names = [name for name in caches if self._made_by(caches[name])]
+            described = ("cache " + " or ".join(map(repr, names)) if names
+                         else f"the MySQLCache of table {self.table!r}")
+            self._names = (caches, described)
+        return self._names[1]
+
+    def _made_by(self, entry: Mapping[str, Any]) -> bool:
+        """Whether a CACHES entry makes this configuration (its table, options, keys)."""
+        if entry.get("LOCATION") != self.table or "mysql" not in str(entry.get("BACKEND")):
+            return False
+        try:
+            options = read_number_options(entry.get("OPTIONS") or {})
+        except Exception:  # noqa: BLE001  (that entry's own error, raised when it is built)
+            return False
+        scope = own_keys_pattern(entry.get("KEY_PREFIX", ""),
+                                 entry.get("KEY_FUNCTION") in (None, default_key_func))
+        return _frozen(options) == self.identity and scope == self.scope
 
     def aliases(self) -> Iterator[tuple[Shard, str]]:
         """Every alias of every shard: its primary, then its replica."""

@@ -13,8 +13,8 @@ else:
   logged and counted, and a write that failed so is remembered as missed;
 * ``unreachable``: the server, or the path to it, failed: it also counts against the
   server's health (``FAILURE_THRESHOLD``);
-* ``connection_lost``: the connection is unusable: the driver closes it, and the next
-  statement starts on a fresh one;
+* ``connection_lost``: the connection is unusable: the exchange closes it, and the next
+  statement starts on a fresh one (any other error reply leaves it in step: kept);
 * ``rerun``: whether the statement may run again: ``NOT_APPLIED`` errors prove the
   server did not apply it (so it may run again, whatever it does), ``LOST_REPLY``
   errors leave that open (only a statement that may run twice runs again);
@@ -24,11 +24,18 @@ else:
 
 A new retryable class is one more entry in :data:`CLASSES`; ``docs/mysql.rst`` has the
 table of which errors fail open.
+
+Errors the cache raises itself: :class:`ReplyTimeout` (no reply within IO_TIMEOUT),
+:class:`ShardDown` and :class:`PoolExhausted`. An error met while opening a connection
+(:func:`connect_failed`) is classified by its code, but never sent again when it means
+the server cannot be reached.
+An error the cache passes on never quotes a cached value (:func:`translate`).
 """
 from __future__ import annotations
 
 import enum
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,16 +79,32 @@ MAX_PAUSE = 0.016
 #: or MySQL closed an idle session before reading it (4031): never run.
 NOT_SENT = ErrorClass("not sent", unreachable=True, connection_lost=True, rerun=Rerun.NOT_APPLIED)
 #: The connection broke after the statement was sent: 2013 lost connection during query
-#: (also a KILLed connection or a read_timeout), 2055 lost connection (extended), 1927
-#: MariaDB connection killed, 1158-1161 the server's network errors on the connection.
-#: The server may have run the statement.
+#: (also a KILLed connection, or mysqlclient's own read_timeout in a reply cut short),
+#: 2055 lost connection (extended), 1927 MariaDB connection killed, MySQL's 3169 session
+#: killed, 1158-1161 the server's network errors on the connection, 2027 a malformed
+#: packet. The server may have run the statement.
 LOST_REPLY = ErrorClass("reply lost", unreachable=True, connection_lost=True,
                         rerun=Rerun.IF_IDEMPOTENT)
-#: No connection: 2002/2003 cannot connect (socket/TCP), 2005 unknown host, 1040 too many
-#: connections, 1203 the user's max_user_connections, 1053 server shutdown in progress,
-#: 1129 host blocked after connection errors.
+#: No connection: 2002/2003 cannot connect (socket/TCP), 2005 unknown host, 2001/2004 no
+#: socket could be made, 2012 a broken handshake, 1040 too many connections, 1203 the
+#: server-wide max_user_connections, 1053 server shutdown in progress, 1129 host blocked
+#: after connection errors, 1043 bad handshake, 1042 no host name for the client's
+#: address, 1135 no thread for the connection, MySQL 8's 3032 offline mode (the server
+#: serves administrators only).
 NO_CONNECTION = ErrorClass("no connection", unreachable=True, connection_lost=True,
                            rerun=Rerun.NEVER)
+#: A per-account limit (1226: MAX_USER_CONNECTIONS, MAX_QUERIES_PER_HOUR,
+#: MAX_UPDATES_PER_HOUR, MAX_CONNECTIONS_PER_HOUR): the server will not serve this
+#: account for now, as 1040 and 1203 say for everyone. Unreachable for the cache (the
+#: alias is skipped for RETRY_TIMEOUT instead of being refused call after call); a
+#: connection that met it on a statement stays in step.
+ACCOUNT_LIMIT = ErrorClass("account limit reached", unreachable=True, connection_lost=False,
+                           rerun=Rerun.NEVER)
+#: No reply within IO_TIMEOUT (:class:`ReplyTimeout`): the server, or the path to it, is
+#: hung (or the statement slower than IO_TIMEOUT allows). The connection is closed (its
+#: reply may still come) and the statement is not sent again: a rerun would wait as long.
+TIMED_OUT = ErrorClass("no reply in time", unreachable=True, connection_lost=True,
+                       rerun=Rerun.NEVER)
 #: The server answers but serves no statement: Galera's 1047 "WSREP has not yet prepared
 #: node for application use", a node cut off from the cluster's primary component (a
 #: partition, a lost quorum) or still joining. As unreachable as a stopped server, but the
@@ -97,7 +120,8 @@ NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=F
 #: before it: closed too, else the rerun would take one of them.
 READ_ONLY = ErrorClass("read-only server", unreachable=True, connection_lost=True,
                        rerun=Rerun.NOT_APPLIED, pool_stale=True)
-#: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
+#: 1213: InnoDB chose the statement as a deadlock's victim (1020 "record has changed since
+#: last read": MariaDB's snapshot isolation, the same race), or a Galera node aborted it at
 #: commit because a write committed on another node conflicts with it (a certification
 #: failure); 3101 (and 3100, the before_commit hook's error that reports it): MySQL Group
 #: Replication rolled it back at commit for the same reason. Either way nothing was
@@ -116,22 +140,31 @@ LOCK_WAIT = ErrorClass("lock wait timeout, not applied", unreachable=False,
                        connection_lost=False, rerun=Rerun.NOT_APPLIED)
 #: The server is overloaded: a statement stopped by MariaDB's max_statement_time (1969)
 #: or MySQL's max_execution_time (3024), killed (1317), out of memory or resources
-#: (1037, 1038, 1041), a table or disk full (1114, 1021). Not sent again: it would meet
-#: the same limit; not held against the server's health.
+#: (1037, 1038, 1041, the client's 2008), a table or disk full (1114, 1021), too many
+#: concurrent transactions (1637). Not sent again: it would meet the same limit; not
+#: held against the server's health.
 OVERLOADED = ErrorClass("server overloaded", unreachable=False, connection_lost=False,
                         rerun=Rerun.NEVER)
 #: Anything else: the statement or the configuration is wrong. Raised under any setting.
 STATEMENT = ErrorClass("statement", unreachable=False, connection_lost=False,
                        rerun=Rerun.NEVER, fails_open=False)
+#: The connection is out of step with the server, by a fault of the client: 2014
+#: commands out of sync, 1153 a packet over max_allowed_packet (the server closes the
+#: connection). Raised, as a statement error, and the connection closed.
+OUT_OF_STEP = ErrorClass("connection out of step", unreachable=False, connection_lost=True,
+                         rerun=Rerun.NEVER, fails_open=False)
 
 CLASSES: dict[int, ErrorClass] = {
     **dict.fromkeys((2006, 4031), NOT_SENT),
-    **dict.fromkeys((2013, 2055, 1927, 1158, 1159, 1160, 1161), LOST_REPLY),
-    **dict.fromkeys((2002, 2003, 2005, 1040, 1203, 1053, 1129), NO_CONNECTION),
+    **dict.fromkeys((2013, 2055, 1927, 3169, 1158, 1159, 1160, 1161, 2027), LOST_REPLY),
+    **dict.fromkeys((2001, 2002, 2003, 2004, 2005, 2012, 1040, 1203, 1053, 1129, 1043, 1042,
+                     1135, 3032), NO_CONNECTION),
+    1226: ACCOUNT_LIMIT,
     1836: READ_ONLY,
-    **dict.fromkeys((1213, 3100, 3101), CONFLICT),
+    **dict.fromkeys((1213, 1020, 3100, 3101), CONFLICT),
     1205: LOCK_WAIT,
-    **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 1114, 1021), OVERLOADED),
+    **dict.fromkeys((1969, 3024, 1317, 1037, 1038, 1041, 2008, 1114, 1021, 1637), OVERLOADED),
+    **dict.fromkeys((2014, 1153), OUT_OF_STEP),
 }
 #: Codes that mean one thing from one kind of server and another elsewhere: the class
 #: when the message says so, else ``STATEMENT``.
@@ -145,7 +178,18 @@ NO_SUCH_TABLE = 1146
 
 
 class ShardDown(OperationalError):
-    """A shard marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
+    """A server marked down (``RETRY_TIMEOUT``) was not asked: no connection was tried."""
+
+
+class ReplyTimeout(OperationalError):
+    """No reply within IO_TIMEOUT: the connection is closed (as mysqlclient's own read
+    timeout reports it: 2013, lost connection)."""
+
+    def __init__(self, alias: str, seconds: float) -> None:
+        super().__init__(2013, f"Lost connection to server during query (no reply from "
+                               f"{alias!r} within {seconds:g} s: IO_TIMEOUT)")
+
+
 
 
 class CacheTableMissing(ProgrammingError):
@@ -175,6 +219,15 @@ def classify(exc: BaseException) -> ErrorClass:
         return NO_CONNECTION
     if isinstance(exc, PoolExhausted):
         return POOL_BUSY
+    if isinstance(exc, ReplyTimeout):
+        return TIMED_OUT
+    found = _by_code(exc)
+    if found.unreachable and getattr(exc, "connecting", False):
+        return NO_CONNECTION  # never sent again: reconnecting would wait as long
+    return found
+
+
+def _by_code(exc: BaseException) -> ErrorClass:
     code = error_code(exc)
     if code is None:
         return STATEMENT
@@ -215,12 +268,40 @@ def may_rerun(exc: BaseException, idempotent: bool, reruns: int = 0) -> bool:
 
 def translate(exc: Exception) -> Exception:
     """A DB-API error of the driver as Django's exception of the same name (what Django's
-    own wrapper does), the driver's error chained as ``__cause__``."""
+    own wrapper does), the driver's error chained as ``__cause__``. A server message that
+    quotes the data of a statement (:data:`QUOTING`) comes with the quoted text left out,
+    and nothing chained: no cached value reaches a log line or a traceback."""
     if isinstance(exc, DatabaseError):  # Django's already
         return exc
     django_class = getattr(django.db.utils, type(exc).__name__, None)
     if not (isinstance(django_class, type) and issubclass(django_class, DatabaseError)):
         return exc
-    translated = django_class(*exc.args)
-    translated.__cause__ = exc
+    args = exc.args
+    quoting = error_code(exc) in QUOTING and len(args) > 1 and isinstance(args[1], str)
+    if quoting:
+        args = (args[0], QUOTED.sub("'…'", args[1]), *args[2:])
+    translated = django_class(*args)
+    if quoting:
+        translated.__suppress_context__ = True  # the original, with its quotes, is dropped
+    else:
+        translated.__cause__ = exc
     return translated
+
+
+def connect_failed(exc: Exception) -> Exception:
+    """An error raised while opening a connection, as Django's exception, marked
+    ``connecting``: nothing was sent, and a server that could not be reached this way (a
+    connect timeout included) is not tried again by the same call."""
+    failed = translate(exc)
+    if isinstance(failed, DatabaseError):
+        failed.connecting = True  # type: ignore[attr-defined]
+    return failed
+
+
+#: Errors whose text quotes data the statement carried (a value, a key): 1064 a syntax
+#: error "near '…'", 1292 and 1366 a value that is not a number ("Truncated incorrect
+#: INTEGER value: '…'", what an ``incr`` of a corrupt counter meets), 1300 invalid
+#: characters, 1367 an illegal value, 1411 an incorrect date, 1062 a duplicate entry.
+QUOTING = frozenset({1064, 1292, 1366, 1300, 1367, 1411, 1062})
+#: A quoted text in a server message ('…' with '' inside it).
+QUOTED = re.compile(r"'(?:[^']|'')*'")

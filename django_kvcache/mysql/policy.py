@@ -1,17 +1,18 @@
 """The one failure policy of MySQLCache: how calls on shards are run, whatever drives them.
 
 A plan (:mod:`django_kvcache.mysql.plans`) hands over :class:`Call` s — work on one shard
-each — and :func:`execute` runs them all together, as a generator that yields each round
-of statements as an :class:`Exchange` and gets the replies back: it does no I/O. The
-blocking driver (:mod:`~django_kvcache.mysql.blocking`: the process's own connections)
-and the asyncio driver (:mod:`~django_kvcache.mysql.aio`: the event loop's own
-connections) only move those statements; so a single server, shards and replicas, sync
-or async, follow the same rules:
+each — and :func:`execute` runs them all together, as a generator that runs each round
+of statements through the exchange (:mod:`~django_kvcache.mysql.exchange`: checkout,
+send, reply, what an error does to the connection) and yields only its waits, which the
+driver it was given waits its own way: the blocking driver
+(:mod:`~django_kvcache.mysql.blocking`) in the thread, on the process's connections,
+the asyncio driver (:mod:`~django_kvcache.mysql.aio`) on the event loop, on the loop's.
+So a single server, shards and replicas, sync or async, follow the same rules:
 
 1. route: the shard's primary for writes, :meth:`Session.reader` for reads (with
    MAX_REPLICA_LAG, a read that claims its replica's question asks the lag first, on the
    side: :mod:`~django_kvcache.mysql.replica_lag`);
-2. skip a shard marked down (IGNORE_EXCEPTIONS): no connection is tried;
+2. skip a server marked down (IGNORE_EXCEPTIONS): no connection is tried;
 3. owed clean-up (:mod:`~django_kvcache.mysql.cluster`): the call's own owed keys are
    deleted first (a prefix call, which cannot list its keys, leaves the owed ones out
    of its answer instead); one bounded step of the rest is taken on the way
@@ -36,25 +37,29 @@ from typing import Any, Callable, Generator, Sequence
 from django.db import DatabaseError
 
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import errors, layouts, replica_lag
+from django_kvcache.mysql import errors, exchange, layouts, replica_lag
 from django_kvcache.mysql import cluster as owed
 from django_kvcache.mysql.cluster import ANY_KEY, MissedWrites, Session
-from django_kvcache.mysql.query import Query
+from django_kvcache.mysql.exchange import Driver, Failed, Wait
+from django_kvcache.mysql.query import Query, redacted
 from django_kvcache.mysql.server import DETECT, remember_server
 from django_kvcache.mysql.shards import SHARD_KIND, Shard
 from django_kvcache.mysql.sql import Statements
 from django_kvcache.signals import node_up
 
 logger = logging.getLogger("django_kvcache.backends.mysql")
-#: Shard failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
+#: Failures ignored under IGNORE_EXCEPTIONS: logged once per episode, then summarized.
 ignored_failures = FailureLog(logger, "MySQL")
 #: Maintenance that failed (owed clean-up, a cull on the write path): logged, never raised.
 maintenance_failures = FailureLog(logger, "MySQL maintenance")
+#: alias -> the sources (server and cache) of ``ignored_failures`` episodes about it.
+_episodes: dict[str, set[str]] = {}
 
 
 def _shard_answers_again(sender: Any, node: str, kind: str = "", **kwargs: Any) -> None:
     if kind == SHARD_KIND:
-        ignored_failures.recovered(f"shard {node}")
+        for source in _episodes.pop(node, ()):
+            ignored_failures.recovered(source)
 
 
 node_up.connect(_shard_answers_again, dispatch_uid="django_kvcache.mysql.ignored_failures")
@@ -105,39 +110,23 @@ class Call:
         self.owed_budget = owed_budget
 
 
-class Exchange:
-    """One round: at most one statement per alias, each on that alias's connection, sent
-    after ``pause`` seconds (a rerun's back-off; the driver sleeps, or awaits)."""
-
-    __slots__ = ("items", "pause")
-
-    def __init__(self, items: list[tuple[str, Query]], pause: float = 0.0) -> None:
-        self.items, self.pause = items, pause
-
-
-class Failed:
-    """A driver's answer for a statement that failed: the error (Django's exception
-    class)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-Replies = list[Any]  # a Reply tuple or a Failed per item of the Exchange
-
-
-def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Replies, list[Any]]:
-    """Run ``calls`` together; returns their answers in order, or raises the first error
-    that no fallback answers once every call is done."""
-    runs = [Run(session, call) for call in calls]
+def execute(session: Session, calls: Sequence[Call], io: Driver) -> Generator[Wait, Any, list[Any]]:
+    """Run ``calls`` together, on ``io``'s connections; returns their answers in order, or
+    raises the first error that no fallback answers once every call is done."""
+    settings = session.cluster.connections
+    if len(calls) == 1:  # the usual call: one run, one statement per round
+        run = Run(session, calls[0])
+        runs = [run]
+    else:
+        runs = [Run(session, call) for call in calls]
     try:
-        if len(runs) == 1:  # the usual call: one run, one statement per round
-            run = runs[0]
+        if len(runs) == 1:
             if run.begin():
                 while run.pending is not None:
-                    run.advance((yield Exchange([run.pending], run.take_pause()))[0])
+                    pause = run.take_pause()
+                    if pause and (waiting := io.sleep(pause)) is not None:
+                        yield waiting  # a rerun's back-off, on the loop
+                    run.advance((yield from exchange.one(*run.pending, settings, io)))
             return settle(session, runs)
         active = [run for run in runs if run.begin()]
         while active:
@@ -152,7 +141,9 @@ def execute(session: Session, calls: Sequence[Call]) -> Generator[Exchange, Repl
                     items.append((alias, query))
                     sending.append(run)
                     pause = max(pause, run.take_pause())
-            replies = yield Exchange(items, pause)
+            if pause and (waiting := io.sleep(pause)) is not None:
+                yield waiting
+            replies = yield from exchange.perform(items, settings, io)
             for run, reply in zip(sending, replies):
                 run.advance(reply)
             active = [run for run in active if run.pending is not None]
@@ -246,15 +237,17 @@ class Run:
         if self.call.keys is ANY_KEY and self.call.access is Access.MAINTENANCE:
             # cull(): what is owed first, within the cull's own budget of statements.
             budget = self.call.owed_budget
+            named = self.session.cluster.describe(primary)
             self.tasks.append(Task(primary,
-                                   lambda sql: owed.steps(record, scope, sql, primary, budget)))
+                                   lambda sql: owed.steps(record, scope, sql, named, budget)))
             return
         if time.monotonic() >= record.resume_at and record.cleaning.acquire(blocking=False):
             # (another call's step is never waited for; a failed one pauses the steps)
             self.cleaning = record
             budget = owed.OWED_BATCHES_PER_CALL
+            named = self.session.cluster.describe(primary)
             self.tasks.append(Task(
-                primary, lambda sql: owed.steps(record, scope, sql, primary, budget),
+                primary, lambda sql: owed.steps(record, scope, sql, named, budget),
                 quiet=True, done=self._release_cleaning,
             ))
         if self.call.keys is ANY_KEY:
@@ -314,19 +307,21 @@ class Run:
         assert task is not None
         if isinstance(reply, Failed):
             error = reply.error
+            kind = errors.classify(error)
             if not task.quiet and errors.may_rerun(error, query.idempotent, self.reruns):
                 # The same statement again (on a fresh connection if the old one is lost).
                 self.reruns += 1
-                self.pause = errors.classify(error).pause(self.reruns)
+                self.pause = kind.pause(self.reruns)
                 self.session.cluster.stats(alias).reruns += 1
                 return
-            if (errors.classify(error) is errors.LOST_REPLY and not query.idempotent
-                    and not task.quiet):
+            if kind is errors.LOST_REPLY and not query.idempotent and not task.quiet:
                 # The caller's outcome is unknown: say why it was not sent again. (A
                 # statement that may run twice was, once; maintenance and questions on
-                # the side have rate-limited logs of their own.)
-                logger.warning("Not retried after error %s (the server may have run it): %s",
-                               errors.error_code(error), query.sql)
+                # the side have rate-limited logs of their own.) The statement's text
+                # without its values: a value may be session data.
+                logger.warning("Not retried after error %s on %s (the server may have run "
+                               "it): %s", errors.error_code(error),
+                               self.session.cluster.describe(alias), redacted(query.sql))
             self.failed_on = alias
             if task.quiet:
                 self._maintenance_failed(alias, error)
@@ -391,7 +386,7 @@ class Run:
         what = "Cull" if self.call.quiet else "Owed clean-up"
         why = "a lock conflict" if errors.is_lock_conflict(error) else "an error"
         maintenance_failures.failed(
-            f"shard {alias}",
+            self.session.cluster.describe(alias, kind=False),
             f"{what} of {self.session.cluster.table} skipped after {why}: "
             f"{type(error).__name__}: {error}",
         )
@@ -469,10 +464,10 @@ def _skipped(session: Session, run: Run) -> Any:
     health = cluster.health(alias)
     retry_in = max(0.0, health.down_until - time.monotonic())
     down = errors.ShardDown(
-        f"{SHARD_KIND} {alias} is marked down after {health.failures} consecutive "
+        f"{cluster.describe(alias)} is marked down after {health.failures} consecutive "
         f"failures; next try in {retry_in:.1f} s (RETRY_TIMEOUT)"
     )
-    return _ignored(alias, stats, down, call.fallback)
+    return _ignored(session, alias, stats, down, call.fallback)
 
 
 def _failed(session: Session, run: Run) -> Any:
@@ -498,7 +493,7 @@ def _failed(session: Session, run: Run) -> Any:
         raise error
     if call.access is not Access.MAINTENANCE and errors.is_unreachable(error):
         cluster.health(alias).failed(f"{type(error).__name__}: {error}")
-    return _ignored(alias, stats, error, call.fallback)
+    return _ignored(session, alias, stats, error, call.fallback)
 
 
 def _missed(session: Session, call: Call) -> None:
@@ -509,10 +504,13 @@ def _missed(session: Session, call: Call) -> None:
         session.cluster.missed(call.shard).add(missed)
 
 
-def _ignored(alias: str, stats: Any, error: BaseException, fallback: Any) -> Any:
+def _ignored(session: Session, alias: str, stats: Any, error: BaseException,
+             fallback: Any) -> Any:
     if fallback is RAISE:
         raise error
     stats.ignored += 1
-    # Logged once per episode and then summarized: a down shard fails every call.
-    ignored_failures.failed(f"shard {alias}", f"{type(error).__name__}: {error}")
+    # Logged once per episode and then summarized: a down server fails every call.
+    source = session.cluster.describe(alias, kind=False)
+    _episodes.setdefault(alias, set()).add(source)
+    ignored_failures.failed(source, f"{type(error).__name__}: {error}")
     return fallback

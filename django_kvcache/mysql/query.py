@@ -13,6 +13,7 @@ cursor, blocking or asyncio): ``(rows, rowcount, lastrowid, info)``.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 Reply = tuple[Any, int, int, Any]
@@ -40,7 +41,19 @@ class Query:
         self.named = named
 
     def __repr__(self) -> str:
-        return f"<Query {self.sql[:60]!r}>"
+        return f"<Query {redacted(self.sql)[:60]!r}>"
+
+
+#: What a statement's text may carry of the data: hex literals (values up to 512 KiB)
+#: and quoted strings. Keys and larger values are parameters, never in the text.
+LITERALS = re.compile(r"[Xx]'[0-9A-Fa-f]*'|'(?:[^'\\]|\\.|'')*'")
+
+
+def redacted(sql: str, limit: int = 200) -> str:
+    """``sql`` with every literal left out (``X'…'``, ``'…'``), at most ``limit``
+    characters: what a log line may show of a statement (a value may be session data)."""
+    shown = LITERALS.sub(lambda found: "X'…'" if found.group()[0] in "Xx" else "'…'", sql)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 def rows(reply: Reply) -> Any:

@@ -1,6 +1,5 @@
 """What MySQLCache knows about the servers behind its connections, and what both drivers
-share below the failure policy: the statement bytes, the packet limit of a connection,
-whether the server has hung up an idle connection.
+share below the failure policy: the statement bytes and the packet limit of a connection.
 
 The flavour and version are detected once per alias and process (one ``SELECT``, the
 first statement the policy sends to an alias it does not know). The packet limit belongs
@@ -11,9 +10,8 @@ never on the hot path.
 from __future__ import annotations
 
 import re
-import select
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 from weakref import WeakKeyDictionary
 
 from django_kvcache.mysql.query import PacketLimit, Query, Reply, first_row
@@ -83,7 +81,7 @@ def remember_reply(raw: Any, query: Query, reply: Reply) -> None:
         _packet_limits[raw] = int(reply[0][0][-1])
 
 
-# --- statement bytes and idle connections (both drivers) ---------------------------------
+# --- statement bytes (both drivers) ---------------------------------------------------------
 
 
 def literal(raw: Any, value: Any) -> bytes:
@@ -98,35 +96,15 @@ def literal(raw: Any, value: Any) -> bytes:
         return b"_binary" + raw.string_literal(bytes(value))
     if value is None:
         return b"NULL"
-    raise TypeError(f"no SQL literal for {type(value).__name__}")
+    return raw.literal(value)  # anything else a tool passes: mysqlclient's own escaping
 
 
-def statement_bytes(raw: Any, sql: str, params: Sequence[Any]) -> bytes:
-    """The statement as sent: ``%s`` replaced by escaped literals (``%%`` by ``%``)."""
+def statement_bytes(raw: Any, sql: str, params: Sequence[Any] | None) -> bytes:
+    """The statement as sent: ``%s`` replaced by escaped literals (``%%`` by ``%``);
+    ``None``: the text as it is (a tool's statement without parameters)."""
     encoded = sql.encode(raw.encoding)
+    if params is None:
+        return encoded
     if not params:
         return encoded.replace(b"%%", b"%")
     return encoded % tuple([literal(raw, value) for value in params])
-
-
-def watcher(fd: int) -> Callable[[], bool]:
-    """:func:`readable` for one connection's descriptor, made once (a poll object
-    registered once: making one per check costs three times as much). Asked of an idle
-    connection: the server sends nothing between statements unless it ends the session
-    (a closed socket, or an error packet such as MySQL's 4031), so a connection it
-    dropped while idle is found out before any statement is sent on it."""
-    if not hasattr(select, "poll"):
-        return lambda: readable(fd)
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    poll = poller.poll
-    return lambda: bool(poll(0))  # a closed descriptor reports POLLNVAL: true, hung up
-
-
-def readable(fd: int) -> bool:
-    """Whether ``fd`` has something to read now (a zero-timeout poll)."""
-    if hasattr(select, "poll"):  # select() refuses descriptors above FD_SETSIZE (1024)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])

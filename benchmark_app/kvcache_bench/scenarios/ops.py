@@ -211,10 +211,9 @@ class Floor:
         """The cache's own pool of connections to its database (its defaults). Imported
         here: only a kvcache MySQL cache has a floor, and a site without mysqlclient
         measures none."""
-        from django_kvcache.mysql import blocking
-        from django_kvcache.mysql.cluster import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT
+        from django_kvcache.mysql import pools
 
-        return blocking.pool_of(self.alias, DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT)
+        return pools.process_pool(self.alias)
 
     def time(self, stored: list[Any]) -> Any:
         """The SELECTs alone (for their CPU time), on one of the cache's connections."""
