@@ -447,3 +447,15 @@ def test_an_option_memcached_has_no_use_for_says_why(name):
         "the least recently used items when its memory (memcached -m) is full, so there is "
         "no entry count to keep. Remove it."
     )
+
+
+def test_a_bool_is_refused_after_a_cache_with_the_equal_number_was_built():
+    # True == 1 and hash(True) == hash(1): a process-wide cluster built for POOL_TIMEOUT 1
+    # must not be handed to a cache that says POOL_TIMEOUT True, which is refused.
+    valid = {"BACKEND": MYSQL, "LOCATION": "kvcache_options", "OPTIONS": {"POOL_TIMEOUT": 1}}
+    with override_settings(CACHES={"mc": valid}):
+        caches["mc"]
+    refused = {**valid, "OPTIONS": {"POOL_TIMEOUT": True}}
+    with override_settings(CACHES={"mc": refused}):
+        with pytest.raises(ImproperlyConfigured, match="POOL_TIMEOUT"):
+            caches["mc"]

@@ -334,6 +334,8 @@ def cluster_for(table: str, options: Mapping[str, Any], scope: str | None) -> Cl
 
 
 def _frozen(value: Any) -> Any:
+    if isinstance(value, bool):  # True == 1: a cluster built for 1 must not serve True
+        return ("bool", value)
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
