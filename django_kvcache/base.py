@@ -143,6 +143,7 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             "SERIALIZER",
             "COMPRESSOR",
             "COMPRESS_MIN_LENGTH",
+            "COMPRESS_MIN_SAVING",
             "COMPRESS_LEVEL",
             "COMPRESS_DICTIONARY",
             "LEASE_TIMEOUT",
