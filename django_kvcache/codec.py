@@ -70,10 +70,11 @@ ZLIB_COMPRESSOR = "django_kvcache.codec.ZlibCompressor"
 ZSTD_COMPRESSOR = "django_kvcache.zstd.ZstdCompressor"
 DEFAULT_COMPRESS_MIN_LENGTH = 400  # below this, compression rarely saves enough to pay for itself
 #: The share of a payload compression must take off for the value to be stored compressed
-#: (docs/codec.rst, "Values compression does not pay for"): on the benchmark's mixes, what
-#: saves less is high-entropy text (alphanumeric strings: 19-23 %) and small pickles, whose
-#: bytes cost the most CPU each to save; HTML, JSON and larger pickles save 40-85 %.
-DEFAULT_COMPRESS_MIN_SAVING = 0.25
+#: (docs/codec.rst, "Values compression does not pay for"), where memory is what a cache
+#: lacks (memcached): on the benchmark's mixes everything but random bytes saves more (the
+#: least, alphanumeric strings, 19 %), and a node kept as many entries as with any saving
+#: kept. A backend whose bytes are cheaper sets its own (MySQLCache: a quarter).
+DEFAULT_COMPRESS_MIN_SAVING = 0.1
 DEFAULT_COMPRESS_LEVEL = 1  # zlib's fastest; most of the saving on typical HTML/JSON payloads
 
 
@@ -263,9 +264,9 @@ def looks_compressible(data: bytes) -> bool:
     return len(set(sample)) < 0.85 * random_distinct
 
 
-def min_saving_option(options: Mapping[str, Any]) -> float:
+def min_saving_option(options: Mapping[str, Any], default: float) -> float:
     """``OPTIONS['COMPRESS_MIN_SAVING']``: a share of the bytes, from 0 (any saving) to below 1."""
-    value = options.get("COMPRESS_MIN_SAVING", DEFAULT_COMPRESS_MIN_SAVING)
+    value = options.get("COMPRESS_MIN_SAVING", default)
     try:
         share = read_number(value, whole=False)
     except NotANumber:
@@ -341,18 +342,20 @@ class Codec:
         default_compressor: str | None = None,
         stored_dictionaries: StoredDictionaries | None = None,
         encryption_scope: str = "",
+        default_min_saving: float = DEFAULT_COMPRESS_MIN_SAVING,
     ) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
         COMPRESS_MIN_LENGTH, COMPRESS_MIN_SAVING, COMPRESS_LEVEL, COMPRESS_DICTIONARY and
         ENCRYPTION_KEYS.
-        ``default_min_length`` and ``default_compressor`` apply when the option is absent:
-        each backend's own (``default_compressor_path()`` when not given).
+        ``default_min_length``, ``default_min_saving`` and ``default_compressor`` apply
+        when the option is absent: each backend's own (``default_compressor_path()`` when
+        not given).
         ``stored_dictionaries`` is given by a backend that keeps its dictionaries itself
         (``COMPRESS_DICTIONARY: "auto"``); ``encryption_scope`` names where the cache's
         entries live (its table), bound into every encrypted entry."""
         encryption = Encryption.from_options(options, encryption_scope)
         min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
-        min_saving = min_saving_option(options)
+        min_saving = min_saving_option(options, default_min_saving)
         dictionary_setting = options.get("COMPRESS_DICTIONARY")
         if dictionary_setting:
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']")

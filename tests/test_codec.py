@@ -491,10 +491,14 @@ class CountingZlib(CountingCompressor):
         return zlib.decompress(data)
 
 
+#: MySQLCache's threshold: tokens save less.
+QUARTER = {"COMPRESS_MIN_SAVING": 0.25}
+
+
 @pytest.fixture
 def counting() -> Codec:
     CountingCompressor.calls = CountingZlib.decompressions = 0
-    return Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingZlib"})
+    return Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingZlib", **QUARTER})
 
 
 def test_a_value_compression_does_not_shrink_enough_is_stored_as_it_is(counting):
@@ -505,7 +509,7 @@ def test_a_value_compression_does_not_shrink_enough_is_stored_as_it_is(counting)
     assert counting.encode(value) == (payload, FLAG_PICKLE)  # no compression flag
     # The rule, not the compressor, decided: with any saving kept it is compressed.
     keep_any = Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingZlib",
-                                   "COMPRESS_MIN_SAVING": 0})
+                                   "COMPRESS_MIN_SAVING": 0.1})
     assert keep_any.encode(value)[1] == FLAG_PICKLE | FLAG_ZLIB
 
 
@@ -525,12 +529,17 @@ def test_reads_skip_the_decompressor_for_values_stored_as_they_are(counting):
     assert CountingZlib.decompressions == 1
 
 
-def test_the_zstd_default_stores_tokens_as_they_are_and_html_compressed():
+def test_the_default_keeps_a_tenth_and_a_quarter_stores_tokens_as_they_are():
     if zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
-    codec = Codec.from_options({})
-    assert codec.encode(alphanumeric(2000))[1] == FLAG_PICKLE
-    assert codec.encode(COMPRESSIBLE)[1] == FLAG_PICKLE | FLAG_ZSTD
+    default, quarter = Codec.from_options({}), Codec.from_options(QUARTER)
+    assert default.min_saving == 0.1
+    noise = random.Random(2).randbytes(2000)
+    for codec in (default, quarter):
+        assert codec.encode(noise) == (pickle.dumps(noise, pickle.HIGHEST_PROTOCOL), FLAG_PICKLE)
+        assert codec.encode(COMPRESSIBLE)[1] == FLAG_PICKLE | FLAG_ZSTD
+    assert default.encode(alphanumeric(2000))[1] == FLAG_PICKLE | FLAG_ZSTD  # 22 % off
+    assert quarter.encode(alphanumeric(2000))[1] == FLAG_PICKLE
 
 
 def test_a_kind_that_does_not_pay_is_tried_once_in_sample_every(counting):
@@ -563,7 +572,7 @@ def test_what_is_learnt_is_shared_by_the_caches_of_one_setting_only():
     first, second = Codec.from_options(ZLIB), Codec.from_options(ZLIB)
     assert first.savings is second.savings  # Django builds an instance per thread and request
     assert Codec.from_options({**ZLIB, "COMPRESS_LEVEL": 6}).savings is not first.savings
-    assert Codec.from_options({**ZLIB, "COMPRESS_MIN_SAVING": 0.1}).savings is not first.savings
+    assert Codec.from_options({**ZLIB, **QUARTER}).savings is not first.savings
     assert Codec.from_options({"COMPRESSOR": None}).savings is not first.savings
 
 
@@ -573,8 +582,9 @@ def test_what_is_learnt_is_shared_by_the_caches_of_one_setting_only():
 def test_entries_mains_code_compressed_read_back(data, flags):
     if flags & FLAG_ZSTD and zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
-    for options in ({}, ZLIB, {"COMPRESSOR": None}, {"COMPRESS_MIN_SAVING": 0.9}):
+    for options in ({}, ZLIB, {"COMPRESSOR": None}, QUARTER, {**ZLIB, **QUARTER}):
         codec = Codec.from_options(options)
         assert codec.decode(data, flags) == MAIN_TOKEN
-        assert codec.encode(MAIN_TOKEN) == (pickle.dumps(MAIN_TOKEN, pickle.HIGHEST_PROTOCOL),
-                                            FLAG_PICKLE)
+    for options in ({"COMPRESSOR": None}, QUARTER, {**ZLIB, **QUARTER}):
+        assert Codec.from_options(options).encode(MAIN_TOKEN) == (
+            pickle.dumps(MAIN_TOKEN, pickle.HIGHEST_PROTOCOL), FLAG_PICKLE)

@@ -308,6 +308,8 @@ def test_a_zstd_row_where_zstd_is_missing_is_a_miss_that_says_why(cache, without
 
 
 def test_tokens_are_stored_as_they_are_and_html_compressed(cache):
+    """A token saves a fifth, under this backend's default of a quarter."""
+    assert cache.codec.min_saving == 0.25
     values = {"token": alphanumeric(2000), "tokens": alphanumeric(3000, 2), "page": html()}
     cache.set("token", values["token"])
     cache.set_many({"tokens": values["tokens"], "page": values["page"]})
