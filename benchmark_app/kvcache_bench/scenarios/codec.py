@@ -28,7 +28,7 @@ from django.test import override_settings
 
 from django_kvcache.backends.memcached import MemcachedCache
 from django_kvcache.backends.mysql import MySQLCache
-from django_kvcache.codec import Codec
+from django_kvcache.codec import DEFAULT_COMPRESS_MIN_SAVING, Codec
 from django_kvcache.zstd import (
     DEFAULT_LEVEL,
     StandardLibrary,
@@ -58,6 +58,11 @@ SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("zlib-6 from 400", {"COMPRESSOR": ZLIB, "COMPRESS_LEVEL": 6, "COMPRESS_MIN_LENGTH": 400}),
     *((f"zstd-{DEFAULT_LEVEL} from {n}", {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": n})
       for n in CURVE),
+    # MySQLCache's defaults: it keeps what saves a quarter, the curve what saves a tenth.
+    (f"zstd-{DEFAULT_LEVEL} from {MySQLCache.default_compress_min_length} saving "
+     f"{MySQLCache.default_compress_min_saving:.0%}",
+     {"COMPRESSOR": ZSTD, "COMPRESS_MIN_LENGTH": MySQLCache.default_compress_min_length,
+      "COMPRESS_MIN_SAVING": MySQLCache.default_compress_min_saving}),
     *((f"zstd-{level} from 1000", {"COMPRESSOR": ZSTD, "COMPRESS_LEVEL": level,
                                    "COMPRESS_MIN_LENGTH": 1000})
       for level in (1, 6)),
@@ -94,7 +99,9 @@ def _default_of(options: dict[str, Any], engine: StandardLibrary | None) -> str 
             or "COMPRESS_DICTIONARY" in options):
         return None
     defaults = [name for name, backend in (("MySQL", MySQLCache), ("memcached", MemcachedCache))
-                if backend.default_compress_min_length == options["COMPRESS_MIN_LENGTH"]]
+                if backend.default_compress_min_length == options["COMPRESS_MIN_LENGTH"]
+                and backend.default_compress_min_saving == options.get(
+                    "COMPRESS_MIN_SAVING", DEFAULT_COMPRESS_MIN_SAVING)]
     return " and ".join(defaults) or None
 
 
