@@ -551,7 +551,8 @@ def test_codec_weighs_each_compression_setting_against_django_mysql_s(
     assert (realistic["zstd-3 + dictionary from 400"]["stored_bytes"]
             < 0.9 * realistic["zstd-3 from 400"]["stored_bytes"])
     if zstd_engine() is not None:  # each backend's defaults, thresholds of length and saving
-        defaults = {e["default_of"]: setting for setting, e in realistic.items() if e["default_of"]}
+        defaults = {e["default_of"]: setting for setting, e in realistic.items()
+                    if e.get("default_of")}
         assert defaults == {"memcached": "zstd-3 from 400", "MySQL": "zstd-3 from 1000 saving 25%"}
     # Random bytes come out of every setting as they went in: nothing to gain.
     for entry in runs["random"]["scenarios"]["codec"]["results"]:
