@@ -17,7 +17,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_kvcache import locks, stampede
-from django_kvcache.codec import DEFAULT_COMPRESS_MIN_LENGTH, Codec, CorruptValue, StoredDictionaries
+from django_kvcache.codec import (
+    DEFAULT_COMPRESS_MIN_LENGTH,
+    DEFAULT_COMPRESS_MIN_SAVING,
+    Codec,
+    CorruptValue,
+    StoredDictionaries,
+)
 from django_kvcache.failure_log import FailureLog
 from django_kvcache.options import (
     TOP_LEVEL_HINTS,
@@ -146,6 +152,7 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
             "SERIALIZER",
             "COMPRESSOR",
             "COMPRESS_MIN_LENGTH",
+            "COMPRESS_MIN_SAVING",
             "COMPRESS_LEVEL",
             "COMPRESS_DICTIONARY",
             "LEASE_TIMEOUT",
@@ -164,6 +171,8 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
     #: COMPRESS_MIN_LENGTH when OPTIONS do not set it: each backend weighs what
     #: compression saves (memory, disk) against what it costs (CPU on every read).
     default_compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH
+    #: COMPRESS_MIN_SAVING when OPTIONS do not set it, likewise.
+    default_compress_min_saving: float = DEFAULT_COMPRESS_MIN_SAVING
 
     def __init__(
         self,
@@ -185,6 +194,7 @@ class KVCache(BaseCache, metaclass=NamedConfiguration):
         self.codec = Codec.from_options(
             options, self.default_compress_min_length, stored_dictionaries=stored_dictionaries,
             encryption_scope=encryption_scope,
+            default_min_saving=self.default_compress_min_saving,
         )
         self.stampede = stampede.Policy.from_options(options)
 

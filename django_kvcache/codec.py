@@ -37,7 +37,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_kvcache.encryption import FLAG_ENCRYPTED, Encryption, NotOpened, key_id_of, key_id_text
-from django_kvcache.options import integer
+from django_kvcache.options import NotANumber, integer, read_number
+from django_kvcache.savings import Savings, shared_savings
 from django_kvcache.zstd import (
     AUTO,
     FLAG_ZSTD,
@@ -68,6 +69,12 @@ DEFAULT_SERIALIZER = "django_kvcache.codec.PickleSerializer"
 ZLIB_COMPRESSOR = "django_kvcache.codec.ZlibCompressor"
 ZSTD_COMPRESSOR = "django_kvcache.zstd.ZstdCompressor"
 DEFAULT_COMPRESS_MIN_LENGTH = 400  # below this, compression rarely saves enough to pay for itself
+#: The share of a payload compression must take off for the value to be stored compressed
+#: (docs/codec.rst, "Values compression does not pay for"), where memory is what a cache
+#: lacks (memcached): on the benchmark's mixes everything but random bytes saves more (the
+#: least, alphanumeric strings, 19 %), and a node kept as many entries as with any saving
+#: kept. A backend whose bytes are cheaper sets its own (MySQLCache: a quarter).
+DEFAULT_COMPRESS_MIN_SAVING = 0.1
 DEFAULT_COMPRESS_LEVEL = 1  # zlib's fastest; most of the saving on typical HTML/JSON payloads
 
 
@@ -257,6 +264,21 @@ def looks_compressible(data: bytes) -> bool:
     return len(set(sample)) < 0.85 * random_distinct
 
 
+def min_saving_option(options: Mapping[str, Any], default: float) -> float:
+    """``OPTIONS['COMPRESS_MIN_SAVING']``: a share of the bytes, from 0 (any saving) to below 1."""
+    value = options.get("COMPRESS_MIN_SAVING", default)
+    try:
+        share = read_number(value, whole=False)
+    except NotANumber:
+        share = None
+    if share is None or not 0 <= share < 1:
+        raise ImproperlyConfigured(
+            "OPTIONS['COMPRESS_MIN_SAVING'] must be a number from 0 (keep any saving) to "
+            f"below 1 (the share of a value's bytes compression must take off), got {value!r}"
+        )
+    return share
+
+
 def _import_class(options: Mapping[str, Any], option: str, default: str | None) -> Any:
     path = options.get(option, default)
     if path is None:
@@ -286,12 +308,18 @@ class Codec:
         compressor: Compressor | None = None,
         compress_min_length: int = DEFAULT_COMPRESS_MIN_LENGTH,
         encryption: Encryption | None = None,
+        min_saving: float = DEFAULT_COMPRESS_MIN_SAVING,
+        savings: Savings | None = None,
     ) -> None:
         self.serializer = serializer
         #: Seals what would be stored (ENCRYPTION_KEYS); None: entries are stored as is.
         self.encryption = encryption
         self.compressor = compressor
         self.compress_min_length = compress_min_length
+        #: Compressed forms are kept when they take at least this share of the bytes off.
+        self.min_saving = min_saving
+        #: What compression saved per kind of value: which kinds are worth trying.
+        self.savings = savings if savings is not None else Savings(min_saving)
         # A compressor that fails fast on random bytes (zstd) is not worth screening for.
         self.screens_random = getattr(compressor, "screens_random", True)
         # Entries written with another compressor (or before compression was turned off)
@@ -314,16 +342,20 @@ class Codec:
         default_compressor: str | None = None,
         stored_dictionaries: StoredDictionaries | None = None,
         encryption_scope: str = "",
+        default_min_saving: float = DEFAULT_COMPRESS_MIN_SAVING,
     ) -> Codec:
         """Build from a cache's OPTIONS: SERIALIZER, COMPRESSOR (None = off),
-        COMPRESS_MIN_LENGTH, COMPRESS_LEVEL, COMPRESS_DICTIONARY and ENCRYPTION_KEYS.
-        ``default_min_length`` and ``default_compressor`` apply when the option is absent:
-        each backend's own (``default_compressor_path()`` when not given).
+        COMPRESS_MIN_LENGTH, COMPRESS_MIN_SAVING, COMPRESS_LEVEL, COMPRESS_DICTIONARY and
+        ENCRYPTION_KEYS.
+        ``default_min_length``, ``default_min_saving`` and ``default_compressor`` apply
+        when the option is absent: each backend's own (``default_compressor_path()`` when
+        not given).
         ``stored_dictionaries`` is given by a backend that keeps its dictionaries itself
         (``COMPRESS_DICTIONARY: "auto"``); ``encryption_scope`` names where the cache's
         entries live (its table), bound into every encrypted entry."""
         encryption = Encryption.from_options(options, encryption_scope)
         min_length = integer(options, "COMPRESS_MIN_LENGTH", default_min_length, 0)
+        min_saving = min_saving_option(options, default_min_saving)
         dictionary_setting = options.get("COMPRESS_DICTIONARY")
         if dictionary_setting:
             require_zstd("OPTIONS['COMPRESS_DICTIONARY']")
@@ -348,11 +380,17 @@ class Codec:
         serializer_class = _import_class(options, "SERIALIZER", DEFAULT_SERIALIZER)
         if serializer_class is None:  # unlike COMPRESSOR, there is no "off"
             raise ImproperlyConfigured("OPTIONS['SERIALIZER'] must be a dotted path, got None")
+        # Every cache instance of these settings learns into one record (Django builds
+        # one instance per thread and per ASGI request).
+        setting = (serializer_class, compressor_class, options.get("COMPRESS_LEVEL"),
+                   repr(dictionary_setting))
         return cls(
             serializer=serializer_class(options),
             compressor=compressor,
             compress_min_length=min_length,
             encryption=encryption,
+            min_saving=min_saving,
+            savings=shared_savings(setting, min_saving),
         )
 
     def encode(self, value: Any, key: str | None = None) -> tuple[bytes, int]:
@@ -375,17 +413,27 @@ class Codec:
         return data, flags, saved
 
     def payload(self, value: Any) -> tuple[bytes, int, int]:
-        """``value`` serialized, and compressed where that pays: bytes, flags, bytes saved."""
+        """``value`` serialized, and compressed where that pays: bytes, flags, bytes saved.
+
+        Compressed only when that takes at least ``min_saving`` of the bytes off; the
+        kinds of value (type, size class) that do not save that much on average are not
+        even tried but for a sample (``django_kvcache.savings``)."""
         data = self.serializer.dumps(value)
         flags = self.serializer.flag
-        if (
-            self.compressor is not None
-            and len(data) >= self.compress_min_length
-            and (not self.screens_random or looks_compressible(data))
-        ):
-            compressed = self.compressor.compress(data)
-            if len(compressed) < len(data):
-                return compressed, flags | self.compressor.flag, len(data) - len(compressed)
+        size = len(data)
+        if self.compressor is None or size < self.compress_min_length:
+            return data, flags, 0
+        kind = (type(value), size.bit_length())
+        if not self.savings.worth_trying(kind):
+            return data, flags, 0
+        if self.screens_random and not looks_compressible(data):
+            self.savings.record(kind, 0.0)
+            return data, flags, 0
+        compressed = self.compressor.compress(data)
+        saved = size - len(compressed)
+        self.savings.record(kind, saved / size)
+        if saved > 0 and saved >= size * self.min_saving:
+            return compressed, flags | self.compressor.flag, saved
         return data, flags, 0
 
     def opened(self, data: bytes, flags: int, key: str | None = None) -> tuple[bytes, int]:

@@ -27,11 +27,11 @@ WHOLE_NUMBER_OPTIONS = frozenset(
      "FAILURE_THRESHOLD", "MAX_POOL_SIZE", "REPLICAS"}
 )
 DJANGO_INTEGER_OPTIONS = frozenset({"MAX_ENTRIES", "CULL_FREQUENCY"})
-#: OPTIONS that hold seconds, or another real number (CULL_PROBABILITY).
+#: OPTIONS that hold seconds, or another real number (CULL_PROBABILITY, COMPRESS_MIN_SAVING).
 REAL_NUMBER_OPTIONS = frozenset(
     {"LEASE_TIMEOUT", "STALE_TIMEOUT", "EARLY_RECOMPUTE", "RETRY_TIMEOUT",
      "READ_YOUR_WRITES", "MAX_REPLICA_LAG", "CONNECT_TIMEOUT", "IO_TIMEOUT", "POOL_TIMEOUT",
-     "CULL_PROBABILITY"}
+     "CULL_PROBABILITY", "COMPRESS_MIN_SAVING"}
 )
 #: The most seconds any option takes (about 31 years): beyond it a value is a mistake, and
 #: one far beyond it (1e300) overflows the expiry times the servers are sent.

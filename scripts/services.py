@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throwaway MariaDB and memcached servers for django-kvcache's tests and benchmark.
+"""Throwaway MariaDB, memcached and Redis servers for django-kvcache's tests and benchmark.
 
     python3 scripts/services.py deps   # install what is missing (Debian/Ubuntu, as root)
     python3 scripts/services.py up     # start (or reuse) the servers, print their env vars
@@ -25,6 +25,9 @@ Settings (environment variables, all optional):
                               of its own (default 21300); they listen on the next ports
                               (21301-21303), its stats on the one after (21304). Empty: none
     KVCACHE_TWEMPROXY_NODES   number of memcached processes behind it (default 3)
+    KVCACHE_REDIS_PORT        port of a Redis (redis-server) for the benchmark's Django
+                              RedisCache peer (default 21379; empty: none). No data is
+                              saved to disk; the system's Redis on 6379 is never touched
     KVCACHE_GALERA_PORT       first port of the Galera cluster (default 23410): node N listens
                               for clients on PORT + 4N and uses the next three ports for
                               group communication, IST and SST (23410-23421 for 3 nodes)
@@ -49,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 PROJECT = Path(__file__).resolve().parent.parent
 RUNTIME = Path(os.environ.get("KVCACHE_RUNTIME_DIR", PROJECT / ".runtime"))
@@ -76,6 +80,9 @@ _twemproxy_port = os.environ.get("KVCACHE_TWEMPROXY_PORT", "21300").strip()
 #: twemproxy: the address clients use; its memcached servers on the next ports.
 TWEMPROXY_PORT = int(_twemproxy_port) if _twemproxy_port else None
 TWEMPROXY_NODES = int(os.environ.get("KVCACHE_TWEMPROXY_NODES", "3"))
+_redis_port = os.environ.get("KVCACHE_REDIS_PORT", "21379").strip()
+#: The benchmark's Redis (Django's RedisCache is a peer of the memcached backend).
+REDIS_PORT = int(_redis_port) if _redis_port else None
 START_TIMEOUT = 60.0
 GALERA_PORT = int(os.environ.get("KVCACHE_GALERA_PORT", "23410"))
 GALERA_SIZE = 3
@@ -92,6 +99,7 @@ SYSTEM_PACKAGES = {
     "build-essential": "gcc",  # mysqlclient compiles on install
     "mariadb-client": "mariadb-dump",  # the replica is seeded with a dump
     "nutcracker": "nutcracker",  # twemproxy, the proxy large sites put in front of memcached
+    "redis-server": "redis-server",  # the benchmark's RedisCache peer
 }
 # What `galera up` needs on top.
 GALERA_PACKAGES = {"galera-4": GALERA_PROVIDER, "rsync": "rsync"}
@@ -491,13 +499,18 @@ def replica_up() -> None:
 # --- memcached ----------------------------------------------------------------------------
 
 
-def memcached_answers(port: int) -> bool:
+def answers(port: int, probe: bytes, reply: bytes) -> bool:
+    """Whether a server listens on ``port`` and answers ``probe`` with ``reply``."""
     try:
         with socket.create_connection((HOST, port), timeout=1) as sock:
-            sock.sendall(b"version\r\n")
-            return sock.recv(64).startswith(b"VERSION")
+            sock.sendall(probe)
+            return sock.recv(64).startswith(reply)
     except OSError:
         return False
+
+
+def memcached_answers(port: int) -> bool:
+    return answers(port, b"version\r\n", b"VERSION")
 
 
 def memcached_argv(port: int) -> list[str]:
@@ -517,15 +530,24 @@ def memcached_up() -> None:
 
 def memcached_start(port: int, env_var: str) -> None:
     """One memcached on ``port``, unless ours already runs there."""
-    name = f"memcached-{port}"
-    if running_pid(name) and memcached_answers(port):
-        log(f"memcached already running on {HOST}:{port}")
+    start_once("memcached", port, env_var, memcached_argv, memcached_answers)
+
+
+def start_once(
+    what: str, port: int, env_var: str, argv: Callable[[int], list[str]],
+    answering: Callable[[int], bool],
+) -> None:
+    """The server ``what`` (named so in its pid and log files) on ``port``, unless ours
+    already runs there; ``argv`` gives its command line, ``answering`` says it is up."""
+    name = f"{what}-{port}"
+    if running_pid(name) and answering(port):
+        log(f"{what} already running on {HOST}:{port}")
         return
     stop(name)
-    ensure_port_free(port, "memcached", env_var)
-    pid = spawn(name, memcached_argv(port))
-    wait_until(lambda: memcached_answers(port), f"memcached on {HOST}:{port}", pid, name)
-    log(f"memcached started on {HOST}:{port} (pid {pid})")
+    ensure_port_free(port, what, env_var)
+    pid = spawn(name, argv(port))
+    wait_until(lambda: answering(port), f"{what} on {HOST}:{port}", pid, name)
+    log(f"{what} started on {HOST}:{port} (pid {pid})")
 
 
 # --- twemproxy ---------------------------------------------------------------------------
@@ -586,6 +608,28 @@ def twemproxy_up() -> None:
                pid, name)
     log(f"twemproxy started on {HOST}:{TWEMPROXY_PORT} (pid {pid}) in front of "
         f"{HOST}:{servers[0]}-{servers[-1]}")
+
+
+# --- Redis --------------------------------------------------------------------------------
+
+
+def redis_answers(port: int) -> bool:
+    return answers(port, b"PING\r\n", b"+PONG")
+
+
+def redis_argv(port: int) -> list[str]:
+    """Command line of one loopback Redis that keeps nothing on disk (no RDB snapshot, no
+    append-only file), in the foreground: ``spawn`` logs its output and keeps its pid."""
+    program = which("redis-server")
+    if program is None:
+        sys.exit("services: redis-server not found; install redis-server")
+    return [program, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--dir", str(RUNTIME), "--logfile", ""]
+
+
+def redis_up() -> None:
+    if REDIS_PORT is not None:
+        start_once("redis", REDIS_PORT, "KVCACHE_REDIS_PORT", redis_argv, redis_answers)
 
 
 # --- Galera -------------------------------------------------------------------------------
@@ -754,6 +798,7 @@ def environment() -> dict[str, str]:
         "KVCACHE_MYSQL_REPLICA_PORT": str(MYSQL_REPLICA_PORT or ""),
         "KVCACHE_MEMCACHED": nodes,
         **twemproxy_environment(),
+        "KVCACHE_REDIS": f"{HOST}:{REDIS_PORT}" if REDIS_PORT is not None else "",
     }
 
 
@@ -779,6 +824,7 @@ def cmd_up() -> None:
     mariadb_up()
     memcached_up()
     twemproxy_up()
+    redis_up()
     print_env(environment())
 
 

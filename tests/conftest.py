@@ -36,6 +36,15 @@ def new_corrupt_entry_episode() -> None:
 
 
 @pytest.fixture(autouse=True)
+def nothing_learnt_about_compression() -> None:
+    """Each test's codecs start without a record of what compression saved: a kind of
+    value an earlier test found incompressible would otherwise not be tried here."""
+    from django_kvcache.savings import shared_savings
+
+    shared_savings.cache_clear()
+
+
+@pytest.fixture(autouse=True)
 def new_mysql_failure_episodes() -> None:
     """Each test's first MySQL failure of a kind is logged (the logs are rate-limited:
     an earlier test's episode would only count it)."""

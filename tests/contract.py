@@ -415,6 +415,26 @@ class CacheContract(CacheFixture):
         cache.set("noise", value)
         assert cache.get("noise") == value
 
+    def test_values_compression_does_not_pay_for_round_trip_beside_those_it_does(self, cache):
+        """kvcache stores a value compressed only when that saves enough (random bytes and
+        tokens are stored as they are): both kinds, alone and in one batch."""
+        import random
+        import string
+
+        rng = random.Random(11)
+        values = {
+            "noise": rng.randbytes(3000),
+            "token": "".join(rng.choices(string.ascii_letters + string.digits, k=2500)),
+            "page": "<li class='item'>entry</li>\n" * 300,
+            "rows": [{"id": n, "name": f"row {n}", "price": decimal.Decimal(n) / 7} for n in range(40)],
+        }
+        for key, value in values.items():
+            cache.set(key, value)
+            assert cache.get(key) == value
+        cache.set_many({f"many-{key}": value for key, value in values.items()})
+        assert cache.get_many([f"many-{key}" for key in values]) == {
+            f"many-{key}": value for key, value in values.items()}
+
     def test_unpicklable_value_raises_and_keeps_old_value(self, cache):
         cache.set("key", "old")
         with pytest.raises(pickle.PickleError):

@@ -39,6 +39,8 @@ TWEMPROXY_SERVERS = [
     ).split(",")
     if node
 ]
+# The Redis `services.py up` starts for the benchmark's RedisCache peer ("host:port"; empty: none).
+REDIS = os.environ.get("KVCACHE_REDIS", "127.0.0.1:21379").strip()
 
 SECRET_KEY = "django-kvcache-tests"
 USE_TZ = True

@@ -207,6 +207,44 @@ def test_emcache_s_benchmark_measures_every_client_and_the_targets(tmp_path: Pat
         "benchmark-realistic-async-emcache.png"]
 
 
+def test_django_s_rediscache_is_a_peer_in_ops_and_async(tmp_path: Path, monkeypatch) -> None:
+    """On the Redis services.py starts: a row of ops (every result checked), ours against
+    it and PyMemcacheCache per operation, and a client of async on its one server."""
+    import importlib
+
+    from kvcache_bench import report
+    from kvcache_bench.caches import REDIS, redis_spec
+    from kvcache_bench.context import Context, Parameters
+
+    completed = benchmark(tmp_path, "--scenario", "ops", "--caches",
+                          "kv-memcached-1,pymemcache-1,redis", "--rounds", "1", "--calls", "3",
+                          "--values", "realistic")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark-realistic.json").read_text())
+    assert data["skipped"] == {} and data["failures"] == []
+    ops = data["scenarios"]["ops"]
+    redis = {e["operation"]: e for e in ops["results"] if e["cache"] == REDIS}
+    assert set(redis) == OPERATIONS and all(e["correct"] for e in redis.values())
+    versus = {(e["peer"], e["operation"]): e["speedup"] for e in ops["versus"]
+              if e["cache"] == "kv-memcached-1"}
+    assert set(versus) == {(peer, op) for peer in ("pymemcache-1", REDIS) for op in OPERATIONS}
+    assert all(speedup > 0 for speedup in versus.values())
+    assert "ops, realistic values: kv-memcached-1 against its peers" in completed.stdout
+
+    scenario = importlib.import_module("kvcache_bench.scenarios.async")
+    monkeypatch.setattr(scenario, "COROUTINES", (1, 4))
+    context = Context("test", Parameters(), [redis_spec("test")], None, [], show_progress=False)
+    items = {f"async.test.{i}": b"v" * 100 for i in range(40)}
+    entries = scenario._redis(context, items, 8)
+    assert {(e["client"], e["nodes"], e["operation"], e["coroutines"]) for e in entries} == {
+        (REDIS, 1, op, n) for op in ("aget", "aget_many(20)", "aset") for n in scenario.COROUTINES}
+    ours = [{**e, "client": scenario.AUTOBATCH, "ops_per_s": 2 * e["ops_per_s"]} for e in entries]
+    versus_redis = scenario._versus_redis(entries + ours)
+    assert {e["speedup"] for e in versus_redis} == {2.0} and len(versus_redis) == len(entries)
+    text = report.async_text({"results": entries + ours, "versus_redis": versus_redis})
+    assert "one node against Django's RedisCache on one server" in text
+
+
 def test_concurrency_counts_throughput_and_races(data: dict[str, Any]) -> None:
     entries = data["scenarios"]["concurrency"]["results"]
     found = {(e["cache"], e["mode"], e["workers"]) for e in entries}
@@ -512,6 +550,10 @@ def test_codec_weighs_each_compression_setting_against_django_mysql_s(
     assert realistic["zlib-1 from 400"]["vs_payload"] < 0.5
     assert (realistic["zstd-3 + dictionary from 400"]["stored_bytes"]
             < 0.9 * realistic["zstd-3 from 400"]["stored_bytes"])
+    if zstd_engine() is not None:  # each backend's defaults, thresholds of length and saving
+        defaults = {e["default_of"]: setting for setting, e in realistic.items()
+                    if e.get("default_of")}
+        assert defaults == {"memcached": "zstd-3 from 400", "MySQL": "zstd-3 from 1000 saving 25%"}
     # Random bytes come out of every setting as they went in: nothing to gain.
     for entry in runs["random"]["scenarios"]["codec"]["results"]:
         assert entry["vs_payload"] == 1.0

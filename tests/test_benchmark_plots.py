@@ -113,3 +113,40 @@ def test_shards_plot_draws_a_run_whose_one_shard_did_nothing():
     styles = plots.Styles.for_results(results)
     figure = plots.WRITERS["shards"](results["scenarios"]["shards"], results, styles)
     assert figure.axes
+
+
+def with_redis(run: str) -> dict[str, Any]:
+    """A stored run with Django's RedisCache beside the others, as runs have it since it
+    became a peer: in ops a row like PyMemcacheCache's, in async a client on its one
+    server (``nodes`` 1) whatever the node count."""
+    results = json.loads(json.dumps(RESULTS[run]))
+    scenarios = results["scenarios"]
+    if "ops" in scenarios:
+        ops = scenarios["ops"]["results"]
+        ops += [{**entry, "cache": "redis"} for entry in ops if entry["cache"] == "pymemcache-1"]
+    if "async" in scenarios:
+        entries = scenarios["async"]["results"]
+        entries += [{**entry, "client": "redis", "ops_per_s": entry["ops_per_s"] / 3}
+                    for entry in entries if entry["client"] == "pymemcache" and entry["nodes"] == 1]
+    return results
+
+
+@pytest.mark.parametrize("run, scenario", [("realistic", "ops"), ("async", "async")])
+def test_redis_gets_a_colour_and_marker_of_its_own(run, scenario):
+    results = with_redis(run)
+    styles = plots.Styles.for_results(results)
+    figure = plots.WRITERS[scenario](results["scenarios"][scenario], results, styles)
+    for axis in figure.axes:
+        drawn = series(axis)
+        if scenario == "async":  # lines: redis among them, on the most nodes' plot too
+            assert "redis" in [label for label, _, _ in drawn], drawn
+            styles_drawn = [(colour, marker) for _, colour, marker in drawn]
+            assert len(set(styles_drawn)) == len(styles_drawn), drawn
+            assert len({colour for _, colour, _ in drawn}) == len(drawn), drawn
+        else:  # bars: one colour per cache, redis's its own
+            names = [tick.get_text() for tick in axis.get_yticklabels()]
+            if "redis" not in names:
+                continue
+            bars = [to_hex(patch.get_facecolor()) for patch in axis.patches[:len(names)]]
+            assert len(set(bars)) == len(names), dict(zip(names, bars))
+    plots.plt.close(figure)

@@ -27,6 +27,7 @@ from django_kvcache.codec import (
 )
 from django_kvcache.zstd import FLAG_ZSTD, no_dictionary, zstd_engine
 from tests.models import Poll
+from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS, ZSTD_ENTRY_VALUE
 
 COMPRESSIBLE = "django-kvcache " * 1000
@@ -474,3 +475,116 @@ def test_the_check_is_silent_where_zstd_is_installed(settings):
         assert check_default_compressor() == []
     finally:
         caches["defaulted"].close()
+
+
+# --- values compression does not pay for are stored as they are --------------------------
+
+
+class CountingZlib(CountingCompressor):
+    """zlib, counting compressions and decompressions (nothing screened)."""
+
+    screens_random = False
+    decompressions = 0
+
+    def decompress(self, data):
+        CountingZlib.decompressions += 1
+        return zlib.decompress(data)
+
+
+#: MySQLCache's threshold: tokens save less.
+QUARTER = {"COMPRESS_MIN_SAVING": 0.25}
+
+
+@pytest.fixture
+def counting() -> Codec:
+    CountingCompressor.calls = CountingZlib.decompressions = 0
+    return Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingZlib", **QUARTER})
+
+
+def test_a_value_compression_does_not_shrink_enough_is_stored_as_it_is(counting):
+    value = alphanumeric(2000)
+    payload = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+    saving = 1 - len(zlib.compress(payload, 1)) / len(payload)
+    assert 0.1 < saving < counting.min_saving == 0.25  # smaller, not smaller enough
+    assert counting.encode(value) == (payload, FLAG_PICKLE)  # no compression flag
+    # The rule, not the compressor, decided: with any saving kept it is compressed.
+    keep_any = Codec.from_options({"COMPRESSOR": "tests.test_codec.CountingZlib",
+                                   "COMPRESS_MIN_SAVING": 0.1})
+    assert keep_any.encode(value)[1] == FLAG_PICKLE | FLAG_ZLIB
+
+
+def test_a_value_that_saves_the_threshold_is_compressed(counting):
+    value = "<li class='item'>entry</li>" * 100
+    data, flags = counting.encode(value)
+    assert flags == FLAG_PICKLE | FLAG_ZLIB
+    assert len(data) < 0.25 * len(pickle.dumps(value))
+
+
+def test_reads_skip_the_decompressor_for_values_stored_as_they_are(counting):
+    plain = counting.encode(alphanumeric(2000))
+    compressed = counting.encode(COMPRESSIBLE)
+    assert counting.decode(*plain) == alphanumeric(2000)
+    assert CountingZlib.decompressions == 0
+    assert counting.decode(*compressed) == COMPRESSIBLE
+    assert CountingZlib.decompressions == 1
+
+
+def test_the_default_keeps_a_tenth_and_a_quarter_stores_tokens_as_they_are():
+    if zstd_engine() is None:
+        pytest.skip("zstd not installed (a backend extra brings it)")
+    default, quarter = Codec.from_options({}), Codec.from_options(QUARTER)
+    assert default.min_saving == 0.1
+    noise = random.Random(2).randbytes(2000)
+    for codec in (default, quarter):
+        assert codec.encode(noise) == (pickle.dumps(noise, pickle.HIGHEST_PROTOCOL), FLAG_PICKLE)
+        assert codec.encode(COMPRESSIBLE)[1] == FLAG_PICKLE | FLAG_ZSTD
+    assert default.encode(alphanumeric(2000))[1] == FLAG_PICKLE | FLAG_ZSTD  # 22 % off
+    assert quarter.encode(alphanumeric(2000))[1] == FLAG_PICKLE
+
+
+def test_a_kind_that_does_not_pay_is_tried_once_in_sample_every(counting):
+    from django_kvcache.savings import SAMPLE_EVERY
+
+    tokens = [alphanumeric(2000, seed) for seed in range(1 + 3 * SAMPLE_EVERY)]
+    for token in tokens:
+        assert counting.encode(token)[1] == FLAG_PICKLE
+    assert CountingCompressor.calls == 1 + 3  # the first value, then one in SAMPLE_EVERY
+    # Another kind (another type, or another size class) is tried on its own.
+    counting.encode([alphanumeric(2000)])
+    counting.encode(alphanumeric(5000))
+    assert CountingCompressor.calls == 4 + 2
+
+
+def test_a_kind_whose_values_start_to_compress_is_compressed_again(counting):
+    from django_kvcache.savings import SAMPLE_EVERY
+
+    for seed in range(2 * SAMPLE_EVERY):
+        counting.encode(alphanumeric(2000, seed))
+    html = ["<li class='item'>entry %d</li>" % i * 60 for i in range(4 * SAMPLE_EVERY)]
+    flags = [counting.encode(value)[1] for value in html]
+    assert all(len(pickle.dumps(value)) < 4096 for value in html)  # the tokens' size class
+    first = flags.index(FLAG_PICKLE | FLAG_ZLIB)
+    assert first < 2 * SAMPLE_EVERY  # within two samples
+    assert set(flags[first + SAMPLE_EVERY:]) == {FLAG_PICKLE | FLAG_ZLIB}  # then every one
+
+
+def test_what_is_learnt_is_shared_by_the_caches_of_one_setting_only():
+    first, second = Codec.from_options(ZLIB), Codec.from_options(ZLIB)
+    assert first.savings is second.savings  # Django builds an instance per thread and request
+    assert Codec.from_options({**ZLIB, "COMPRESS_LEVEL": 6}).savings is not first.savings
+    assert Codec.from_options({**ZLIB, **QUARTER}).savings is not first.savings
+    assert Codec.from_options({"COMPRESSOR": None}).savings is not first.savings
+
+
+
+
+@pytest.mark.parametrize("data, flags", MAIN_ENTRIES, ids=["zstd", "zlib"])
+def test_entries_mains_code_compressed_read_back(data, flags):
+    if flags & FLAG_ZSTD and zstd_engine() is None:
+        pytest.skip("zstd not installed (a backend extra brings it)")
+    for options in ({}, ZLIB, {"COMPRESSOR": None}, QUARTER, {**ZLIB, **QUARTER}):
+        codec = Codec.from_options(options)
+        assert codec.decode(data, flags) == MAIN_TOKEN
+    for options in ({"COMPRESSOR": None}, QUARTER, {**ZLIB, **QUARTER}):
+        assert Codec.from_options(options).encode(MAIN_TOKEN) == (
+            pickle.dumps(MAIN_TOKEN, pickle.HIGHEST_PROTOCOL), FLAG_PICKLE)

@@ -1,6 +1,7 @@
 """MySQLCache operations beyond the shared contract: schema, statements, keys, incr, options."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import warnings
@@ -37,6 +38,8 @@ from tests.mysql_support import (  # noqa: F401  (fixtures)
     sent_statements,
     sql,
 )
+from django_kvcache.zstd import FLAG_ZSTD, zstd_engine
+from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric, html
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
 
 pytestmark = pytest.mark.django_db
@@ -300,6 +303,34 @@ def test_a_zstd_row_where_zstd_is_missing_is_a_miss_that_says_why(cache, without
     assert caplog.text.count("compressed with zstd, which is not installed here") == 1
     here.set("z", "written here")
     assert here.get("z") == "written here"
+
+
+# --- values compression does not pay for are stored as they are ----------------------------
+
+
+def test_tokens_are_stored_as_they_are_and_html_compressed(cache):
+    """A token saves a fifth, under this backend's default of a quarter."""
+    assert cache.codec.min_saving == 0.25
+    values = {"token": alphanumeric(2000), "tokens": alphanumeric(3000, 2), "page": html()}
+    cache.set("token", values["token"])
+    cache.set_many({"tokens": values["tokens"], "page": values["page"]})
+    stored = {key: (bytes(value), flags) for key, value, flags, _ in rows()}
+    assert stored[":1:token"][1] == stored[":1:tokens"][1] == FLAG_PICKLE
+    assert stored[":1:page"][1] == FLAG_PICKLE | cache.codec.compressor.flag
+    assert {key: cache.get(key) for key in values} == values
+    assert cache.get_many(list(values)) == values
+    assert asyncio.run(cache.aget_many(list(values))) == values
+    assert asyncio.run(cache.aget("token")) == values["token"]
+
+
+@pytest.mark.parametrize("data, flags", MAIN_ENTRIES, ids=["zstd", "zlib"])
+def test_rows_mains_code_compressed_read_back(cache, data, flags):
+    if flags & FLAG_ZSTD and zstd_engine() is None:
+        pytest.skip("zstd not installed (a backend extra brings it)")
+    insert_row(":1:old", data, flags, FOREVER)
+    assert cache.get("old") == MAIN_TOKEN
+    assert cache.get_many(["old", "other"]) == {"old": MAIN_TOKEN}
+    assert asyncio.run(cache.aget("old")) == MAIN_TOKEN
 
 
 # --- long keys ---------------------------------------------------------------------------

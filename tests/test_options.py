@@ -132,6 +132,7 @@ Reader = Callable[[Any], Any]
 #: (option, its text, the number it means, options it needs, how the backend holds it)
 SHARED_NUMBERS: list[tuple[str, str, float, dict[str, Any], Reader]] = [
     ("COMPRESS_MIN_LENGTH", "500", 500, {}, lambda c: c.codec.compress_min_length),
+    ("COMPRESS_MIN_SAVING", "0.3", 0.3, {}, lambda c: c.codec.min_saving),
     ("COMPRESS_LEVEL", "5", 5, ZLIB, lambda c: c.codec.compressor.level),
     ("LEASE_TIMEOUT", "10", 10.0, {}, lambda c: c.stampede.lease_timeout),
     ("STALE_TIMEOUT", "30", 30.0, LEASE, lambda c: c.stampede.stale_timeout),
@@ -220,6 +221,26 @@ def test_every_number_option_refuses_infinity_nan_bools_and_words_naming_cache_a
             caches["mc"]
     assert str(raised.value).startswith(f"CACHES['mc']['OPTIONS'][{name!r}] must be"), raised.value
     assert repr(junk) in str(raised.value)
+
+
+@pytest.mark.parametrize("backend, location", [(MYSQL, "kvcache_options"), (MEMCACHED, NOWHERE)])
+@pytest.mark.parametrize("share", [-0.1, 1, 1.5, "half", None, [0.2]], ids=repr)
+def test_compress_min_saving_is_a_share_below_one_naming_the_cache(backend, location, share):
+    configured = {"BACKEND": backend, "LOCATION": location,
+                  "OPTIONS": {"COMPRESS_MIN_SAVING": share}}
+    with override_settings(CACHES={"mc": configured}):
+        with pytest.raises(ImproperlyConfigured) as raised:
+            caches["mc"]
+    assert str(raised.value) == (
+        "CACHES['mc']['OPTIONS']['COMPRESS_MIN_SAVING'] must be a number from 0 (keep any "
+        "saving) to below 1 (the share of a value's bytes compression must take off), got "
+        f"{share!r}"
+    )
+
+
+def test_compress_min_saving_from_zero_keeps_any_saving():
+    assert memcached({"COMPRESS_MIN_SAVING": 0}).codec.min_saving == 0
+    assert mysql({"COMPRESS_MIN_SAVING": "0"}).codec.min_saving == 0
 
 
 # --- issue 21, defect 5: seconds that cannot become milliseconds --------------------------

@@ -82,6 +82,23 @@ def test_twemproxy_spreads_keys_over_its_own_servers():
         assert sock.recv(64) == b""
 
 
+@pytest.mark.skipif(not settings.REDIS, reason="no Redis (KVCACHE_REDIS empty)")
+def test_the_benchmarks_redis_is_ours_and_keeps_nothing_on_disk():
+    """The Redis services.py starts for the benchmark's RedisCache peer: on the port the
+    environment names (never the system's 6379), with no snapshot and no append-only file."""
+    redis = pytest.importorskip("redis")
+    host, port = settings.REDIS.rsplit(":", 1)
+    assert int(port) != 6379
+    client = redis.Redis(host=host, port=int(port), socket_timeout=2)
+    try:
+        assert client.ping()
+        assert client.config_get("port") == {"port": port}
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+    finally:
+        client.close()
+
+
 def test_extra_node_can_be_killed_and_restarted(memcached_node_factory):
     node = memcached_node_factory()
     client = memcached_client(node.address)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 # The servers: the same KVCACHE_* variables and defaults as the test suite, read in one place.
-from tests.settings import MEMCACHED_NODES, MYSQL, MYSQL_DATABASE  # noqa: F401
+from tests.settings import MEMCACHED_NODES, MYSQL, MYSQL_DATABASE, REDIS  # noqa: F401
 
 # DatabaseCache on SQLite: a file of each run's own, so that runs at the same time on one
 # machine never share it; set in the environment, so the processes a run spawns open the

@@ -28,6 +28,7 @@ from django.utils.module_loading import import_string
 
 from django_kvcache.configured import loaded_class
 from kvcache_bench.routers import SQLITE_TABLE_PREFIX
+from kvcache_bench.servers import redis_answers
 
 #: The cache every other one is compared with, and the fallback when it is skipped.
 REFERENCE_CACHES = ("db-mariadb", "db-sqlite")
@@ -37,6 +38,9 @@ TIMEOUT = 900  # leftovers of a crashed run expire on their own
 #: A site's MySQLCache over several shards (OPTIONS["DATABASES"]) is "kv-mysql-sharded".
 TABLE_FAMILIES = ("db", "kv-mysql", "kv-mysql-sharded", "django-mysql")
 MEMCACHED_FAMILIES = ("kv-memcached", "pymemcache")
+#: Django's RedisCache, on the Redis ``services.py up`` starts: what most sites pick instead of
+#: memcached, measured beside it in the ops and async scenarios only.
+REDIS = "redis"
 NODE_COUNTS = (1, 4, 8)
 #: Ours, and the cache it is compared with where the figure is not a time (bytes, entries).
 PEERS = {"kv-mysql-innodb": "django-mysql", "kv-mysql-myisam": "django-mysql",
@@ -47,6 +51,7 @@ KV_MEMCACHED = "django_kvcache.backends.memcached.MemcachedCache"
 DJANGO_DB = "django.core.cache.backends.db.DatabaseCache"
 DJANGO_PYMEMCACHE = "django.core.cache.backends.memcached.PyMemcacheCache"
 DJANGO_MYSQL = "django_mysql.cache.MySQLCache"
+DJANGO_REDIS = "django.core.cache.backends.redis.RedisCache"
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,24 @@ def candidates(token: str, nodes: list[str]) -> list[tuple[CacheSpec, list[str |
             short = None if len(nodes) >= count else (
                 f"needs {count} memcached nodes, {len(nodes)} available")
             found.append((memcached_spec(family, token, nodes, count), [importable(module), short]))
+    found.append((redis_spec(token), [importable("redis"), redis_problem()]))
     return found
+
+
+def redis_spec(token: str) -> CacheSpec:
+    """Django's RedisCache (redis-py, hiredis's parser when installed) on the benchmark's Redis."""
+    return CacheSpec(REDIS, "Django RedisCache, 1 server", REDIS, DJANGO_REDIS,
+                     f"redis://{getattr(settings, 'REDIS', '')}", key_prefix=f"kvb-{token}-{REDIS}")
+
+
+def redis_problem() -> str | None:
+    """Why the benchmark's Redis cannot be used, or None."""
+    address = getattr(settings, "REDIS", "")
+    if not address:
+        return "no Redis configured (KVCACHE_REDIS is empty)"
+    if not redis_answers(address):
+        return f"no Redis answers on {address} (scripts/services.py up starts one)"
+    return None
 
 
 def memcached_spec(family: str, token: str, nodes: list[str], count: int) -> CacheSpec:

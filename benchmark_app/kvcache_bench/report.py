@@ -66,7 +66,22 @@ def ops_text(ops: dict[str, Any], reference: str | None, mix: str = "") -> str:
         "only, the servers' CPU is not included)",
         *_blocks(ops["operations"], caches, cpu),
         *_floor_block(ops.get("floor", [])),
+        *_versus_block(ops.get("versus", []), mix),
     ])
+
+
+def _versus_block(versus: list[dict[str, Any]], mix: str) -> list[str]:
+    """Ours against its peers: one table per cache of ours, a column per peer."""
+    blocks = []
+    for ours in dict.fromkeys(e["cache"] for e in versus):
+        entries = [e for e in versus if e["cache"] == ours]
+        peers = list(dict.fromkeys(e["peer"] for e in entries))
+        cells = {(e["operation"], e["peer"]): f"{e['speedup']:.2f}x" for e in entries}
+        rows = [[operation, *(cells.get((operation, peer), "-") for peer in peers)]
+                for operation in dict.fromkeys(e["operation"] for e in entries)]
+        blocks += [f"ops, {mix} values: {ours} against its peers (their median / its median: "
+                   "above 1x, ours is faster)", table(["operation", *peers], rows)]
+    return blocks
 
 
 def _floor_block(floor: list[dict[str, Any]]) -> list[str]:
@@ -127,6 +142,16 @@ def async_text(scenario: dict[str, Any]) -> str:
                 for e in latency]
         text += ("\n\nget_many one call at a time: sync against native aget_many\n\n"
                  + table(["client", "nodes", "keys", "sync median", "async median", "async/sync"], rows))
+    versus = scenario.get("versus_redis") or []
+    if versus:
+        counts = list(dict.fromkeys(e["coroutines"] for e in versus))
+        cells = {(e["client"], e["operation"], e["coroutines"]): f"{e['speedup']:.2f}x"
+                 for e in versus}
+        pairs = dict.fromkeys((e["client"], e["operation"]) for e in versus)
+        rows = [[client, operation, *(cells.get((client, operation, n), "-") for n in counts)]
+                for client, operation in pairs]
+        text += ("\n\none node against Django's RedisCache on one server: calls per second over "
+                 "its, by coroutines\n\n" + table(["client", "operation", *map(str, counts)], rows))
     peers = scenario.get("emcache") or {}
     if peers.get("results"):
         text += "\n\n" + emcache_text(peers)

@@ -32,14 +32,23 @@ def services() -> dict[str, Any]:
     return runpy.run_path(str(SERVICES_SCRIPT), run_name="kvcache_services")
 
 
-def memcached_answers(address: str) -> bool:
+def answers(address: str, probe: bytes, reply: bytes) -> bool:
+    """Whether a server listens on ``address`` (host:port) and answers ``probe`` with ``reply``."""
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=1) as sock:
-            sock.sendall(b"version\r\n")
-            return sock.recv(64).startswith(b"VERSION")
-    except OSError:
+            sock.sendall(probe)
+            return sock.recv(64).startswith(reply)
+    except (OSError, ValueError):
         return False
+
+
+def memcached_answers(address: str) -> bool:
+    return answers(address, b"version\r\n", b"VERSION")
+
+
+def redis_answers(address: str) -> bool:
+    return answers(address, b"PING\r\n", b"+PONG")
 
 
 def shared_nodes() -> list[str]:

@@ -10,10 +10,13 @@ Against each ``--nodes`` count of memcached nodes (the issue's figures: 1, 4, 8)
 * ``kv-memcached sync_to_async``: our sync methods reached through one
   ``sync_to_async(thread_sensitive=True)`` hop each (what Django's backends do);
 * ``pymemcache``: Django's PyMemcacheCache's async methods (Django's delegation: one
-  hop per call, and per key in ``aget_many`` before Django 6.1).
+  hop per call, and per key in ``aget_many`` before Django 6.1);
+* ``redis``: Django's RedisCache on the benchmark's Redis (one server, so measured once,
+  as "1 node"), whose async methods are Django's delegation too.
 
 Figures per (client, nodes, operation, coroutines): throughput (calls per second over the
-whole batch) and the per-call latency percentiles. And per node count, ``latency``: one
+whole batch) and the per-call latency percentiles; ``versus_redis``: ours (default OPTIONS,
+autobatch) and PyMemcacheCache on one node over RedisCache. And per node count, ``latency``: one
 ``get_many`` of 100 keys at a time, sync (no loop) against native ``aget_many`` (per-call
 percentiles of each, and their ratio).
 
@@ -37,7 +40,7 @@ from typing import Any, Awaitable, Callable
 
 from asgiref.sync import sync_to_async
 
-from kvcache_bench.caches import memcached_families, memcached_spec
+from kvcache_bench.caches import REDIS, memcached_families, memcached_spec
 from kvcache_bench.context import Context
 from kvcache_bench.data import filler
 from kvcache_bench.scenarios import async_peers
@@ -112,8 +115,37 @@ def _memcached(context: Context) -> dict[str, Any]:
                     cache.delete_many(list(items))
                     cache.close()
             bar.update()
+    results += _redis(context, items, calls)
     return {"coroutines": list(COROUTINES), "counts": counts, "batch": BATCH, "calls": calls,
-            "results": results, "latency": latency}
+            "results": results, "latency": latency, "versus_redis": _versus_redis(results)}
+
+
+def _redis(context: Context, items: dict[str, Any], calls: int) -> list[dict[str, Any]]:
+    """Django's RedisCache, when selected: its one server, the same calls."""
+    spec = next((spec for spec in context.caches if spec.family == REDIS), None)
+    if spec is None:
+        return []
+    cache = spec.build()
+    cache.set_many(items)
+    try:
+        return asyncio.run(_measure(cache, REDIS, 1, list(items), calls))
+    finally:
+        cache.delete_many(list(items))
+        cache.close()
+
+
+def _versus_redis(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On one node: each memcached client's calls per second over RedisCache's."""
+    rate = {(e["client"], e["operation"], e["coroutines"]): e["ops_per_s"]
+            for e in results if e["nodes"] == 1}
+    found = []
+    for client in (AUTOBATCH, NATIVE, DJANGO):
+        for (other, operation, coroutines), theirs in rate.items():
+            mine = rate.get((client, operation, coroutines))
+            if other == REDIS and mine and theirs:
+                found.append({"client": client, "operation": operation, "coroutines": coroutines,
+                              "speedup": round(mine / theirs, 2)})
+    return found
 
 
 def _latency(cache: Any, nodes: int, keys: list[str], calls: int) -> dict[str, Any]:

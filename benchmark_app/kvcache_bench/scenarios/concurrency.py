@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvcache_bench.caches import CacheSpec
+from kvcache_bench.caches import REDIS, CacheSpec
 from kvcache_bench.context import Context
 from kvcache_bench.data import FIXED_VALUE
 from kvcache_bench.timing import rotated
@@ -103,7 +103,8 @@ def _work_in_process(job: Job) -> Outcome:
 
 
 def run(context: Context) -> dict[str, Any]:
-    specs = [spec for spec in context.caches if spec.family != "extra"]  # extra: process-local
+    # extra caches are process-local; Django's RedisCache is a peer of ops and async only
+    specs = [spec for spec in context.caches if spec.family not in ("extra", REDIS)]
     workers = sorted(context.parameters.workers)
     results: list[dict[str, Any]] = []
     with context.progress("concurrency", 2 * len(workers) * len(specs)) as bar:

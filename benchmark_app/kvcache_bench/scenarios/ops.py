@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from django.core.cache.backends.base import BaseCache
 
-from kvcache_bench.caches import CacheSpec
+from kvcache_bench.caches import REDIS, CacheSpec
 from kvcache_bench.checks import ABSENT, Call, deviations, mismatches, stored_mismatches
 from kvcache_bench.context import Context
 from kvcache_bench.data import Values
@@ -355,7 +355,7 @@ def run(context: Context) -> dict[str, Any]:
     results = _results(context, outcomes)
     add_ratios(results, context.reference)
     return {"operations": [op.name for op in OPERATIONS], "results": results,
-            "floor": _floor_results(context, floor_outcomes)}
+            "floor": _floor_results(context, floor_outcomes), "versus": versus(results)}
 
 
 def _rounds(context: Context, outcomes: dict[tuple[str, str], Outcome],
@@ -377,6 +377,26 @@ def _rounds(context: Context, outcomes: dict[tuple[str, str], Outcome],
                     one_round(context, spec, operation, r, outcomes[spec.name, operation.name],
                               kept=round_index >= 0, floor=floor)
                     bar.update()
+
+
+#: Ours, and the peers its targets name: memcached against Django's PyMemcacheCache and
+#: RedisCache (one node or server each), MySQL against django-mysql.
+VERSUS = {"kv-memcached-1": ("pymemcache-1", REDIS), "kv-mysql-innodb": ("django-mysql",)}
+
+
+def versus(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per operation, each peer's median over ours (above 1x: ours is faster), for the pairs
+    of VERSUS that both ran."""
+    medians = {(e["cache"], e["operation"]): e["median_us"] for e in results}
+    found = []
+    for ours, peers in VERSUS.items():
+        for peer in peers:
+            for operation in dict.fromkeys(e["operation"] for e in results):
+                mine, theirs = medians.get((ours, operation)), medians.get((peer, operation))
+                if mine and theirs:
+                    found.append({"cache": ours, "peer": peer, "operation": operation,
+                                  "speedup": round(theirs / mine, 3)})
+    return found
 
 
 def add_ratios(results: list[dict[str, Any]], reference: str | None) -> None:

@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kvcache_bench.caches import CacheSpec
+from kvcache_bench.caches import REDIS, CacheSpec
 from kvcache_bench.context import Context
 
 COMPUTE_MS = 50
@@ -38,7 +38,7 @@ BARRIER_TIMEOUT = 60.0
 
 
 def run(context: Context) -> dict[str, Any]:
-    specs = [_protected(spec) for spec in context.caches]
+    specs = [_protected(spec) for spec in context.caches if spec.family != REDIS]
     rounds = [(spec, callers) for spec in specs for callers in context.parameters.callers]
     key = lambda spec, callers, state: f"stampede.{context.token}.{spec.name}.{callers}.{state}"  # noqa: E731
     # The "expired" rounds' first values, written now: they expire during the cold rounds.

@@ -103,7 +103,7 @@ class Command(BaseCommand):
                 compressor, ZstdCompressor) else DEFAULT_LEVEL
             self.stdout.write(self.report(engine, alias, " and ".join(where), dictionary,
                                           training, held_out, cache.codec.compress_min_length,
-                                          level))
+                                          level, cache.codec.min_saving))
 
     def install(self, cache: Any, alias: str, dictionary: bytes) -> None:
         from django_kvcache.mysql.dictionaries import table_dictionaries  # a MySQLCache's
@@ -141,11 +141,13 @@ class Command(BaseCommand):
 
     @staticmethod
     def report(engine: Engine, alias: str, where: str, dictionary: bytes, training: list[bytes],
-               held_out: list[bytes], threshold: int, level: int = DEFAULT_LEVEL) -> str:
+               held_out: list[bytes], threshold: int, level: int = DEFAULT_LEVEL,
+               min_saving: float = 0.0) -> str:
         """The dictionary's effect on entries it was not trained on: with every entry
         compressed, then as the cache compresses them (from its COMPRESS_MIN_LENGTH,
-        ``threshold``), and, when that threshold leaves most of the gain untaken, the
-        highest one that would take it."""
+        ``threshold``, keeping a compressed form that saves ``min_saving``, its
+        COMPRESS_MIN_SAVING), and, when that threshold leaves most of the gain untaken,
+        the highest one that would take it."""
         trained = Dictionary(dictionary)
         raw = sum(map(len, held_out))
         zstd, with_dictionary = f"zstd-{level}", f"zstd-{level} + dictionary"
@@ -171,8 +173,8 @@ class Command(BaseCommand):
 
         def stored(name: str, minimum: int) -> int:
             """Bytes stored with ``name`` compressing the entries from ``minimum`` bytes."""
-            return sum(size if len(data) >= minimum else len(data)
-                       for data, size in zip(held_out, sizes[name]))
+            return sum(size if len(data) >= minimum and len(data) - size >= min_saving * len(data)
+                       else len(data) for data, size in zip(held_out, sizes[name]))
 
         def share(minimum: int) -> int:
             return round(100 * sum(len(data) >= minimum for data in held_out) / len(held_out))
