@@ -21,6 +21,7 @@ from typing import Any, Generator, NamedTuple, Sequence
 
 from django.db import DatabaseError
 
+from django_kvcache import steps
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
 from django_kvcache.mysql import aio, blocking, culling
 from django_kvcache.mysql.cluster import ANY_KEY, Session
@@ -505,68 +506,17 @@ def with_prefix(session: Session, pattern: str, entries: bool) -> On:
     ])
 
 
-def sample(session: Session, per_shard: int) -> On:
-    """Up to ``per_shard`` live ``(key, value, flags)`` rows of each shard, at random."""
-    return each(session, [
+def sample(session: Session, count: int) -> steps.Plan:
+    """Up to ``count`` live rows picked at random, as stored: ``(key, value, flags)``, the
+    same share from each shard."""
+    per_shard = -(-count // len(session.cluster.shards))
+    found = yield each(session, [
         Call(shard, Access.READ, lambda sql: Query(sql.sample, (now_ms(), per_shard), rows))
         for shard in session.cluster.shards
     ])
-
-
-# --- re-encryption --------------------------------------------------------------------------
-
-
-def rotation_scan(
-    session: Session, cursors: dict[int, str], rows_per_batch: int, key_id: int, keep_ms: int,
-) -> On:
-    """One batch on each shard in ``cursors`` (shard index: the last key done there):
-    the next ``rows_per_batch`` rows of this cache in key order, as ``(key, flags,
-    value)``, the value None unless it is encrypted with a key id other than ``key_id``
-    and readable (expired less than ``keep_ms`` ago, or live)."""
-    scope = session.cluster.scope
-
-    def work(after: str, sql: Statements) -> Query:
-        readable_from = now_ms() - keep_ms
-        if scope is None:
-            return Query(sql.rotation_scan, (key_id, readable_from, after, rows_per_batch), rows)
-        return Query(sql.rotation_scan_prefix,
-                     (key_id, readable_from, after, scope, rows_per_batch), rows)
-
-    shards = session.cluster.shards
-    return each(session, [
-        Call(shards[index], Access.MAINTENANCE, partial(work, after), keys=ANY_KEY)
-        for index, after in cursors.items()
-    ])
-
-
-class Resealed(NamedTuple):
-    """A row read by :func:`rotation_scan` and its value encrypted with the newest key."""
-
-    key: str
-    flags: int  # as read
-    nonce: bytes  # as read: with ``flags``, what tells the row unchanged since
-    data: bytes  # the new value
-    new_flags: int
-
-
-def reseal(session: Session, rows_by_shard: dict[int, list[Resealed]]) -> On:
-    """Write each shard's re-encrypted rows, each only if unchanged since it was read;
-    each shard's count of rows written."""
-
-    def work(resealed: list[Resealed], sql: Statements) -> Generator[Query, Any, int]:
-        written = 0
-        for row in resealed:
-            value, blob = value_sql(row.data)
-            # A rerun after a lost reply finds the row changed, and writes nothing.
-            written += yield Query(sql.reseal(value, row.nonce),
-                                   (*blob, row.new_flags, row.key, row.flags), rowcount)
-        return written
-
-    shards = session.cluster.shards
-    return each(session, [
-        Call(shards[index], Access.MAINTENANCE, partial(work, resealed), keys=ANY_KEY)
-        for index, resealed in rows_by_shard.items() if resealed
-    ])
+    picked = [(key, bytes(data), flags) for shard_rows in found for key, data, flags in shard_rows]
+    random.shuffle(picked)
+    return picked[:count]
 
 
 # --- culling --------------------------------------------------------------------------------
