@@ -23,7 +23,7 @@ from django.db import DatabaseError
 
 from django_kvcache import steps
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
-from django_kvcache.mysql import aio, blocking, culling
+from django_kvcache.mysql import aio, blocking, culling, layouts
 from django_kvcache.mysql.cluster import ANY_KEY, Session
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
@@ -62,7 +62,11 @@ INTEGER_FLAGS = (FLAG_INTEGER, FLAG_LONG)
 
 class On:
     """A step of a plan: calls on shards, answered in order (one answer for a single
-    call), by the blocking driver (``run``) or the asyncio one (``arun``)."""
+    call), by the blocking driver (``run``) or the asyncio one (``arun``).
+
+    A call that met a table of another layout is told apart here, on the same driver:
+    the table's columns are read (:func:`table_columns`), and the error says whose table
+    it looks like (``layouts.CacheTableLayout``)."""
 
     __slots__ = ("session", "calls", "single")
 
@@ -70,12 +74,24 @@ class On:
         self.session, self.calls, self.single = session, calls, single
 
     def run(self) -> Any:
-        answers = blocking.execute(self.session, self.calls)
+        try:
+            answers = blocking.execute(self.session, self.calls)
+        except layouts.OtherLayout as met:
+            raise steps.run(self._described(met)) from met.__cause__
         return answers[0] if self.single else answers
 
     async def arun(self) -> Any:
-        answers = await aio.execute(self.session, self.calls)
+        try:
+            answers = await aio.execute(self.session, self.calls)
+        except layouts.OtherLayout as met:
+            raise await steps.arun(self._described(met)) from met.__cause__
         return answers[0] if self.single else answers
+
+    def _described(self, met: layouts.OtherLayout) -> steps.Plan:
+        columns = yield from table_columns(self.session, met.shard, met.alias)
+        describe = self.session.describe_table_layout
+        assert describe is not None
+        return layouts.CacheTableLayout(describe(met.alias, columns, met.__cause__))
 
 
 def one(session: Session, call: Call) -> On:
@@ -517,6 +533,28 @@ def sample(session: Session, count: int) -> steps.Plan:
     picked = [(key, bytes(data), flags) for shard_rows in found for key, data, flags in shard_rows]
     random.shuffle(picked)
     return picked[:count]
+
+
+# --- the tables -----------------------------------------------------------------------------
+
+
+def table_columns(session: Session, shard: Shard, alias: str) -> steps.Plan:
+    """The cache table's columns on ``alias`` (``shard``'s primary or replica), in order
+    ([]: no such table; ``None``: they could not be read), read at most once a minute
+    per table and alias (``layouts.remembered``), on the plan's own driver."""
+    table = session.cluster.table
+    columns = layouts.remembered(alias, table)
+    if columns is not layouts.UNKNOWN:
+        return columns
+    there = Shard(shard.index, alias, None, shard.model)
+    read = Call(there, Access.PRIMARY_READ,
+                lambda sql: Query(layouts.COLUMNS_QUERY, (table,), layouts.column_names), None)
+    try:
+        columns = yield one(session, read)
+    except DatabaseError:  # the message goes without them
+        columns = None
+    layouts.remember(alias, table, columns)
+    return columns
 
 
 # --- culling --------------------------------------------------------------------------------

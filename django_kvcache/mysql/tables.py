@@ -5,13 +5,12 @@ Beside the cache table (LOCATION) live its lock table (``<LOCATION>_locks``,
 :mod:`~django_kvcache.mysql.locks`) and, with ``COMPRESS_DICTIONARY: "auto"``, its
 dictionary table (:mod:`~django_kvcache.mysql.dictionaries`): created together, dropped
 together, reported together. The DDL and the checks run outside any request path, on
-the blocking driver (:func:`~django_kvcache.mysql.blocking.query`), and so does the
-question a message about a table of another layout asks first: its columns
-(:meth:`CacheTables.layout_message`).
+the blocking driver (:func:`~django_kvcache.mysql.blocking.query`). The messages read
+no database: a call that meets a table of another layout reads its columns on its own
+driver first (:meth:`django_kvcache.mysql.plans.On.run`), and hands them over.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Mapping
 
 from django.apps import apps as django_apps
@@ -95,13 +94,12 @@ class CacheTables:
         columns = table_columns(database, self.table)
         return self._layout_problem(database, columns) if columns else None
 
-    # --- what to say --------------------------------------------------------------------
+    # --- what to say (no database is read) ----------------------------------------------
 
-    def layout_message(self, database: str, error: BaseException) -> str:
-        """After a statement's ``error`` (1054) in ``database``: the table's columns are
-        read (on the cache's own connections), at most once a minute per table."""
-        columns = layouts.columns_once(database, self.table,
-                                       partial(table_columns, database, self.table))
+    def layout_message(self, database: str, columns: list[str] | None,
+                       error: BaseException) -> str:
+        """After a statement's ``error`` (1054) in ``database``, where the table has
+        ``columns`` (``None``: they could not be read)."""
         return " ".join(self._layout_problem(database, columns, error) or (str(error),))
 
     def missing_message(self, database: str, table: str | None = None) -> str:
