@@ -111,6 +111,27 @@ def test_the_async_api_says_the_same(layout):
     assert asyncio.run(aget()) == message(layout)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_says_the_same_instead_of_naming_the_missing_lock_table(layout):
+    """No lock table is made beside another library's table (kvcache_createtable refuses
+    to), so a lock meets a missing lock table: the error names the real problem and its
+    fix, on both APIs, not the lock table and a command that refuses."""
+    with pytest.raises(ProgrammingError) as raised:
+        caches["legacy"].lock("job", timeout=10).acquire()
+    assert (type(raised.value).__name__, str(raised.value)) == ("CacheTableLayout",
+                                                                message(layout))
+
+    async def acquire() -> str:
+        try:
+            await caches["legacy"].alock("job", timeout=10).acquire()
+        except ProgrammingError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    layouts._read.clear()  # asked again, on the event loop
+    assert asyncio.run(acquire()) == f"CacheTableLayout: {message(layout)}"
+
+
 SLOW = "kvcache_slow_columns"
 #: How late the answer to a question for a table's columns comes.
 DELAY = 1.0
@@ -133,7 +154,7 @@ def slow_columns(django_db_blocker) -> Iterator[SlowReplyProxy]:
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("layout", ["django-mysql"], indirect=True)
-@pytest.mark.parametrize("call", ["aget"])
+@pytest.mark.parametrize("call", ["aget", "alock"])
 def test_the_async_api_reads_the_columns_without_blocking_the_loop(layout, slow_columns, call):
     """The columns of the table met are read on the event loop's own connections: while
     their answer is late, the loop goes on (a ticker every 10 ms never waits long)."""

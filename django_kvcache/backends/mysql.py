@@ -575,8 +575,7 @@ class MySQLCache(KVCache):
         """A row of the lock table (``django_kvcache.mysql.locks``) on the shard the
         name's key routes to (either API: the plans' steps have both drivers)."""
         stored = self.make_and_validate_key(key, version)
-        missing = partial(self.tables.missing_message, table=self.tables.lock_table)
-        return MySQLLockStore(self.session, stored, missing)
+        return MySQLLockStore(self.session, stored, self.tables.lock_table_missing)
 
     # --- keys and timeouts -----------------------------------------------------------------
 

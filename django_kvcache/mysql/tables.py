@@ -15,9 +15,11 @@ from typing import Any, Mapping
 
 from django.apps import apps as django_apps
 from django.conf import settings
+from django.db import ProgrammingError
 
 from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.mysql import blocking, dictionaries, layouts
+from django_kvcache.mysql.errors import CacheTableMissing
 from django_kvcache.mysql.sql import (
     check_engine,
     create_lock_table_sql,
@@ -116,6 +118,16 @@ class CacheTables:
                    "'manage.py migrate', which creates it first).")
         return (f"The table {table or self.table!r} of {owner} does not exist in database "
                 f"{database!r}. {fix}")
+
+    def lock_table_missing(self, database: str, columns: list[str] | None) -> ProgrammingError:
+        """The error for a lock table missing in ``database``, where the cache table has
+        ``columns``. Beside a table of another layout (which ``kvcache_createtable``
+        refuses to make a lock table for), that table is the problem: the error every
+        other call of the cache gives."""
+        problem = self._layout_problem(database, columns) if columns else None
+        if problem is not None:
+            return layouts.CacheTableLayout(" ".join(problem))
+        return CacheTableMissing(self.missing_message(database, self.lock_table))
 
     def configured_aliases(self) -> list[str]:
         """The CACHES aliases configured with this table and these databases."""
