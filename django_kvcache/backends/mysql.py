@@ -449,7 +449,7 @@ class MySQLCache(KVCache):
     def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         check_delta(delta)
         stored = self.make_and_validate_key(key, version)
-        outcome = yield plans.incr(self.session, stored, delta)
+        outcome = yield from plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
             raise self._incr_refused(key, stored, delta, version, outcome)
         return outcome
@@ -589,7 +589,8 @@ class MySQLCache(KVCache):
 
         Every key goes through here, so ``make_keys`` maps stored keys to callers' keys too.
         """
-        key = super().make_and_validate_key(key, version=version)
+        key = self.make_key(key, version)
+        self.validate_key(key)
         return key if len(key) < MAX_KEY_LENGTH else stored_key(key)
 
     def _expires(self, timeout: Any) -> int | None:

@@ -31,6 +31,7 @@ from django_kvcache.mysql.policy import EVERYTHING, RAISE, Access, Call
 from django_kvcache.mysql.query import (
     PACKET_LIMIT,
     Query,
+    Reply,
     first_row,
     lastrowid,
     live_expiry,
@@ -400,47 +401,66 @@ class Refused(NamedTuple):
 
 
 MISSING, NOT_INTEGER, OVERFLOW, CORRUPT = "missing", "not an integer", "overflow", "corrupt"
+NOT_FOUND = Refused(MISSING)
+#: What the UPDATE of an ``incr`` says when a row it matched was left unchanged (expired,
+#: not an integer) or would leave the signed 64-bit range: a second statement says why.
+UNEXPLAINED: Any = object()
 
 
-def incr(session: Session, key: str, delta: int) -> On:
+def incr(session: Session, key: str, delta: int) -> steps.Plan:
     """Add ``delta`` in one UPDATE (the entry keeps its expiry): the new value, or why
-    not (:class:`Refused`). An unreachable shard raises even under IGNORE_EXCEPTIONS."""
-    return one(session, Call(
-        session.cluster.shard_for(key), Access.WRITE, partial(_incr, key, delta), RAISE,
-        keys=(key,),
-    ))
+    not (:class:`Refused`), asked in a second statement only when the key's row is there
+    and was refused. An unreachable shard raises even under IGNORE_EXCEPTIONS."""
+    shard, now = session.cluster.shard_for(key), now_ms()
+    outcome = UNEXPLAINED  # a delta beyond 2**64 either way overflows every stored value
+    if -(2**64) < delta < 2**64:
+        try:
+            outcome = yield one(session, Call(shard, Access.WRITE, partial(_add, key, delta, now),
+                                              RAISE, keys=(key,)))
+        except DatabaseError as exc:
+            if error_code(exc) in BAD_NUMBER:
+                return Refused(CORRUPT, error=exc)
+            if error_code(exc) != OUT_OF_RANGE:
+                raise
+    if outcome is UNEXPLAINED:
+        outcome = yield one(session, Call(shard, Access.PRIMARY_READ,
+                                          partial(_why_not, key, delta, now), RAISE))
+    return outcome
 
 
-def _incr(key: str, delta: int, sql: Statements) -> Generator[Query, Any, Any]:
-    now = now_ms()
-    wide = not (delta and INT64_MIN <= delta <= INT64_MAX)
-    if not wide:
-        statement, params = sql.incr, (now, delta, key)
-    elif -(2**64) < delta < 2**64:  # and 0, whose "Changed: 0" would say nothing
-        statement, params = sql.incr_wide, (delta, key, now, delta)
-    else:  # overflows every stored value
-        return (yield from _why_not(sql, key, delta, now))
-    try:
-        matched, changed, value = yield Query(statement, params, update_outcome, idempotent=False)
-    except DatabaseError as exc:
-        if error_code(exc) == OUT_OF_RANGE:
-            return (yield from _why_not(sql, key, delta, now))
-        if error_code(exc) in BAD_NUMBER:
-            return Refused(CORRUPT, error=exc)
-        raise
-    if not wide and not matched:  # no row under this key: the usual miss
-        return Refused(MISSING)
-    if not (matched if wide else changed):
-        return (yield from _why_not(sql, key, delta, now))
-    # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
+def _add(key: str, delta: int, now: int, sql: Statements) -> Query:
+    if delta and INT64_MIN <= delta <= INT64_MAX:
+        return Query(sql.incr, (now, delta, key), _added, idempotent=False)
+    # Outside BIGINT (and 0, whose "Changed: 0" would say nothing): DECIMAL arithmetic,
+    # matching the row only when it is live, an integer and the result in range.
+    return Query(sql.incr_wide, (delta, key, now, delta), _added_wide, idempotent=False)
+
+
+def _added(reply: Reply) -> Any:
+    matched, changed, value = update_outcome(reply)
+    if not matched:  # no row under this key: the usual miss, answered at once
+        return NOT_FOUND
+    return signed(value) if changed else UNEXPLAINED
+
+
+def _added_wide(reply: Reply) -> Any:
+    return signed(lastrowid(reply)) if rowcount(reply) else UNEXPLAINED
+
+
+def signed(value: int) -> int:
+    """LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value."""
     return value - 2**64 if value > INT64_MAX else value
 
 
-def _why_not(sql: Statements, key: str, delta: int, now: int) -> Generator[Query, Any, Refused]:
-    """Why the UPDATE did not apply to a row (only ever run after a failed incr)."""
-    row = yield Query(sql.incr_failure, (key, now), first_row)
+def _why_not(key: str, delta: int, now: int, sql: Statements) -> Query:
+    """Why the UPDATE did not apply to a row (only ever asked after a refused incr)."""
+    return Query(sql.incr_failure, (key, now), partial(_refusal, delta))
+
+
+def _refusal(delta: int, reply: Reply) -> Refused:
+    row = first_row(reply)
     if row is None:
-        return Refused(MISSING)
+        return NOT_FOUND
     flags, data = row
     if flags not in INTEGER_FLAGS:
         return Refused(NOT_INTEGER, bytes(data), flags)
@@ -449,7 +469,7 @@ def _why_not(sql: Statements, key: str, delta: int, now: int) -> Generator[Query
     except ValueError:  # not decimal text: corrupt, and a miss like in get()
         in_range = True
     # In range: the key was missing when the UPDATE ran, and was set since.
-    return Refused(MISSING) if in_range else Refused(OVERFLOW)
+    return NOT_FOUND if in_range else Refused(OVERFLOW)
 
 
 # --- every shard ----------------------------------------------------------------------------
