@@ -566,7 +566,8 @@ def table_columns(session: Session, shard: Shard, alias: str) -> steps.Plan:
     columns = layouts.remembered(alias, table)
     if columns is not layouts.UNKNOWN:
         return columns
-    there = Shard(shard.index, alias, None, shard.model)
+    # On the alias that met the table: the shard's primary, or its replica.
+    there = shard if alias == shard.primary() else Shard(shard.index, alias, None, shard.model)
     read = Call(there, Access.PRIMARY_READ,
                 lambda sql: Query(layouts.COLUMNS_QUERY, (table,), layouts.column_names), None)
     try:
