@@ -36,6 +36,8 @@ package: $(STAMP)
 # Servers up, tox, servers down again whatever tox's result; servers that do not start
 # fail it (as for test-galera), and so does any group services.py started (the shard
 # servers and the replica unless their ports are set empty) missing when tests start.
+# Each environment takes the tests in a new order (pytest-randomly) and prints its seed:
+# PYTEST_ARGS="-p no:cacheprovider -p randomly --randomly-seed=N" replays one.
 tox:
 	@test -n "$(ENVS)"
 	env="$$($(VENV)/bin/python scripts/services.py up)" || { \
@@ -62,7 +64,8 @@ bench: $(STAMP)
 	    --scenario default,shards,async --server-cpu $(BENCH_SERVER_CPU) $(BENCH_ARGS) || rc=$$?; \
 	$(VENV)/bin/python scripts/services.py down; exit $$rc
 
-$(STAMP): setup.cfg pyproject.toml scripts/services.py
+# __init__.py holds the version, which the installed metadata (pip list) repeats.
+$(STAMP): setup.cfg pyproject.toml scripts/services.py django_kvcache/__init__.py
 	$(PYTHON) scripts/services.py deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip

@@ -1,3 +1,3 @@
 """django-kvcache: Django cache backends for MySQL/MariaDB and multi-node memcached."""
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"

@@ -10,8 +10,11 @@ temporary directory, checks what each archive holds — every package of the tre
 installs each one with one extra into its own new venv (the wheel with ``mysql``, the
 sdist with ``memcached``: what a user installs) and, from outside the checkout, imports
 that extra's backend and lists the management commands of both apps through Django.
-(tox's ``py311-extra-*`` environments run a whole site on each extra, and on none.) Needs ``build`` (the ``dev`` extra) in the interpreter
-running it, and what mysqlclient needs to compile (``scripts/services.py deps``).
+Both archives pass ``twine check --strict`` (what PyPI would refuse), and the changelog's
+latest release is the package's version. (tox's ``py311-extra-*`` environments run a
+whole site on each extra, and on none; ``py311-wheel`` the contract on the wheel.) Needs
+``build`` and ``twine`` (the ``dev`` extra) in the interpreter running it, and what
+mysqlclient needs to compile (``scripts/services.py deps``).
 
 Exits non-zero, saying what is wrong, at the first problem.
 """
@@ -166,10 +169,31 @@ def check_classifiers(metadata: str) -> None:
 
 
 def check_changelog(metadata: str) -> None:
-    """The long description (the package's page) ends with the changelog, whole."""
+    """The long description (the package's page) ends with the changelog, whole, whose
+    latest release is the package's version."""
     changelog = (PROJECT / "CHANGELOG.md").read_text().strip()
-    if changelog.splitlines()[0] not in metadata or "## Unreleased" not in metadata:
+    release = release_heading(changelog)
+    if changelog.splitlines()[0] not in metadata or release not in metadata:
         raise PackageError("the long description lacks CHANGELOG.md (setup.cfg long_description)")
+    version = re.search(r"^Version: (.+)$", metadata, re.MULTILINE)
+    if version is None or not release.startswith(f"## {version[1]} — "):
+        raise PackageError(f"the package is version {version and version[1]} but the "
+                           f"changelog's latest release is {release!r}")
+
+
+def release_heading(changelog: str) -> str:
+    """The changelog's first release heading (``## 1.0.0 — 2026-11-29``); an
+    ``## Unreleased`` section may come before it."""
+    found = re.search(r"^## \d+\.\d+\.\d+ — \d{4}-\d\d-\d\d$", changelog, re.MULTILINE)
+    if found is None:
+        raise PackageError("CHANGELOG.md has no release heading ('## X.Y.Z — YYYY-MM-DD')")
+    return found[0]
+
+
+def twine_check(archives: list[Path]) -> None:
+    """What PyPI would refuse (metadata, a long description it cannot render), as
+    ``twine upload`` checks it, warnings included."""
+    run(sys.executable, "-m", "twine", "--no-color", "check", "--strict", *archives)
 
 
 def check_sdist(sdist: Path) -> None:
@@ -197,6 +221,7 @@ def main() -> int:
             sdist, wheel = build(source, workdir / "dist")
             check_sdist(sdist)
             check_wheel(wheel, source)
+            twine_check([sdist, wheel])
             for archive in (wheel, sdist):
                 install_and_import(archive, workdir)
         except PackageError as exc:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Print the tox environments whose Python interpreter this machine has.
 
-    python3 scripts/toxenvs.py default   # py311-dj42,py311-dj52,py311-nozstd,py311-extra-*,py312-dj61
+    python3 scripts/toxenvs.py default   # py311-dj42,py311-dj52,py311-nozstd,py311-extra-*,
+                                         # py311-wheel,py312-dj61
     python3 scripts/toxenvs.py all       # Python 3.10-3.13 x Django 4.2/5.2/6.0/6.1
 
 Interpreters are looked up as ``pythonX.Y`` on PATH and, failing that, in pyenv's
@@ -21,8 +22,10 @@ from pathlib import Path
 LINK_DIR = Path(__file__).resolve().parent.parent / ".runtime" / "pythons"
 
 # "nozstd": the codec and backend round-trip tests in a virtualenv without zstd; "extra-X":
-# the package with one extra (or none) in a fresh venv and a startproject site (tox.ini).
-EXTRAS = [("3.11", "extra-mysql"), ("3.11", "extra-memcached"), ("3.11", "extra-none")]
+# the package with one extra (or none) in a fresh venv and a startproject site; "wheel":
+# the contract on the installed wheel (tox.ini).
+EXTRAS = [("3.11", "extra-mysql"), ("3.11", "extra-memcached"), ("3.11", "extra-none"),
+          ("3.11", "wheel")]
 DEFAULT = [("3.11", "dj42"), ("3.11", "dj52"), ("3.12", "dj61"), ("3.11", "nozstd"), *EXTRAS]
 # Django's supported Pythons: 4.2 -> 3.8-3.12, 5.2 -> 3.10-3.14, 6.0 and 6.1 -> 3.12+.
 ALL = [

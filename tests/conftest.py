@@ -63,6 +63,26 @@ def without_zstd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _warn_zlib_fallback.cache_clear()
 
 
+@pytest.fixture(params=["models first", "caches first"])
+def check_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test of the ``check`` command with Django's model checks before its cache
+    checks, then after them. Django runs the system checks in the order of a set of
+    functions, which changes from process to process; from Django 6.1 the model checks
+    ask every database alias's server its version (earlier versions ask none), so a test
+    allowed fewer databases passed or failed by the process it ran in."""
+    from django.core.checks.registry import registry
+
+    registered = registry.get_checks
+    models_first = request.param == "models first"
+
+    def get_checks(include_deployment_checks: bool = False) -> list:
+        checks = registered(include_deployment_checks)
+        return sorted(checks, key=lambda check: ("models" in check.tags) != models_first)
+
+    monkeypatch.setattr(registry, "get_checks", get_checks)
+    return request.param
+
+
 @pytest.fixture
 def memcached_node_factory() -> Iterator[Callable[[], MemcachedNode]]:
     """Start extra memcached processes for a test; every one is killed afterwards."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import random
 import re
@@ -536,6 +537,26 @@ def test_counters_stay_plain_and_count_on_the_server(side, api):
         cache.incr("name")
 
 
+# memcached's incr reads any value that starts like a number (spaces, a sign, digits, then
+# a space, a newline or a NUL) as that number; an encrypted value starts with its nonce.
+@pytest.mark.parametrize("nonce_start", [b"7\n", b" 42 ", b"-0\0", b"+5\r"],
+                         ids=["digit", "space", "minus", "plus"])
+def test_incr_of_an_encrypted_text_raises_whatever_its_random_nonce(side, monkeypatch, nonce_start):
+    cache = side.build()
+    random_bytes = os.urandom
+    unlucky = [nonce_start.ljust(encryption.NONCE_BYTES, b"\xff")]
+
+    def urandom(size: int) -> bytes:  # the first nonce drawn is the unlucky one
+        return unlucky.pop() if unlucky and size == encryption.NONCE_BYTES else random_bytes(size)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "urandom", urandom)
+        cache.set("name", "not a number")
+    with pytest.raises(TypeError):
+        cache.incr("name")
+    assert cache.get("name") == "not a number"
+
+
 def test_ttl_and_herd_protection_work_on_encrypted_entries(side, api):
     cache = side.build(OPTIONS={"LEASE_TIMEOUT": 2, "STALE_TIMEOUT": 30})
     caller = api(cache)
@@ -809,7 +830,10 @@ def test_caches_sharing_a_table_or_nodes_are_warned_when_their_keys_disagree(mem
         "among CACHES['e']'s ENCRYPTION_KEYS: what one writes, the other reads as a miss.")
 
 
-def test_without_cryptography_the_check_command_says_what_to_install(monkeypatch,
+# The check command asks every database alias's server (Django 6.1's model checks): see
+# the check_order fixture.
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_without_cryptography_the_check_command_says_what_to_install(monkeypatch, check_order,
                                                                      memcached_locations):
     for name in [name for name in sys.modules if name.partition(".")[0] == "cryptography"]:
         monkeypatch.setitem(sys.modules, name, None)

@@ -381,6 +381,46 @@ def cancel_after(style: Style, seconds: float, call: Callable[[], Any]) -> None:
         signal.signal(signal.SIGALRM, previous)
 
 
+def cancel_once(style: Style, happened: Callable[[], bool], call: Callable[[], Any]) -> None:
+    """Run ``call`` (a cache call in ``style``) and cancel it as soon as ``happened()``
+    (asked every millisecond): on the loop by cancelling its task, blocking with a signal
+    whose handler raises. Not after a fixed time: a loaded machine may not have run the
+    call that far by then."""
+    if style.loop is not None:
+        async def cancelled() -> None:
+            task = asyncio.ensure_future(call())
+            while not (happened() or task.done()):
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await task
+
+        with pytest.raises(asyncio.CancelledError):
+            style.loop.run_until_complete(cancelled())
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Cancelled()
+
+    caller, done = threading.get_ident(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.001):
+            if happened():
+                signal.pthread_kill(caller, signal.SIGALRM)
+                return
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(Cancelled):
+            call()
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.fixture
 def proxy(memcached_node_factory) -> Iterator[DelayingProxy]:
     proxy = DelayingProxy(memcached_node_factory().address)
@@ -426,15 +466,21 @@ def test_a_cancelled_settle_never_sends_the_same_bytes_twice(proxy, api):
     (late,) = node.unsettled.connections
     unsent = bytes(late.unsent)
     assert unsent, "the whole value was sent"
-    for link in proxy.links:  # let some of it through, then hold again
+    forwarded = sum(link.forwarded for link in proxy.links)
+    deadline = time.monotonic() + 30
+    for link in proxy.links:  # let some of it through (room in the socket buffers), then hold
         link.gate.set()
-    time.sleep(0.05)
+    while sum(link.forwarded for link in proxy.links) < forwarded + 1024 * 1024:
+        assert time.monotonic() < deadline, "the proxy passed on nothing in 30 s"
+        time.sleep(0.001)
     for link in proxy.links:
         link.gate.clear()
+    # The settle sends some of the rest, and is cancelled once it has.
+    sent_some = lambda: len(late.unsent) < len(unsent)  # noqa: E731
     if api.loop is None:
-        cancel_after(api, 0.1, lambda: cache.get("other"))  # settles until cancelled
+        cancel_once(api, sent_some, lambda: cache.get("other"))
     else:
-        cancel_after(api, 0.1, lambda: cache.aget("other"))
+        cancel_once(api, sent_some, lambda: cache.aget("other"))
     (late,) = node.unsettled.connections
     assert len(late.unsent) < len(unsent)  # what the cancelled settle sent is not sent again
     held = proxy.release(0)

@@ -255,6 +255,7 @@ class Link:
             self.gate.set()
         self.carrying = False  # something sent while the gate was closed waits behind it
         self.answered = threading.Event()  # the server replied to something sent here
+        self.forwarded = 0  # bytes passed on to the server
 
     def start(self) -> None:
         for pump in (self.forward, self.backward):
@@ -266,6 +267,7 @@ class Link:
                 self.carrying = self.carrying or not self.gate.is_set()
                 self.gate.wait()
                 self.upstream.sendall(chunk)
+                self.forwarded += len(chunk)
             self.gate.wait()
             self.upstream.shutdown(socket.SHUT_WR)
         except OSError:

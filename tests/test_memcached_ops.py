@@ -204,40 +204,47 @@ def test_stored_integers_are_decimal_text_the_server_can_count(cache):
 
 def test_overflowing_increments_are_undone_exactly_amid_other_counting(cache):
     # Each incr(INT64_MAX) reaches the server and is undone; the threads counting by one
-    # meanwhile may be refused (OverflowError) but whatever succeeds must add up.
+    # meanwhile may be refused (OverflowError) but whatever succeeds must add up. The
+    # counters go on until each has counted its share, and the overflows until both
+    # counters are done: how the threads interleave decides how many refusals there are,
+    # never whether both kinds counted amid the overflows.
     cache.set("n", 1000)
+    wanted = {"incr": 100, "decr": 50}
     succeeded = {"incr": 0, "decr": 0}
+    attempts = {"incr": 0, "decr": 0}
 
-    def count(how, times):
-        for _ in range(times):
+    def count(how):
+        while succeeded[how] < wanted[how] and attempts[how] < 100 * wanted[how]:
+            attempts[how] += 1
             try:
                 getattr(cache, how)("n")
             except OverflowError:
                 continue
             succeeded[how] += 1  # one thread per kind: no lost updates here
 
+    counters = [
+        threading.Thread(target=count, args=("incr",)),
+        threading.Thread(target=count, args=("decr",)),  # the compare-and-swap path
+    ]
     wrongly_counted = []
 
-    def overflow(times):
-        for _ in range(times):
+    def overflow():
+        rounds = 0
+        while rounds < 100 or any(thread.is_alive() for thread in counters):
+            rounds += 1
             try:
                 wrongly_counted.append(cache.incr("n", INT64_MAX))
             except OverflowError:
                 pass
 
-    threads = [
-        threading.Thread(target=overflow, args=(200,)),
-        threading.Thread(target=overflow, args=(200,)),
-        threading.Thread(target=count, args=("incr", 300)),
-        threading.Thread(target=count, args=("decr", 100)),  # the compare-and-swap path
-    ]
+    threads = [threading.Thread(target=overflow), threading.Thread(target=overflow), *counters]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert wrongly_counted == []
     assert cache.get("n") == 1000 + succeeded["incr"] - succeeded["decr"]
-    assert succeeded["incr"] > 0 and succeeded["decr"] > 0
+    assert succeeded == wanted, f"refused too often amid the overflows: {attempts} attempts"
 
 
 def test_incr_of_a_corrupt_integer_is_a_logged_miss(cache, caplog):

@@ -174,12 +174,10 @@ def test_missing_table_of_a_cache_on_its_own_alias_warns_whichever_database_is_c
     assert "'mysql_c'" in messages[2].msg and "'cache'" in messages[2].msg
 
 
-# Django 6.1's check runs the model checks against every database alias (earlier versions
-# against none), and the MySQL field checks ask each server its version. Checks run in the
-# order of a set, which changes from process to process: where the model checks came
-# before the cache checks, a test allowed only "default" failed on "shard1".
+# The check command asks every database alias's server (Django 6.1's model checks): see
+# the check_order fixture.
 @pytest.mark.django_db(transaction=True, databases="__all__")
-def test_invalid_options_stop_the_check_command_naming_the_option():
+def test_invalid_options_stop_the_check_command_naming_the_option(check_order):
     """What docs/mysql.rst promises: Django's own cache checks build every cache first."""
     broken = {
         **CACHES,

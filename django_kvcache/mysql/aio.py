@@ -233,7 +233,10 @@ async def receive_on(pool: AliasPool, connection: OwnConnection, query: Query) -
         reply = await connection.reply(pool.read_timeout, query.named)
     except Exception as exc:
         pool.discard(connection)
-        return policy.Failed(errors.translate(exc))
+        error = errors.translate(exc)
+        if errors.classify(error).pool_stale:
+            pool.close_idle()
+        return policy.Failed(error)
     remember_reply(connection.raw, query, reply)
     pool.checkin(connection)
     return reply

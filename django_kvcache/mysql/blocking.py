@@ -168,10 +168,13 @@ def failed(pool: AliasPool, raw: Any, exc: Exception) -> policy.Failed:
     lost it."""
     lost = isinstance(exc, Unreadable)
     error = errors.translate(exc.error if lost else exc)  # type: ignore[arg-type]
-    if lost or errors.classify(error).connection_lost:
+    kind = errors.classify(error)
+    if lost or kind.connection_lost:
         pool.discard(raw)
     else:
         pool.checkin(raw)
+    if kind.pool_stale:
+        pool.close_idle()
     return policy.Failed(error)
 
 

@@ -51,6 +51,10 @@ class ErrorClass:
     reruns: int = 1
     backoff: float = 0.0
     fails_open: bool = True
+    #: Every idle connection of the pool reaches the same server as the one that failed
+    #: (a demoted primary): the driver closes them too, so that the rerun, and the calls
+    #: after it, start on new connections.
+    pool_stale: bool = False
 
     def pause(self, rerun: int) -> float:
         """Seconds to wait before rerun number ``rerun`` (1, 2, ...): at random below a
@@ -89,9 +93,10 @@ NOT_SERVING = ErrorClass("node not serving", unreachable=True, connection_lost=F
 #: ``--super-read-only`` (a primary demoted by a failover; 1290 for another option, say
 #: ``--secure-file-priv``, is a ``STATEMENT`` error), MySQL's 1836 read-only mode. Not
 #: applied; sent once more on a fresh connection, which reaches the new primary where a
-#: proxy or a DNS name follows the failover.
+#: proxy or a DNS name follows the failover. The pool's idle connections were opened
+#: before it: closed too, else the rerun would take one of them.
 READ_ONLY = ErrorClass("read-only server", unreachable=True, connection_lost=True,
-                       rerun=Rerun.NOT_APPLIED)
+                       rerun=Rerun.NOT_APPLIED, pool_stale=True)
 #: 1213: InnoDB chose the statement as a deadlock's victim, or a Galera node aborted it at
 #: commit because a write committed on another node conflicts with it (a certification
 #: failure); 3101 (and 3100, the before_commit hook's error that reports it): MySQL Group
