@@ -55,13 +55,17 @@ class LostReplyProxy:
         tail = b""
         for chunk in chunks(client):
             with self.lock:
-                if self.trigger is not None and self.trigger in tail + chunk:
-                    self.trigger = None
-                    pair["lose_reply"] = True
+                self.forwarding(tail + chunk, pair)
             tail = chunk[-TAIL:]
             if not send(server, chunk):
                 break
         close(client, server)
+
+    def forwarding(self, sent: bytes, pair: dict) -> None:
+        """Client bytes (with the tail of the chunk before) are about to reach the server."""
+        if self.trigger is not None and self.trigger in sent:
+            self.trigger = None
+            pair["lose_reply"] = True
 
     def server_to_client(self, server: socket.socket, client: socket.socket, pair: dict) -> None:
         for chunk in chunks(server):

@@ -11,12 +11,14 @@ from typing import Iterator
 import pytest
 from django.core.cache import caches
 from django.core.management import CommandError, call_command
+from django.conf import settings
 from django.db import ProgrammingError, connections
 from django.test import override_settings
 
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.mysql import layouts
-from tests.mysql_support import BACKEND, drop_table, sql
+from tests.mysql_support import BACKEND, drop_table, registered_alias, sql
+from tests.slow_reply_proxy import SlowReplyProxy
 
 TABLE = "kvcache_other_layout"
 LAYOUTS = {
@@ -107,6 +109,91 @@ def test_the_async_api_says_the_same(layout):
         return "no error"
 
     assert asyncio.run(aget()) == message(layout)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_says_the_same_instead_of_naming_the_missing_lock_table(layout):
+    """No lock table is made beside another library's table (kvcache_createtable refuses
+    to), so a lock meets a missing lock table: the error names the real problem and its
+    fix, on both APIs, not the lock table and a command that refuses."""
+    with pytest.raises(ProgrammingError) as raised:
+        caches["legacy"].lock("job", timeout=10).acquire()
+    assert (type(raised.value).__name__, str(raised.value)) == ("CacheTableLayout",
+                                                                message(layout))
+
+    async def acquire() -> str:
+        try:
+            await caches["legacy"].alock("job", timeout=10).acquire()
+        except ProgrammingError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    layouts._read.clear()  # asked again, on the event loop
+    assert asyncio.run(acquire()) == f"CacheTableLayout: {message(layout)}"
+
+
+SLOW = "kvcache_slow_columns"
+#: How late the answer to a question for a table's columns comes.
+DELAY = 1.0
+
+
+@pytest.fixture
+def slow_columns(django_db_blocker) -> Iterator[SlowReplyProxy]:
+    """The test database as alias SLOW, behind a proxy that answers every question for a
+    table's columns (information_schema) DELAY seconds late."""
+    proxy = SlowReplyProxy(settings.MYSQL["HOST"], int(settings.MYSQL["PORT"]))
+    proxy.delay_replies_to(b"information_schema", DELAY)
+    entry = {**connections["default"].settings_dict, "HOST": "127.0.0.1",
+             "PORT": str(proxy.port), "TEST": {}}
+    try:
+        with registered_alias(SLOW, entry, django_db_blocker):
+            yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("layout", ["django-mysql"], indirect=True)
+@pytest.mark.parametrize("call", ["aget", "alock"])
+def test_the_async_api_reads_the_columns_without_blocking_the_loop(layout, slow_columns, call):
+    """The columns of the table met are read on the event loop's own connections: while
+    their answer is late, the loop goes on (a ticker every 10 ms never waits long)."""
+    configured = {"BACKEND": BACKEND, "LOCATION": TABLE, "OPTIONS": {"DATABASE": SLOW}}
+
+    async def measured() -> tuple[str, float, float]:
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+        running = [True]
+
+        async def tick() -> None:
+            last = loop.time()
+            while running[0]:
+                await asyncio.sleep(0.01)
+                now = loop.time()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        started = loop.time()
+        try:
+            if call == "aget":
+                await caches["legacy"].aget("k")
+            else:
+                await caches["legacy"].alock("job", timeout=10).acquire()
+            outcome = "no error"
+        except ProgrammingError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        took = loop.time() - started
+        running[0] = False
+        await ticker
+        return outcome, took, max(gaps)
+
+    with override_settings(CACHES={"legacy": configured}):
+        outcome, took, longest_gap = asyncio.run(measured())
+    assert outcome == f"CacheTableLayout: {message(layout).replace(repr('default'), repr(SLOW))}"
+    assert slow_columns.replies_held == 1 and took >= DELAY * 0.9  # asked, answered late
+    assert longest_gap < DELAY / 2  # meanwhile the loop ran
 
 
 @pytest.mark.django_db(transaction=True)

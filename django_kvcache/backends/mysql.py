@@ -14,25 +14,24 @@ connection: no transaction, test case or query log of the caller sees its statem
 optional read replicas (see ``docs/scale-out.rst``). An unreachable or overloaded
 server gives misses and no-ops (``IGNORE_EXCEPTIONS``, on by default).
 
-Each operation is written once, as a plan: ``get`` runs it on the process's pooled
+This module is Django's API over plans, as Django's own backends are over their
+client: each operation is written once, as a plan that turns the caller's keys,
+timeouts and values into stored ones and back; ``get`` runs it on the process's pooled
 connections, ``aget`` on the event loop's own — native asyncio, no thread
-(docs/async.rst). The statements and the shards they go to are
-:mod:`django_kvcache.mysql.plans`'; what a failure does is
-:mod:`django_kvcache.mysql.policy`'s. See ``docs/mysql.rst`` for the schema, every
-option and the SQL of each operation.
+(docs/async.rst). Everything else has a room of its own under :mod:`django_kvcache.mysql`:
+the statements and the shards they go to (``plans``), what a failure does (``policy``),
+the tables' DDL and what to say of a missing or foreign one (``tables``), locks
+(``locks``), herd protection (``lease``), key rotation (``rotation``), culling
+(``culling``) and the counters (``metrics``). See ``docs/mysql.rst`` for the schema,
+every option and the SQL of each operation.
 """
 from __future__ import annotations
 
 import logging
-import math
-import random
 import re
-from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Iterable, Mapping
 
-from django.apps import apps as django_apps
-from django.conf import settings
 from django.core.cache.backends.base import (
     DEFAULT_TIMEOUT,
     MEMCACHE_MAX_KEY_LENGTH,
@@ -42,29 +41,20 @@ from django.core.cache.backends.base import (
 from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
-from django_kvcache.encryption import FLAG_ENCRYPTED, NONCE_BYTES, NotOpened, key_id_of
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, blocking, dictionaries, layouts, plans, pools
+from django_kvcache.mysql import aio, blocking, dictionaries, metrics, plans, rotation
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH, like_prefix, stored_key
 from django_kvcache.mysql.lease import MySQLLeaseStore, Work
 from django_kvcache.mysql.locks import MySQLLockStore
+from django_kvcache.mysql.rotation import ROTATION_BATCH_ROWS, Rotation
 from django_kvcache.mysql.server import PACKET_HEADROOM
-from django_kvcache.mysql.sql import (  # noqa: F401  (now_ms: the clock, for tests and tools)
-    FOREVER,
-    check_engine,
-    create_lock_table_sql,
-    create_table_sql,
-    drop_lock_table_sql,
-    drop_table_sql,
-    lock_table,
-    now_ms,
-    quote_name,
-)
+from django_kvcache.mysql.sql import FOREVER, expires_at, now_ms  # noqa: F401  (now_ms: for tools)
+from django_kvcache.mysql.tables import CacheTables
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, fraction
-from django_kvcache.stampede import Compute, LeaseStore
+from django_kvcache.stampede import Compute
 from django_kvcache.steps import Plan, arun, run
 
 logger = logging.getLogger(__name__)
@@ -74,45 +64,7 @@ oversized = FailureLog(logger, "MySQL oversized value")
 
 #: The characters Django warns about in keys (``memcache_key_warnings``).
 KEY_WARNING_CHARACTERS = re.compile(r"[\x00-\x20\x7f]")
-FOREVER_SECONDS = FOREVER // 1000
 ALWAYS_FITS = plans.ALWAYS_FITS
-#: Between the statements of a table's DDL (the table, then its dictionary table).
-STATEMENT_SEPARATOR = ";\n"
-
-
-@dataclass
-class TableStats:
-    """Process-wide counters of one table on its databases, shared by every instance
-    (plain ints: cheap, and exact enough under the GIL for monitoring)."""
-
-    hits: int = 0  # keys read that were found (get, get_many, and get_or_set's reads)
-    misses: int = 0  # keys read that were not found, or found unreadable
-    values_encoded: int = 0  # values written (or refused as too large) since start
-    bytes_encoded: int = 0  # their size as stored
-    bytes_saved: int = 0  # what compression took off that
-
-
-#: (table, its shards' aliases) -> its counters: one table name on two databases is two.
-_stats: dict[tuple[str, tuple[str | None, ...]], TableStats] = {}
-
-#: Rows a batch of ``rotate_encryption_key`` examines (``kvcache_rotate_key --batch-size``).
-ROTATION_BATCH_ROWS = 1000
-
-
-@dataclass
-class Rotation:
-    """What ``rotate_encryption_key`` did: rows examined, re-encrypted, found encrypted
-    with the newest key already, found unreadable (another key, altered: left as they
-    are, misses until they expire); ``resume_after``: the key to continue after, or None
-    when every row was examined."""
-
-    key_id: int
-    examined: int = 0
-    resealed: int = 0
-    current: int = 0
-    unreadable: int = 0
-    batches: int = 0
-    resume_after: str | None = None
 
 
 class MySQLCache(KVCache):
@@ -171,20 +123,20 @@ class MySQLCache(KVCache):
             encryption_scope=f"mysql table {location}",
         )
         self.table = check_table(location)
-        self.engine = check_engine(self.options.get("ENGINE", "InnoDB"))
+        self.tables = CacheTables(self.table, self.options, self.backend_name)
+        self.engine = self.tables.engine  # OPTIONS['ENGINE'], checked
         self.cull_probability = fraction(
             self.options, "CULL_PROBABILITY", DEFAULT_CULL_PROBABILITY
         )
         self.cache_model_class = router_model(self.table)
         scope = own_keys_pattern(self.key_prefix, self.key_func is default_key_func)
         self.cluster = cluster_for(self.table, self.options, scope)
-        self.session = Session(self.cluster, self._missing_table_message, self._layout_message)
+        self.session = Session(self.cluster, self.tables.missing_message,
+                               self.tables.layout_message)
         self.shards, self.router = self.cluster.shards, self.cluster.router
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
-        self.stats = _stats.setdefault(
-            (self.table, tuple(shard.alias for shard in self.shards)), TableStats()
-        )
+        self.stats = metrics.table_stats(self.cluster)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -306,10 +258,10 @@ class MySQLCache(KVCache):
     ) -> Any:
         """``get_or_set`` on the event loop's own connections: never inside a caller's
         transaction, so the lease is taken whenever herd protection is on."""
-        store = self._new_lease_store(key, timeout, version)
+        store = self._lease_store(key, timeout, version)
         if store is None:
             return await arun(self._get_or_set(key, default, timeout, version))
-        return await stampede.arun(self.stampede, store, default)
+        return await stampede.arun(self.stampede, store, default)  # type: ignore[arg-type]
 
     def keys_with_prefix(self, prefix: str, version: int | None = None) -> list[str]:
         """The caller's keys that start with ``prefix``, in key order.
@@ -412,9 +364,7 @@ class MySQLCache(KVCache):
         if row is None:
             return 0.0
         expires, now = row
-        if expires >= FOREVER:
-            return None
-        return max(expires - now, 0) / 1000
+        return None if expires >= FOREVER else max(expires - now, 0) / 1000
 
     def _with_prefix(self, prefix: str, version: int | None, entries: bool) -> Plan:
         pattern = self._prefix_pattern(prefix, version)
@@ -503,7 +453,7 @@ class MySQLCache(KVCache):
     def _incr(self, key: Any, delta: int, version: int | None) -> Plan:
         check_delta(delta)
         stored = self.make_and_validate_key(key, version)
-        outcome = yield plans.incr(self.session, stored, delta)
+        outcome = yield from plans.incr(self.session, stored, delta)
         if isinstance(outcome, plans.Refused):
             raise self._incr_refused(key, stored, delta, version, outcome)
         return outcome
@@ -601,55 +551,7 @@ class MySQLCache(KVCache):
         return sum((yield plans.cull(self.session, self._culling(), max_batches, strict)))
 
     def _rotate(self, batch_rows: int, max_batches: int | None, after: str) -> Plan:
-        encryption = self.codec.encryption
-        if encryption is None:
-            raise ValueError(f"{self.cache_name} (table {self.table!r}) has no ENCRYPTION_KEYS")
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
-        done = Rotation(encryption.writer_id)
-        cursors = {shard.index: after for shard in self.shards}  # shards left to scan
-        keep_ms = self._culling().stale_ms
-        while cursors and (max_batches is None or done.batches < max_batches):
-            done.batches += 1
-            scans = yield plans.rotation_scan(
-                self.session, cursors, batch_rows, encryption.writer_id, keep_ms
-            )
-            work: dict[int, list[plans.Resealed]] = {}
-            for index, found in zip(list(cursors), scans):
-                work[index] = self._resealed(found, done)
-                if len(found) < batch_rows:
-                    del cursors[index]
-                else:
-                    cursors[index] = found[-1][0]
-            if any(work.values()):
-                done.resealed += sum((yield plans.reseal(self.session, work)))
-        done.resume_after = min(cursors.values()) if cursors else None
-        return done
-
-    def _resealed(self, found: list[tuple[str, int, Any]], done: Rotation) -> list[plans.Resealed]:
-        """The rows of a scan that need the newest key, encrypted with it."""
-        encryption = self.codec.encryption
-        assert encryption is not None
-        resealed = []
-        for key, flags, data in found:
-            done.examined += 1
-            if not flags & FLAG_ENCRYPTED:
-                continue  # an integer, a lease row, another cache's unencrypted entry
-            if key_id_of(flags) == encryption.writer_id:
-                done.current += 1
-                continue
-            if data is None:
-                continue  # expired: culling deletes it
-            data = bytes(data)
-            try:
-                new = encryption.resealed(data, flags, key)
-            except NotOpened as exc:
-                done.unreadable += 1
-                self.report_unreadable(exc.reason, f"cache entry {key!r} not re-encrypted: {exc}")
-                continue
-            assert new is not None
-            resealed.append(plans.Resealed(key, flags, data[:NONCE_BYTES], *new))
-        return resealed
+        return rotation.rotate(self, batch_rows, max_batches, after)
 
     @property
     def _drops_stale(self) -> bool:
@@ -660,14 +562,11 @@ class MySQLCache(KVCache):
         stale = self.stampede.stale_timeout if self.stampede is not None else None
         return plans.Culling(self._max_entries, self._cull_frequency, plans.stale_ms(stale))
 
-    # --- herd protection -------------------------------------------------------------------
+    # --- herd protection and locks ---------------------------------------------------------
 
-    def _lease_store(self, key: Any, timeout: Any, version: Any) -> LeaseStore | None:
+    def _lease_store(self, key: Any, timeout: Any, version: Any) -> MySQLLeaseStore | None:
         """A lease row beside the entry, and expired rows kept for STALE_TIMEOUT
         (``django_kvcache.mysql.lease``)."""
-        return self._new_lease_store(key, timeout, version)
-
-    def _new_lease_store(self, key: Any, timeout: Any, version: Any) -> MySQLLeaseStore | None:
         if self.stampede is None or self._expires(timeout) is None:
             return None
         return MySQLLeaseStore(self, self.stampede, key, timeout, version)
@@ -676,20 +575,11 @@ class MySQLCache(KVCache):
         """The lease store's statements: a step on the primary of ``key``'s shard."""
         return plans.lease(self.session, key, write, work, fallback)
 
-    # --- locks ---------------------------------------------------------------------------
-
     def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MySQLLockStore:
         """A row of the lock table (``django_kvcache.mysql.locks``) on the shard the
         name's key routes to (either API: the plans' steps have both drivers)."""
         stored = self.make_and_validate_key(key, version)
-        return MySQLLockStore(
-            self.session, stored, partial(self._missing_table_message, table=self.lock_table)
-        )
-
-    @property
-    def lock_table(self) -> str:
-        """The table of this cache's locks: ``<LOCATION>_locks``."""
-        return lock_table(self.table)
+        return MySQLLockStore(self.session, stored, self.tables.lock_table_missing)
 
     # --- keys and timeouts -----------------------------------------------------------------
 
@@ -703,19 +593,13 @@ class MySQLCache(KVCache):
 
         Every key goes through here, so ``make_keys`` maps stored keys to callers' keys too.
         """
-        key = super().make_and_validate_key(key, version=version)
+        key = self.make_key(key, version)
+        self.validate_key(key)
         return key if len(key) < MAX_KEY_LENGTH else stored_key(key)
 
     def _expires(self, timeout: Any) -> int | None:
         """Expiry in epoch ms; ``None`` when the entry is expired at once (timeout <= 0)."""
-        seconds = self.timeout_seconds(timeout)
-        if seconds is None:
-            return FOREVER
-        if seconds <= 0:
-            return None
-        if seconds >= FOREVER_SECONDS:  # also keeps float("inf") out of int()
-            return FOREVER
-        return min(now_ms() + int(seconds * 1000), FOREVER)
+        return expires_at(self.timeout_seconds(timeout))
 
     # --- shards and observability ----------------------------------------------------------
 
@@ -739,43 +623,9 @@ class MySQLCache(KVCache):
     def metrics(self) -> dict[str, Any]:
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
-        size), hits and misses; under ``"shards"`` each shard's primary alias, under
-        ``"replicas"`` (with ``REPLICAS``) each replica alias, with its failure counters
-        and health and its connection pools (``pool_*`` for the sync API,
-        ``async_pool_*`` summed over the event loops); for each primary the keys it
-        missed writes of (``outdated_keys``, and ``flush_pending`` past the record's limit
-        or after a missed clear); with MAX_REPLICA_LAG, for each replica the seconds it
-        was behind at the last question (``replica_lag``; ``None`` when stopped,
-        unanswered or not asked yet) and whether its shard's reads go to the primary for
-        it (``replica_behind``)."""
-        shards: dict[str, dict[str, Any]] = {}
-        replicas: dict[str, dict[str, Any]] = {}
-        cluster = self.cluster
-        for shard, alias in cluster.aliases():
-            health = cluster.health(alias)
-            figures = {
-                **asdict(cluster.stats(alias)),
-                "down": health.down,
-                "consecutive_failures": health.failures,
-                **pools.figures(alias, cluster.connections),
-            }
-            if alias == shard.primary():
-                missed = cluster.missed(shard)
-                figures.update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
-                shards[alias] = figures
-                continue
-            lag_monitor = cluster.lag_monitor(shard)
-            if lag_monitor is not None:  # the last answer: no question asked here
-                lag = lag_monitor.seconds
-                figures.update(
-                    replica_lag=None if math.isinf(lag) else lag,  # JSON has no inf
-                    replica_behind=cluster.replica_behind(shard),
-                )
-            replicas[alias] = figures
-        metrics: dict[str, Any] = {**asdict(self.stats), "shards": shards}
-        if replicas:
-            metrics["replicas"] = replicas
-        return metrics
+        size), hits and misses; then each shard's and replica's
+        (:func:`django_kvcache.mysql.metrics.figures`)."""
+        return metrics.figures(self.cluster, self.stats)
 
     def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
@@ -784,125 +634,43 @@ class MySQLCache(KVCache):
         For training a compression dictionary (``kvcache_train_dictionary``); it scans
         the table, so it is no request-path call.
         """
-        per_shard = -(-count // len(self.shards))
-        rows = [row for rows in run(self._sample(per_shard)) for row in rows]
-        random.shuffle(rows)
-        return [(key, bytes(data), flags) for key, data, flags in rows[:count]]
+        return run(plans.sample(self.session, count))  # type: ignore[no-any-return]
 
-    def _sample(self, per_shard: int) -> Plan:
-        return (yield plans.sample(self.session, per_shard))
-
-    # --- table management ------------------------------------------------------------------
+    # --- the tables (django_kvcache.mysql.tables) ------------------------------------------
 
     # ``database`` defaults to the cache's own (write) alias, or for ``create_table`` and
     # ``table_exists`` to every shard; the tables of test databases are made through the
     # alias being set up, which a TEST MIRROR alias is not yet.
 
     def create_table_sql(self, database: str | None = None, collation: str | None = None) -> str:
-        """The table's DDL for ``database``'s server (``collation``: another name of its
+        """The tables' DDL for ``database``'s server (``collation``: another name of its
         binary NO PAD collation, or a placeholder for a migration)."""
-        mariadb = blocking.server_info(database or self.db_alias(write=True)).mariadb
-        statement = create_table_sql(self.table, quote_name, mariadb, self.engine, collation)
-        statement += ";\n" + create_lock_table_sql(self.table, quote_name, mariadb, collation)
-        if dictionaries.uses_stored_dictionaries(self.options):  # and its dictionary table
-            statement += STATEMENT_SEPARATOR + dictionaries.create_table_sql(self.table, quote_name)
-        return statement
+        return self.tables.create_sql(database or self.db_alias(write=True), collation)
 
     def drop_table_sql(self, database: str | None = None) -> str:
-        statement = drop_table_sql(self.table, quote_name)
-        statement += ";\n" + drop_lock_table_sql(self.table, quote_name)
-        if dictionaries.uses_stored_dictionaries(self.options):
-            statement += STATEMENT_SEPARATOR + dictionaries.drop_table_sql(self.table, quote_name)
-        return statement
+        return self.tables.drop_sql()
 
     def create_table(self, database: str | None = None) -> str:
-        """Create the table where it is missing (``database``, else every shard); returns
-        the statement it ran (the last one, with shards)."""
-        statement = ""
-        for alias in [database] if database else self.database_aliases():
-            statement = self.create_table_sql(alias)
-            for part in statement.split(STATEMENT_SEPARATOR):
-                blocking.query(alias, part)
-        return statement
+        """Create the tables where they are missing (``database``, else every shard);
+        returns the DDL it ran (the last shard's)."""
+        return self.tables.create([database] if database else self.database_aliases())
 
     def table_exists(self, database: str | None = None) -> bool:
-        """Whether the table (and the dictionary table, with ``COMPRESS_DICTIONARY:
-        "auto"``) exists in ``database``, else on every shard."""
-        return not any(
-            self.missing_tables(alias)
-            for alias in ([database] if database else self.database_aliases())
-        )
+        """Whether the tables exist in ``database``, else on every shard."""
+        databases = [database] if database else self.database_aliases()
+        return not any(self.tables.missing(alias) for alias in databases)
 
     def missing_tables(self, database: str) -> list[str]:
         """Which of the cache's tables ``database`` lacks: the table, its lock table, and
         with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
-        tables = [self.table, self.lock_table]
-        if dictionaries.uses_stored_dictionaries(self.options):
-            tables.append(dictionaries.dictionary_table(self.table))
-        present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
-        return [table for table in tables if table not in present]
+        return self.tables.missing(database)
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:
-        """What is wrong with the layout of the table in ``database`` (another library's
-        table under this name, say) and the fix, or ``None``: it is ours, or missing."""
-        columns = table_columns(database, self.table)
-        return self._layout_problem(database, columns) if columns else None
+        """What is wrong with the layout of the table in ``database`` and the fix, or
+        ``None``: it is ours, or missing."""
+        return self.tables.layout_problem(database)
 
-    def _layout_message(self, database: str, error: BaseException) -> str:
-        """After a statement's ``error`` (1054): the table's columns are read (on the
-        cache's own connections), at most once a minute per table."""
-        columns = layouts.columns_once(database, self.table,
-                                       partial(table_columns, database, self.table))
-        return " ".join(self._layout_problem(database, columns, error) or (str(error),))
-
-    def _layout_problem(
-        self, database: str, columns: list[str] | None, error: BaseException | None = None
-    ) -> tuple[str, str] | None:
-        aliases = self.configured_aliases()
-        owner = "cache " + ", ".join(map(repr, aliases)) if aliases else f"a {self.backend_name}"
-        return layouts.describe(
-            self.table, owner, database, columns, " ".join(aliases) or "<alias>", error
-        )
-
-    def _missing_table_message(self, database: str, table: str | None = None) -> str:
-        aliases = self.configured_aliases()
-        if not aliases:  # built outside CACHES
-            owner, fix = f"a {self.backend_name}", "Create it with cache.create_table()."
-        elif not django_apps.is_installed("django_kvcache"):  # no commands, no pre_migrate
-            owner = "cache " + ", ".join(repr(alias) for alias in aliases)
-            fix = (
-                "Add 'django_kvcache' to INSTALLED_APPS: then 'manage.py migrate' creates "
-                "it, and so does the test runner in test databases."
-            )
-        else:
-            owner = "cache " + ", ".join(repr(alias) for alias in aliases)
-            fix = (
-                f"Create it with 'manage.py kvcache_createtable {' '.join(aliases)}' (or "
-                "'manage.py migrate', which creates it first)."
-            )
-        return (
-            f"The table {table or self.table!r} of {owner} does not exist in database "
-            f"{database!r}. {fix}"
-        )
-
-    def configured_aliases(self) -> list[str]:
-        """The CACHES aliases configured with this cache's table and databases."""
-        return [
-            alias
-            for alias in mysql_cache_aliases()
-            if settings.CACHES[alias].get("LOCATION") == self.table
-            and shard_options(settings.CACHES[alias]) == shard_options({"OPTIONS": self.options})
-        ]
-
-
-def table_columns(database: str, table: str) -> list[str]:
-    """``table``'s columns in ``database``, in order ([] if there is no such table)."""
-    return [row[0] for row in blocking.query(database, layouts.COLUMNS_QUERY, [table])]
-
-
-def shard_options(cache_settings: Mapping[str, Any]) -> tuple[Any, Any]:
-    """The DATABASE and DATABASES of a CACHES entry: where its table lives."""
-    options = cache_settings.get("OPTIONS") or {}
-    databases = options.get("DATABASES")
-    return options.get("DATABASE"), None if databases is None else tuple(databases)
-
+    @property
+    def lock_table(self) -> str:
+        """The table of this cache's locks: ``<LOCATION>_locks``."""
+        return self.tables.lock_table

@@ -11,7 +11,11 @@
   cache's own, from an alias's DATABASES entry (never Django's connection);
 * ``shards`` reads the shards and replicas from OPTIONS (and decides which alias serves a
   read), ``cluster`` keeps what is shared per configuration (health, counters, missed
-  writes and their bounded clean-up), ``server`` what is known per server and connection.
+  writes and their bounded clean-up), ``server`` what is known per server and connection;
+* beside the operations: ``tables`` (the DDL, which tables exist, what to say of a
+  missing one or another library's: ``layouts``), ``locks``, ``rotation`` (re-encryption
+  with the newest key), ``dictionaries`` (``COMPRESS_DICTIONARY: "auto"``) and
+  ``metrics`` (the counters ``cache.metrics()`` reports).
 
 None of them imports the backend; what works over every cache in ``CACHES`` (table
 creation, ``cull_all``) is in :mod:`django_kvcache.maintenance`.

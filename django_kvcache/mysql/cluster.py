@@ -351,11 +351,12 @@ class Session:
         self,
         cluster: Cluster,
         describe_missing_table: Callable[[str], str],
-        describe_table_layout: Callable[[str, BaseException], str] | None = None,
+        describe_table_layout: Callable[[str, list[str] | None, BaseException], str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.describe_missing_table = describe_missing_table
-        self.describe_table_layout = describe_table_layout  # a table of another layout
+        # a table of another layout: (alias, its columns, the server's error) -> message
+        self.describe_table_layout = describe_table_layout
         self._written_at: dict[int, float] = {}  # shard index -> monotonic time
 
     def wrote(self, shard: Shard) -> None:

@@ -4,13 +4,18 @@ A site moving from django-mysql or Django's DatabaseCache may keep its LOCATION,
 table of that name is theirs; every statement then fails with ``Unknown column 'flags'``
 (1054). The system check (``kvcache.E002``), ``kvcache_createtable`` and every cache call
 say instead which table it is, whose layout it looks like and what to do.
+
+A call learns it from the error: the failure policy raises :class:`OtherLayout` (which
+alias, which shard), and the plan's step reads the table's columns on the same driver
+(never a blocking query on an event loop) at most once a minute per table, then raises
+:class:`CacheTableLayout` with the description (:meth:`django_kvcache.mysql.plans.On.run`).
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 from django.db import ProgrammingError
 
@@ -34,6 +39,20 @@ class CacheTableLayout(ProgrammingError):
     """A MySQLCache's table has another layout; the message names it and the fix.
 
     The server's error (1054) is chained as ``__cause__``."""
+
+
+class OtherLayout(ProgrammingError):
+    """A statement met a table of another layout on ``alias`` (of ``shard``): the plan's
+    step describes it (:class:`CacheTableLayout`). The server's error is ``__cause__``."""
+
+    def __init__(self, alias: str, shard: Any) -> None:
+        super().__init__(f"The cache table in database {alias!r} has another layout")
+        self.alias, self.shard = alias, shard
+
+
+def column_names(reply: Any) -> list[str]:
+    """The column names a :data:`COLUMNS_QUERY` found, in order."""
+    return [row[0] for row in reply[0] or ()]
 
 
 @dataclass(frozen=True)
@@ -84,21 +103,22 @@ def describe(
 #: Seconds a table's columns, read after a 1054, are remembered: a misconfigured cache
 #: fails every call, and each must not open a connection to ask again.
 REMEMBER = 60.0
+#: What :func:`remembered` answers for a table whose columns were not read lately.
+UNKNOWN: Any = object()
 _read: dict[tuple[str, str], tuple[float, list[str] | None]] = {}
 _lock = threading.Lock()
 
 
-def columns_once(database: str, table: str, read: Callable[[], list[str]]) -> list[str] | None:
-    """``read()`` at most once per REMEMBER seconds per table; ``None`` if it fails."""
-    key = (database, table)
+def remembered(database: str, table: str) -> Any:
+    """The columns of ``table`` in ``database`` read less than REMEMBER seconds ago
+    (``None``: they could not be read), else :data:`UNKNOWN`."""
     with _lock:
-        remembered = _read.get(key)
-    if remembered is not None and time.monotonic() - remembered[0] < REMEMBER:
-        return remembered[1]
-    try:
-        columns: list[str] | None = read()
-    except Exception:  # the message then goes without the columns
-        columns = None
+        read = _read.get((database, table))
+    if read is not None and time.monotonic() - read[0] < REMEMBER:
+        return read[1]
+    return UNKNOWN
+
+
+def remember(database: str, table: str, columns: list[str] | None) -> None:
     with _lock:
-        _read[key] = (time.monotonic(), columns)
-    return columns
+        _read[(database, table)] = (time.monotonic(), columns)

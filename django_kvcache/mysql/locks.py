@@ -57,9 +57,12 @@ def microseconds(seconds: float) -> int:
 class MySQLLockStore:
     """:class:`django_kvcache.locks.LockStore` for one name of a MySQLCache."""
 
-    def __init__(self, session: Session, key: str, missing: Callable[[str], str]) -> None:
-        """``key``: the name as a stored key; ``missing(alias)``: the message for a lock
-        table that does not exist there."""
+    def __init__(
+        self, session: Session, key: str,
+        missing: Callable[[str, list[str] | None], BaseException],
+    ) -> None:
+        """``key``: the name as a stored key; ``missing(alias, columns)``: the error for a
+        lock table that does not exist there, beside a cache table of ``columns``."""
         self.session = session
         self.key = key
         self.missing = missing
@@ -76,8 +79,11 @@ class MySQLLockStore:
         try:
             return (yield plans.lock(self.session, self.key, work))
         except CacheTableMissing as exc:
-            missing = CacheTableMissing(self.missing(self.shard.primary()))
-            raise missing from exc.__cause__
+            # Which table is wrong: the lock table, or the cache table beside it (another
+            # library's, next to which kvcache_createtable makes no lock table).
+            alias = self.shard.primary()
+            columns = yield from plans.table_columns(self.session, self.shard, alias)
+            raise self.missing(alias, columns) from exc.__cause__
 
     def grant(self, grant: locks.Grant, seconds: float | None) -> steps.Plan:
         key, owner = self.key, grant.owner

@@ -21,8 +21,9 @@ from typing import Any, Generator, NamedTuple, Sequence
 
 from django.db import DatabaseError
 
+from django_kvcache import steps
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
-from django_kvcache.mysql import aio, blocking, culling
+from django_kvcache.mysql import aio, blocking, culling, layouts
 from django_kvcache.mysql.cluster import ANY_KEY, Session
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
@@ -30,6 +31,7 @@ from django_kvcache.mysql.policy import EVERYTHING, RAISE, Access, Call
 from django_kvcache.mysql.query import (
     PACKET_LIMIT,
     Query,
+    Reply,
     first_row,
     lastrowid,
     live_expiry,
@@ -61,7 +63,11 @@ INTEGER_FLAGS = (FLAG_INTEGER, FLAG_LONG)
 
 class On:
     """A step of a plan: calls on shards, answered in order (one answer for a single
-    call), by the blocking driver (``run``) or the asyncio one (``arun``)."""
+    call), by the blocking driver (``run``) or the asyncio one (``arun``).
+
+    A call that met a table of another layout is told apart here, on the same driver:
+    the table's columns are read (:func:`table_columns`), and the error says whose table
+    it looks like (``layouts.CacheTableLayout``)."""
 
     __slots__ = ("session", "calls", "single")
 
@@ -69,12 +75,24 @@ class On:
         self.session, self.calls, self.single = session, calls, single
 
     def run(self) -> Any:
-        answers = blocking.execute(self.session, self.calls)
+        try:
+            answers = blocking.execute(self.session, self.calls)
+        except layouts.OtherLayout as met:
+            raise steps.run(self._described(met)) from met.__cause__
         return answers[0] if self.single else answers
 
     async def arun(self) -> Any:
-        answers = await aio.execute(self.session, self.calls)
+        try:
+            answers = await aio.execute(self.session, self.calls)
+        except layouts.OtherLayout as met:
+            raise await steps.arun(self._described(met)) from met.__cause__
         return answers[0] if self.single else answers
+
+    def _described(self, met: layouts.OtherLayout) -> steps.Plan:
+        columns = yield from table_columns(self.session, met.shard, met.alias)
+        describe = self.session.describe_table_layout
+        assert describe is not None
+        return layouts.CacheTableLayout(describe(met.alias, columns, met.__cause__))
 
 
 def one(session: Session, call: Call) -> On:
@@ -383,47 +401,66 @@ class Refused(NamedTuple):
 
 
 MISSING, NOT_INTEGER, OVERFLOW, CORRUPT = "missing", "not an integer", "overflow", "corrupt"
+NOT_FOUND = Refused(MISSING)
+#: What the UPDATE of an ``incr`` says when a row it matched was left unchanged (expired,
+#: not an integer) or would leave the signed 64-bit range: a second statement says why.
+UNEXPLAINED: Any = object()
 
 
-def incr(session: Session, key: str, delta: int) -> On:
+def incr(session: Session, key: str, delta: int) -> steps.Plan:
     """Add ``delta`` in one UPDATE (the entry keeps its expiry): the new value, or why
-    not (:class:`Refused`). An unreachable shard raises even under IGNORE_EXCEPTIONS."""
-    return one(session, Call(
-        session.cluster.shard_for(key), Access.WRITE, partial(_incr, key, delta), RAISE,
-        keys=(key,),
-    ))
+    not (:class:`Refused`), asked in a second statement only when the key's row is there
+    and was refused. An unreachable shard raises even under IGNORE_EXCEPTIONS."""
+    shard, now = session.cluster.shard_for(key), now_ms()
+    outcome = UNEXPLAINED  # a delta beyond 2**64 either way overflows every stored value
+    if -(2**64) < delta < 2**64:
+        try:
+            outcome = yield one(session, Call(shard, Access.WRITE, partial(_add, key, delta, now),
+                                              RAISE, keys=(key,)))
+        except DatabaseError as exc:
+            if error_code(exc) in BAD_NUMBER:
+                return Refused(CORRUPT, error=exc)
+            if error_code(exc) != OUT_OF_RANGE:
+                raise
+    if outcome is UNEXPLAINED:
+        outcome = yield one(session, Call(shard, Access.PRIMARY_READ,
+                                          partial(_why_not, key, delta, now), RAISE))
+    return outcome
 
 
-def _incr(key: str, delta: int, sql: Statements) -> Generator[Query, Any, Any]:
-    now = now_ms()
-    wide = not (delta and INT64_MIN <= delta <= INT64_MAX)
-    if not wide:
-        statement, params = sql.incr, (now, delta, key)
-    elif -(2**64) < delta < 2**64:  # and 0, whose "Changed: 0" would say nothing
-        statement, params = sql.incr_wide, (delta, key, now, delta)
-    else:  # overflows every stored value
-        return (yield from _why_not(sql, key, delta, now))
-    try:
-        matched, changed, value = yield Query(statement, params, update_outcome, idempotent=False)
-    except DatabaseError as exc:
-        if error_code(exc) == OUT_OF_RANGE:
-            return (yield from _why_not(sql, key, delta, now))
-        if error_code(exc) in BAD_NUMBER:
-            return Refused(CORRUPT, error=exc)
-        raise
-    if not wide and not matched:  # no row under this key: the usual miss
-        return Refused(MISSING)
-    if not (matched if wide else changed):
-        return (yield from _why_not(sql, key, delta, now))
-    # LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value.
+def _add(key: str, delta: int, now: int, sql: Statements) -> Query:
+    if delta and INT64_MIN <= delta <= INT64_MAX:
+        return Query(sql.incr, (now, delta, key), _added, idempotent=False)
+    # Outside BIGINT (and 0, whose "Changed: 0" would say nothing): DECIMAL arithmetic,
+    # matching the row only when it is live, an integer and the result in range.
+    return Query(sql.incr_wide, (delta, key, now, delta), _added_wide, idempotent=False)
+
+
+def _added(reply: Reply) -> Any:
+    matched, changed, value = update_outcome(reply)
+    if not matched:  # no row under this key: the usual miss, answered at once
+        return NOT_FOUND
+    return signed(value) if changed else UNEXPLAINED
+
+
+def _added_wide(reply: Reply) -> Any:
+    return signed(lastrowid(reply)) if rowcount(reply) else UNEXPLAINED
+
+
+def signed(value: int) -> int:
+    """LAST_INSERT_ID is unsigned: negative results come back as 2**64 + value."""
     return value - 2**64 if value > INT64_MAX else value
 
 
-def _why_not(sql: Statements, key: str, delta: int, now: int) -> Generator[Query, Any, Refused]:
-    """Why the UPDATE did not apply to a row (only ever run after a failed incr)."""
-    row = yield Query(sql.incr_failure, (key, now), first_row)
+def _why_not(key: str, delta: int, now: int, sql: Statements) -> Query:
+    """Why the UPDATE did not apply to a row (only ever asked after a refused incr)."""
+    return Query(sql.incr_failure, (key, now), partial(_refusal, delta))
+
+
+def _refusal(delta: int, reply: Reply) -> Refused:
+    row = first_row(reply)
     if row is None:
-        return Refused(MISSING)
+        return NOT_FOUND
     flags, data = row
     if flags not in INTEGER_FLAGS:
         return Refused(NOT_INTEGER, bytes(data), flags)
@@ -432,7 +469,7 @@ def _why_not(sql: Statements, key: str, delta: int, now: int) -> Generator[Query
     except ValueError:  # not decimal text: corrupt, and a miss like in get()
         in_range = True
     # In range: the key was missing when the UPDATE ran, and was set since.
-    return Refused(MISSING) if in_range else Refused(OVERFLOW)
+    return NOT_FOUND if in_range else Refused(OVERFLOW)
 
 
 # --- every shard ----------------------------------------------------------------------------
@@ -505,68 +542,40 @@ def with_prefix(session: Session, pattern: str, entries: bool) -> On:
     ])
 
 
-def sample(session: Session, per_shard: int) -> On:
-    """Up to ``per_shard`` live ``(key, value, flags)`` rows of each shard, at random."""
-    return each(session, [
+def sample(session: Session, count: int) -> steps.Plan:
+    """Up to ``count`` live rows picked at random, as stored: ``(key, value, flags)``, the
+    same share from each shard."""
+    per_shard = -(-count // len(session.cluster.shards))
+    found = yield each(session, [
         Call(shard, Access.READ, lambda sql: Query(sql.sample, (now_ms(), per_shard), rows))
         for shard in session.cluster.shards
     ])
+    picked = [(key, bytes(data), flags) for shard_rows in found for key, data, flags in shard_rows]
+    random.shuffle(picked)
+    return picked[:count]
 
 
-# --- re-encryption --------------------------------------------------------------------------
+# --- the tables -----------------------------------------------------------------------------
 
 
-def rotation_scan(
-    session: Session, cursors: dict[int, str], rows_per_batch: int, key_id: int, keep_ms: int,
-) -> On:
-    """One batch on each shard in ``cursors`` (shard index: the last key done there):
-    the next ``rows_per_batch`` rows of this cache in key order, as ``(key, flags,
-    value)``, the value None unless it is encrypted with a key id other than ``key_id``
-    and readable (expired less than ``keep_ms`` ago, or live)."""
-    scope = session.cluster.scope
-
-    def work(after: str, sql: Statements) -> Query:
-        readable_from = now_ms() - keep_ms
-        if scope is None:
-            return Query(sql.rotation_scan, (key_id, readable_from, after, rows_per_batch), rows)
-        return Query(sql.rotation_scan_prefix,
-                     (key_id, readable_from, after, scope, rows_per_batch), rows)
-
-    shards = session.cluster.shards
-    return each(session, [
-        Call(shards[index], Access.MAINTENANCE, partial(work, after), keys=ANY_KEY)
-        for index, after in cursors.items()
-    ])
-
-
-class Resealed(NamedTuple):
-    """A row read by :func:`rotation_scan` and its value encrypted with the newest key."""
-
-    key: str
-    flags: int  # as read
-    nonce: bytes  # as read: with ``flags``, what tells the row unchanged since
-    data: bytes  # the new value
-    new_flags: int
-
-
-def reseal(session: Session, rows_by_shard: dict[int, list[Resealed]]) -> On:
-    """Write each shard's re-encrypted rows, each only if unchanged since it was read;
-    each shard's count of rows written."""
-
-    def work(resealed: list[Resealed], sql: Statements) -> Generator[Query, Any, int]:
-        written = 0
-        for row in resealed:
-            value, blob = value_sql(row.data)
-            # A rerun after a lost reply finds the row changed, and writes nothing.
-            written += yield Query(sql.reseal(value, row.nonce),
-                                   (*blob, row.new_flags, row.key, row.flags), rowcount)
-        return written
-
-    shards = session.cluster.shards
-    return each(session, [
-        Call(shards[index], Access.MAINTENANCE, partial(work, resealed), keys=ANY_KEY)
-        for index, resealed in rows_by_shard.items() if resealed
-    ])
+def table_columns(session: Session, shard: Shard, alias: str) -> steps.Plan:
+    """The cache table's columns on ``alias`` (``shard``'s primary or replica), in order
+    ([]: no such table; ``None``: they could not be read), read at most once a minute
+    per table and alias (``layouts.remembered``), on the plan's own driver."""
+    table = session.cluster.table
+    columns = layouts.remembered(alias, table)
+    if columns is not layouts.UNKNOWN:
+        return columns
+    # On the alias that met the table: the shard's primary, or its replica.
+    there = shard if alias == shard.primary() else Shard(shard.index, alias, None, shard.model)
+    read = Call(there, Access.PRIMARY_READ,
+                lambda sql: Query(layouts.COLUMNS_QUERY, (table,), layouts.column_names), None)
+    try:
+        columns = yield one(session, read)
+    except DatabaseError:  # the message goes without them
+        columns = None
+    layouts.remember(alias, table, columns)
+    return columns
 
 
 # --- culling --------------------------------------------------------------------------------

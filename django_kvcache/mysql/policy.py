@@ -479,11 +479,8 @@ def _failed(session: Session, run: Run) -> Any:
         missing = errors.CacheTableMissing(session.describe_missing_table(alias))
         missing.__cause__ = error
         raise missing
-    if (isinstance(error, DatabaseError) and session.describe_table_layout is not None
-            and errors.error_code(error) == layouts.UNKNOWN_COLUMN):
-        wrong = layouts.CacheTableLayout(session.describe_table_layout(alias, error))
-        wrong.__cause__ = error
-        raise wrong
+    if isinstance(error, DatabaseError) and errors.error_code(error) == layouts.UNKNOWN_COLUMN:
+        raise layouts.OtherLayout(alias, call.shard) from error  # described by plans.On
     if not errors.fails_open(error):  # the statement or the configuration is wrong
         raise error
     stats = cluster.stats(alias)

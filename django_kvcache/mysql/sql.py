@@ -29,6 +29,21 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+FOREVER_SECONDS = FOREVER // 1000
+
+
+def expires_at(seconds: float | None) -> int | None:
+    """The ``expires`` of an entry stored now for ``seconds`` (Django's: ``None``
+    forever); ``None`` when it expires at once (0 and below)."""
+    if seconds is None:
+        return FOREVER
+    if seconds <= 0:
+        return None
+    if seconds >= FOREVER_SECONDS:  # also keeps float("inf") out of int()
+        return FOREVER
+    return min(now_ms() + int(seconds * 1000), FOREVER)
+
+
 INT64_RANGE = "-9223372036854775808 AND 9223372036854775807"
 INTEGER_FLAGS = "2, 4"  # codec.FLAG_INTEGER and codec.FLAG_LONG: decimal text
 ENGINE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")

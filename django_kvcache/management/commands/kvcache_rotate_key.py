@@ -17,7 +17,7 @@ from django_kvcache.management.commands._errors import failing
 from django_kvcache.management.commands._mysql import MySQLCacheCommand
 
 if TYPE_CHECKING:  # imported once the alias is known to be a MySQLCache: a site without
-    from django_kvcache.backends.mysql import Rotation  # the mysql extra lists the command
+    from django_kvcache.mysql.rotation import Rotation  # the mysql extra lists the command
 
 
 class Command(MySQLCacheCommand):
@@ -48,7 +48,7 @@ class Command(MySQLCacheCommand):
             raise CommandError("--batch-size and --max-batches must be at least 1")
         cache = self.selected_caches([alias])[alias]
         if batch_size is None:
-            from django_kvcache.backends.mysql import ROTATION_BATCH_ROWS
+            from django_kvcache.mysql.rotation import ROTATION_BATCH_ROWS
 
             batch_size = ROTATION_BATCH_ROWS
         encryption = cache.codec.encryption
