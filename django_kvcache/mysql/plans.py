@@ -410,13 +410,15 @@ UNEXPLAINED: Any = object()
 def incr(session: Session, key: str, delta: int) -> steps.Plan:
     """Add ``delta`` in one UPDATE (the entry keeps its expiry): the new value, or why
     not (:class:`Refused`), asked in a second statement only when the key's row is there
-    and was refused. An unreachable shard raises even under IGNORE_EXCEPTIONS."""
+    and was refused. Under IGNORE_EXCEPTIONS an unreachable shard (or a reply lost) is
+    answered as a missing key, ``ValueError``, as on memcached: Django's contract has no
+    other answer that code built on it (a rate limiter) handles as "start again"."""
     shard, now = session.cluster.shard_for(key), now_ms()
     outcome = UNEXPLAINED  # a delta beyond 2**64 either way overflows every stored value
     if -(2**64) < delta < 2**64:
         try:
             outcome = yield one(session, Call(shard, Access.WRITE, partial(_add, key, delta, now),
-                                              RAISE, keys=(key,)))
+                                              NOT_FOUND, keys=(key,)))
         except DatabaseError as exc:
             if error_code(exc) in BAD_NUMBER:
                 return Refused(CORRUPT, error=exc)
@@ -424,7 +426,7 @@ def incr(session: Session, key: str, delta: int) -> steps.Plan:
                 raise
     if outcome is UNEXPLAINED:
         outcome = yield one(session, Call(shard, Access.PRIMARY_READ,
-                                          partial(_why_not, key, delta, now), RAISE))
+                                          partial(_why_not, key, delta, now), NOT_FOUND))
     return outcome
 
 
