@@ -221,7 +221,8 @@ class SignedPickleSerializer(PickleSerializer):
         for key in self.keys:
             if hmac.compare_digest(signature, hmac.digest(key, payload, "sha256")):
                 return super().loads(payload)
-        raise ValueError("bad signature: entry not written with this cache's key")
+        raise CorruptValue("bad signature: entry not written with this cache's key",
+                           "bad signature")
 
 
 class ZlibCompressor:
@@ -487,10 +488,18 @@ class Codec:
                 return bytes(data)
             if flags == FLAG_TEXT:
                 return bytes(data).decode()
+        except CorruptValue:
+            raise  # a serializer's own words (a bad signature)
         except Exception as exc:
-            raise CorruptValue(
-                f"cannot decode {len(data)} bytes with flags {flags}: {exc!r}", _error_name(exc)
-            )
+            failed = _error_name(exc)
+        else:
+            failed = None
+        if failed is not None:
+            # Named by the decoder's error class only, and raised outside the handler so
+            # nothing chains it: the messages of int(), bytes.decode() and some decoders
+            # quote the stored bytes, and this error ends in a log line.
+            raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {failed}",
+                               failed)
         if flags & FLAG_ZSTD and FLAG_ZSTD not in self.decompressors:
             raise CorruptValue(
                 f"compressed with zstd, which is not installed here ({INSTALL_HINT})",

@@ -16,6 +16,7 @@ from django_kvcache.codec import (
     FLAG_JSON,
     FLAG_PICKLE,
     FLAG_SIGNED_PICKLE,
+    FLAG_TEXT,
     FLAG_ZLIB,
     INT64_MAX,
     INT64_MIN,
@@ -588,3 +589,19 @@ def test_entries_mains_code_compressed_read_back(data, flags):
     for options in ({"COMPRESSOR": None}, QUARTER, {**ZLIB, **QUARTER}):
         assert Codec.from_options(options).encode(MAIN_TOKEN) == (
             pickle.dumps(MAIN_TOKEN, pickle.HIGHEST_PROTOCOL), FLAG_PICKLE)
+
+
+@pytest.mark.parametrize("data, flags", [
+    (b"SECRET-4242", FLAG_INTEGER),  # int() quotes what it cannot read
+    (b"\xffSECRET-4242", FLAG_TEXT),  # a UnicodeDecodeError carries the whole object
+    (b"SECRET-4242", FLAG_PICKLE),
+], ids=["integer", "text", "pickle"])
+def test_a_corrupt_entry_s_error_carries_none_of_its_bytes(codec, data, flags):
+    # The error is logged as the entry's miss: it names the damage, never the value.
+    with pytest.raises(CorruptValue) as raised:
+        codec.decode(data, flags)
+    error = raised.value
+    seen = [str(error), repr(error), str(error.__cause__), str(error.__context__),
+            repr(error.__context__)]
+    assert not any("SECRET" in text for text in seen), seen
+    assert error.reason  # the decoder's error class still says what kind of damage
