@@ -42,6 +42,7 @@ from django_kvcache.savings import Savings, shared_savings
 from django_kvcache.zstd import (
     AUTO,
     FLAG_ZSTD,
+    DamagedFrame,
     INSTALL_HINT,
     LEVELS,
     DictionarySource,
@@ -490,15 +491,17 @@ class Codec:
                 return bytes(data).decode()
         except CorruptValue:
             raise  # a serializer's own words (a bad signature)
+        except DamagedFrame as exc:  # our zstd layer's words: a dictionary id, the damage
+            failed, words = _error_name(exc), f"{_error_name(exc)}: {exc}"
         except Exception as exc:
-            failed = _error_name(exc)
+            failed = words = _error_name(exc)
         else:
-            failed = None
+            failed = words = None
         if failed is not None:
-            # Named by the decoder's error class only, and raised outside the handler so
-            # nothing chains it: the messages of int(), bytes.decode() and some decoders
-            # quote the stored bytes, and this error ends in a log line.
-            raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {failed}",
+            # Another decoder's error is named by its class only, and raised outside the
+            # handler so nothing chains it: the messages of int(), bytes.decode() and some
+            # decoders quote the stored bytes, and this error ends in a log line.
+            raise CorruptValue(f"cannot decode {len(data)} bytes with flags {flags}: {words}",
                                failed)
         if flags & FLAG_ZSTD and FLAG_ZSTD not in self.decompressors:
             raise CorruptValue(

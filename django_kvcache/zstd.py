@@ -49,7 +49,12 @@ INSTALL_HINT = (
 )
 
 
-class MissingDictionary(ValueError):
+class DamagedFrame(ValueError):
+    """A stored zstd frame this cache cannot read, in words of our own: they name a
+    dictionary id or the kind of damage, never the stored bytes, so a log may carry them."""
+
+
+class MissingDictionary(DamagedFrame):
     """A zstd frame names a dictionary this cache does not have."""
 
 
@@ -212,7 +217,7 @@ class Zstandard(Engine):
         stream = decompressor.decompressobj()
         output = stream.decompress(data)
         if not stream.eof or stream.unused_data:
-            raise ValueError("zstd frame truncated or followed by other bytes")
+            raise DamagedFrame("zstd frame truncated or followed by other bytes")
         return output  # type: ignore[no-any-return]
 
     def train(self, samples: list[bytes], size: int) -> bytes:

@@ -316,14 +316,18 @@ def test_cache_instances_share_their_dictionary_and_its_contexts(dictionaries, c
         written = [first.encode(value)[0], second.encode(value)[0], first.encode(value)[0]]
         assert len(contexts_built["compressors"]) == 1
         assert {dictionary_id(data) for data in written} == {dictionary.id}
+        # The process prepares a dictionary for reading once, with a decompressor of its
+        # own, at its first read by any test: done here so only the contexts are counted.
+        zstd_engine().prepared(dictionary, "decompress")
+        prepared = len(contexts_built.get("decompressors", []))
         assert all(second.decode(data, FLAG_PICKLE | FLAG_ZSTD) == value for data in written)
+        if isinstance(zstd_engine(), Zstandard):  # the dictionary's, shared
+            assert len(contexts_built["decompressors"]) == prepared + 1
         plain = Codec.from_options({"COMPRESSOR": ZSTD})
         assert dictionary_id(plain.encode(value)[0]) == 0
         assert len(contexts_built["compressors"]) == 2  # another setting, another compressor
 
     in_new_thread(work)
-    if isinstance(zstd_engine(), Zstandard):
-        assert len(contexts_built["decompressors"]) == 1  # the dictionary's, shared
 
 
 def test_a_thread_keeps_a_bounded_number_of_contexts(contexts_built):
