@@ -187,9 +187,14 @@ class BudgetStatements:
         )
         #: The ``%s`` entries closest to expiry and what each counts, through the expiry
         #: index (the sizes read the values: an eviction reads what it deletes).
+        #: (The expiry index alone picks them, in a derived table: asked for the values
+        #: beside the order, the optimizer prefers a scan and a sort of the whole table.)
         self.candidates = (
-            f"SELECT `expires`, `cache_key`, LENGTH(`cache_key`) + LENGTH(`value`) FROM {t} "
-            "ORDER BY `expires`, `cache_key` LIMIT %s"
+            f"SELECT `first`.`expires`, `first`.`cache_key`, "
+            f"LENGTH(`first`.`cache_key`) + LENGTH({t}.`value`) FROM (SELECT `expires`, "
+            f"`cache_key` FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s) AS `first` "
+            f"JOIN {t} ON {t}.`cache_key` = `first`.`cache_key` "
+            "ORDER BY `first`.`expires`, `first`.`cache_key`"
         )
 
 
