@@ -175,6 +175,14 @@ def test_kvcache_cull_brings_a_table_under_a_new_budget(table):
     assert counted(table) == stored(table)
 
 
+def test_writes_go_on_while_the_size_table_is_missing(table, caplog):
+    make_cache(table).set("x", 1)  # a table from before MAX_SIZE
+    bounded = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": 1000, "CULL_PROBABILITY": 0}})
+    bounded.set("big", random.randbytes(5000))  # draws a check: it fails, logged
+    assert bounded.get("big") is not None and bounded.get("x") == 1
+    assert budget.size_table(table) in caplog.text
+
+
 def test_the_system_check_reports_a_budget_without_its_size_table(table):
     make_cache(table).set("x", 1)
     entry = {"BACKEND": BACKEND, "LOCATION": table, "OPTIONS": {"MAX_SIZE": "1MB"}}
