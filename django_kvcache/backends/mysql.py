@@ -669,8 +669,9 @@ class MySQLCache(KVCache):
         return not any(self.tables.missing(alias) for alias in databases)
 
     def missing_tables(self, database: str) -> list[str]:
-        """Which of the cache's tables ``database`` lacks: the table, its lock table, and
-        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
+        """Which of the cache's tables ``database`` lacks: the table, its lock table,
+        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table, and with ``MAX_SIZE``
+        its size table (missing too while any of its triggers is)."""
         return self.tables.missing(database)
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:

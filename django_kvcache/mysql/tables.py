@@ -53,8 +53,8 @@ class CacheTables:
         self.backend_name = backend_name
 
     def names(self) -> list[str]:
-        """The table, its lock table, and with ``COMPRESS_DICTIONARY: "auto"`` its
-        dictionary table."""
+        """The table, its lock table, with ``COMPRESS_DICTIONARY: "auto"`` its
+        dictionary table, and with ``MAX_SIZE`` its size table."""
         names = [self.table, self.lock_table]
         if self.dictionaries:
             names.append(dictionaries.dictionary_table(self.table))
