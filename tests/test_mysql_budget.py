@@ -213,6 +213,14 @@ def test_figures_show_the_budget_and_what_the_table_holds(table):
         shard = cache.metrics()["shards"]["default"]
         assert shard["max_size"] == 200_000
         assert 0 < shard["stored_bytes"] <= 200_000  # as the last check read it
+        pytest.importorskip("prometheus_client")  # the prometheus extra
+        from django_kvcache.prometheus import KVCacheCollector
+
+        exported = {(sample.name, sample.labels["node"]): sample.value
+                    for family in KVCacheCollector().collect() for sample in family.samples
+                    if sample.labels.get("cache") == "default"}
+        assert exported["kvcache_max_size", "default"] == 200_000
+        assert exported["kvcache_stored_bytes", "default"] == shard["stored_bytes"]
 
 
 @pytest.mark.skipif(len(SHARDS) < 3, reason="needs KVCACHE_MYSQL_SHARD_PORTS (two ports)")

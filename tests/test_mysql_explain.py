@@ -45,6 +45,8 @@ def drop() -> None:
 @pytest.fixture(scope="module")
 def filled(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
     with django_db_blocker.unblock():
+        if not connections["default"].mysql_is_mariadb:
+            pytest.skip("ANALYZE FORMAT=JSON is MariaDB's (MySQL has EXPLAIN ANALYZE)")
         drop()
         fill(make_cache(TABLE, OPTIONS={"MAX_SIZE": 10**9}))
         sql(f"ANALYZE TABLE `{TABLE}`")
@@ -190,7 +192,7 @@ def test_the_cull_and_the_budget_walk_the_expiry_index(filled, options):
     assert "ORDER BY `expires`" in " ".join(sent)
 
 
-def test_evicting_within_the_first_expiry_reads_no_range_of_keys():
+def test_evicting_within_the_first_expiry_reads_no_range_of_keys(filled):
     """The entries to evict (most of the earliest expiry) have the keys that sort last: a
     range of the primary key up to the last of them is nearly the whole table."""
     drop()
