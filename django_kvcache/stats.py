@@ -53,6 +53,10 @@ MEANINGS = {
     "replica_lag": "seconds this replica was behind at the last question (MAX_REPLICA_LAG)",
     "replica_behind": "1 while this replica is over MAX_REPLICA_LAG (stopped, unanswered, or "
                       "not asked yet included): its shard's reads go to the primary",
+    "max_size": "MAX_SIZE: the bytes this table (shard) may hold, keys and stored values",
+    "stored_bytes": "bytes of keys and stored values the table holds (MAX_SIZE's count; in "
+                    "a process's figures, as its last budget check read it)",
+    "stored_entries": "rows the table holds (MAX_SIZE's count)",
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",
@@ -152,8 +156,25 @@ def server_figures(alias: str) -> dict[str, dict[str, Any]]:
             for node, stats in answers.items()
         }
     if hasattr(cache, "database_aliases"):  # MySQL
-        return {database: table_size(database, cache.table) for database in cache.database_aliases()}
+        budgets = dict(zip(cache.database_aliases(), cache.max_sizes))
+        return {database: {**table_size(database, cache.table),
+                           **budget_size(database, cache.table, budgets.get(database))}
+                for database in cache.database_aliases()}
     return {}
+
+
+def budget_size(database: str, table: str, max_size: int | None) -> dict[str, Any]:
+    """With MAX_SIZE: the budget of ``table`` in ``database`` and what it holds, as the
+    size table counts (:mod:`django_kvcache.mysql.budget`)."""
+    if max_size is None:
+        return {}
+    from django_kvcache.mysql.budget import server_totals
+
+    try:
+        stored, entries = server_totals(database, table)
+    except DatabaseError as exc:
+        return {"max_size": max_size, "error": f"{type(exc).__name__}: {exc}"}
+    return {"max_size": max_size, "stored_bytes": stored, "stored_entries": entries}
 
 
 def table_size(database: str, table: str) -> dict[str, Any]:

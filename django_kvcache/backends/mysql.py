@@ -42,7 +42,7 @@ from django_kvcache import stampede
 from django_kvcache.base import MISSING, KVCache, check_delta, counter_overflow, key_not_found
 from django_kvcache.configured import is_mysql_cache, mysql_cache_aliases  # noqa: F401  (API)
 from django_kvcache.failure_log import FailureLog
-from django_kvcache.mysql import aio, blocking, dictionaries, metrics, plans, rotation
+from django_kvcache.mysql import aio, blocking, budget, dictionaries, metrics, plans, rotation
 from django_kvcache.mysql.cluster import Session, cluster_for, own_keys_pattern
 from django_kvcache.mysql.config import DEFAULT_CULL_PROBABILITY, check_table, router_model
 from django_kvcache.mysql.errors import CacheTableMissing  # noqa: F401  (part of the API)
@@ -83,6 +83,7 @@ class MySQLCache(KVCache):
             "RETRY_TIMEOUT",
             "ENGINE",
             "CULL_PROBABILITY",
+            "MAX_SIZE",
             "MAX_POOL_SIZE",
             "POOL_TIMEOUT",
             "CONNECT_TIMEOUT",
@@ -137,6 +138,10 @@ class MySQLCache(KVCache):
         #: The one alias of OPTIONS['DATABASE']; None for shards or the routers' choice.
         self.database: str | None = self.shards[0].alias if self.router is None else None
         self.stats = metrics.table_stats(self.cluster)
+        #: OPTIONS['MAX_SIZE'] in bytes (None: no budget), and each shard's share of it.
+        self.max_size = budget.max_size(self.options)
+        weights = self.router.weights if self.router is not None else [1.0]
+        self.max_sizes = tuple(budget.shares(self.max_size, weights)) if self.max_size else ()
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -291,7 +296,7 @@ class MySQLCache(KVCache):
     def cull(self, max_batches: int | None = None, *, fail_open: bool | None = None) -> int:
         """On every shard, delete what it owes after an outage, then the expired entries,
         then evict the ones closest to expiry while its table holds more than
-        MAX_ENTRIES. Returns the number of rows culled. A shard that fails is tried after
+        MAX_ENTRIES, or more bytes than its share of MAX_SIZE. Returns the number of rows culled. A shard that fails is tried after
         the others are done: raised then, or (IGNORE_EXCEPTIONS, unless ``fail_open`` is
         False: ``kvcache_cull`` fails loudly) logged and counted."""
         return run(self._cull(max_batches, fail_open))  # type: ignore[no-any-return]
@@ -398,7 +403,7 @@ class MySQLCache(KVCache):
             yield plans.delete_row(self.session, stored)
             return None
         data, flags = self._encode(value, stored)
-        yield from self._cull_before([stored])
+        yield from self._cull_before({stored: data})
         too_large = yield plans.set(self.session, stored, data, flags, expires)
         if too_large is not None:
             self._not_stored(key, too_large)
@@ -410,7 +415,7 @@ class MySQLCache(KVCache):
         if expires is None:  # nothing is stored; "added" when no live entry was there
             return not (yield plans.live_on_primary(self.session, stored))
         data, flags = self._encode(value, stored)
-        yield from self._cull_before([stored])
+        yield from self._cull_before({stored: data})
         added = yield plans.add(self.session, stored, data, flags, expires)
         if isinstance(added, plans.TooLarge):
             self._not_stored(key, added)
@@ -432,7 +437,7 @@ class MySQLCache(KVCache):
             stored = self.make_and_validate_key(key, version)
             callers[stored] = key
             rows[stored] = self._encode(value, stored)
-        yield from self._cull_before(list(rows))
+        yield from self._cull_before({stored: data for stored, (data, _) in rows.items()})
         failed: list[Any] = []
         for answer in (yield plans.set_many(self.session, rows, expires)):
             if isinstance(answer, plans.NotReached):  # IGNORE_EXCEPTIONS: logged by the policy
@@ -514,9 +519,10 @@ class MySQLCache(KVCache):
             f"{PACKET_HEADROOM})",
         )
 
-    def _cull_before(self, keys: list[str]) -> Plan:
-        """With CULL_PROBABILITY, a small cull of the shards written to, on the side."""
-        cull = plans.write_path_cull(self.session, keys, self._culling(), self.cull_probability)
+    def _cull_before(self, rows: Mapping[str, bytes]) -> Plan:
+        """With CULL_PROBABILITY, and with MAX_SIZE as the bytes written say, a small cull
+        of the shards written to, on the side (``rows``: stored key -> stored value)."""
+        cull = plans.write_path_cull(self.session, rows, self._culling(), self.cull_probability)
         if cull is not None:
             yield cull
 
@@ -560,7 +566,8 @@ class MySQLCache(KVCache):
 
     def _culling(self) -> plans.Culling:
         stale = self.stampede.stale_timeout if self.stampede is not None else None
-        return plans.Culling(self._max_entries, self._cull_frequency, plans.stale_ms(stale))
+        return plans.Culling(self._max_entries, self._cull_frequency, plans.stale_ms(stale),
+                             self.max_sizes)
 
     # --- herd protection and locks ---------------------------------------------------------
 
@@ -624,8 +631,9 @@ class MySQLCache(KVCache):
         """This process's counters for the table: values written, their stored bytes and
         the bytes compression saved (``bytes_encoded + bytes_saved`` is the serialized
         size), hits and misses; then each shard's and replica's
-        (:func:`django_kvcache.mysql.metrics.figures`)."""
-        return metrics.figures(self.cluster, self.stats)
+        (:func:`django_kvcache.mysql.metrics.figures`; with MAX_SIZE, each shard's budget
+        and its stored bytes at this process's last budget check)."""
+        return metrics.figures(self.cluster, self.stats, self.max_sizes)
 
     def sample_entries(self, count: int) -> list[tuple[str, bytes, int]]:
         """Up to ``count`` live entries picked at random, as stored: ``(stored key, bytes,
@@ -661,8 +669,9 @@ class MySQLCache(KVCache):
         return not any(self.tables.missing(alias) for alias in databases)
 
     def missing_tables(self, database: str) -> list[str]:
-        """Which of the cache's tables ``database`` lacks: the table, its lock table, and
-        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
+        """Which of the cache's tables ``database`` lacks: the table, its lock table,
+        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table, and with ``MAX_SIZE``
+        its size table (missing too while any of its triggers is)."""
         return self.tables.missing(database)
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:

@@ -6,6 +6,9 @@
 2. If a row still exists at offset ``MAX_ENTRIES`` the table is over its limit: the
    entries closest to expiry are evicted until ``MAX_ENTRIES - MAX_ENTRIES // CULL_FREQUENCY``
    remain (``CULL_FREQUENCY`` 0 or 1, and ``MAX_ENTRIES`` 0, empty the table).
+3. With ``MAX_SIZE``, if the table's stored bytes (plus what is about to be written) are
+   over the budget, the entries closest to expiry are evicted in the same order until
+   they fit (:mod:`~django_kvcache.mysql.budget`).
 
 OPTIONS refuses negative numbers, but Django's own tests set ``cache._max_entries = -1``
 on a live cache to force a cull. Django's backends then find the cache always over its
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
+from django_kvcache.mysql import budget
 from django_kvcache.mysql.query import Query, first_row, rowcount
 from django_kvcache.mysql.sql import Statements
 
@@ -41,6 +45,9 @@ WRITE_PATH_BATCHES = 10
 #: large the table. The price: a large cache may overshoot MAX_ENTRIES between checks by
 #: about ``MAX_ENTRIES / (LIMIT_CHECK_ENTRIES * CULL_PROBABILITY)`` new keys at worst.
 LIMIT_CHECK_ENTRIES = 1000
+#: A full cull's MAX_SIZE eviction stops after this many rounds (of up to
+#: ``budget.EVICTION_BATCH`` rows): ``kvcache_cull`` runs again for the rest.
+MAX_BUDGET_ROUNDS = 10_000
 #: The largest number MySQL and MariaDB parse in ``LIMIT``/``OFFSET`` (BIGINT UNSIGNED).
 MAX_OFFSET = 2**64 - 1
 
@@ -65,6 +72,10 @@ class Cull:
         check_limit: bool = True,
         batch_size: int | None = None,
         keep_stale_ms: int = 0,
+        max_size: int | None = None,
+        incoming: int = 0,
+        delete_expired: bool = True,
+        observe: budget.Observer | None = None,
     ) -> None:
         self.sql = sql
         self.max_entries = min(max(max_entries, 0), MAX_OFFSET)
@@ -76,16 +87,31 @@ class Cull:
         #: serve while one caller recomputes (eviction over MAX_ENTRIES still takes them
         #: first, as they expire first).
         self.keep_stale_ms = max(keep_stale_ms, 0)
+        #: MAX_SIZE (this shard's share), checked after MAX_ENTRIES with ``incoming``
+        #: bytes about to be written (:mod:`~django_kvcache.mysql.budget`).
+        self.max_size = max_size
+        self.incoming = incoming
+        #: False when only the budget drew this cull: its eviction takes expired rows
+        #: first anyway, and one statement less keeps the check cheap.
+        self.delete_expired = delete_expired
+        self.observe = observe
 
     def run(self, now_ms: int) -> Statements_:
-        """Delete expired rows, then evict if over the limit; returns the rows deleted."""
-        expired_before = now_ms - self.keep_stale_ms
-        deleted = yield from self.delete_in_batches(self.sql.delete_expired, [expired_before])
-        if not self.check_limit:
-            return deleted
-        if (yield Query(self.sql.row_at, [self.max_entries], first_row)) is None:
-            return deleted
-        return deleted + (yield from self.evict())
+        """Delete expired rows, then evict if over the limit, then if over the byte
+        budget; returns the rows deleted."""
+        deleted = 0
+        if self.delete_expired:
+            expired_before = now_ms - self.keep_stale_ms
+            deleted += yield from self.delete_in_batches(
+                self.sql.delete_expired, [expired_before])
+        if self.check_limit:
+            if (yield Query(self.sql.row_at, [self.max_entries], first_row)) is not None:
+                deleted += yield from self.evict()
+        if self.max_size is not None and self.batches_left > 0:
+            batches = int(min(self.batches_left, MAX_BUDGET_ROUNDS))
+            deleted += yield from budget.enforce(
+                self.sql, self.max_size, self.incoming, batches, self.observe)
+        return deleted
 
     def entries_to_keep(self) -> int:
         if self.cull_frequency == 0:  # Django's meaning: clear the whole cache

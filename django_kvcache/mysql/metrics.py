@@ -33,7 +33,9 @@ def table_stats(cluster: Cluster) -> TableStats:
     return _stats.setdefault((cluster.table, where), TableStats())
 
 
-def figures(cluster: Cluster, stats: TableStats) -> dict[str, Any]:
+def figures(
+    cluster: Cluster, stats: TableStats, max_sizes: tuple[int | None, ...] = ()
+) -> dict[str, Any]:
     """``stats``, and under ``"shards"`` each shard's primary alias, under ``"replicas"``
     (with ``REPLICAS``) each replica alias, with its failure counters, health and
     connection pools (``pool_*`` for the sync API, ``async_pool_*`` summed over the event
@@ -47,7 +49,9 @@ def figures(cluster: Cluster, stats: TableStats) -> dict[str, Any]:
     for shard, alias in cluster.aliases():
         health = cluster.health(alias)
         figures = {
-            **asdict(cluster.stats(alias)),
+            # (stored_bytes and stored_entries only once a budget check read them)
+            **{name: value for name, value in asdict(cluster.stats(alias)).items()
+               if value is not None},
             "down": health.down,
             "consecutive_failures": health.failures,
             **pools.figures(alias, cluster.connections),
@@ -55,6 +59,8 @@ def figures(cluster: Cluster, stats: TableStats) -> dict[str, Any]:
         if alias == shard.primary():
             missed = cluster.missed(shard)
             figures.update(outdated_keys=len(missed.keys), flush_pending=missed.flush)
+            if max_sizes:
+                figures["max_size"] = max_sizes[shard.index]
             shards[alias] = figures
             continue
         lag_monitor = cluster.lag_monitor(shard)

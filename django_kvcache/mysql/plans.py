@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import random
 from functools import partial
-from typing import Any, Generator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Mapping, NamedTuple, Sequence
 
 from django.db import DatabaseError
 
 from django_kvcache import steps
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
-from django_kvcache.mysql import aio, blocking, culling, layouts
+from django_kvcache.mysql import aio, blocking, budget, culling, layouts
 from django_kvcache.mysql.cluster import ANY_KEY, Session
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.keys import MAX_KEY_LENGTH
@@ -583,58 +583,92 @@ def table_columns(session: Session, shard: Shard, alias: str) -> steps.Plan:
 # --- culling --------------------------------------------------------------------------------
 
 
+CullPlan = Generator[Query, Any, int]
+
+
 class Culling(NamedTuple):
     """A cache's culling numbers, as Django's tests may set them on a live cache."""
 
     max_entries: int
     cull_frequency: int
     stale_ms: int  # expired rows kept this long for get_or_set (STALE_TIMEOUT)
+    #: MAX_SIZE's share of each shard (by Shard.index), or ``()`` without a budget.
+    max_sizes: tuple[int | None, ...] = ()
+
+    def max_size(self, shard: Shard) -> int | None:
+        return self.max_sizes[shard.index] if self.max_sizes else None
 
 
 def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bool = False) -> On:
-    """On every shard: expired rows, then eviction over MAX_ENTRIES; each shard's count.
-    Maintenance: what a shard owes is deleted first, its failure never marks it down.
-    ``strict``: a shard's failure is raised even under IGNORE_EXCEPTIONS."""
+    """On every shard: expired rows, then eviction over MAX_ENTRIES and over MAX_SIZE;
+    each shard's count. Maintenance: what a shard owes is deleted first, its failure
+    never marks it down. ``strict``: a shard's failure is raised even under
+    IGNORE_EXCEPTIONS."""
 
-    def work(sql: Statements) -> Generator[Query, Any, int]:
-        return (yield from culling.Cull(
-            sql, numbers.max_entries, numbers.cull_frequency, max_batches,
-            batch_size=culling.FULL_CULL_BATCH_SIZE, keep_stale_ms=numbers.stale_ms,
-        ).run(now_ms()))
+    def work(shard: Shard) -> Callable[[Statements], CullPlan]:
+        def on(sql: Statements) -> Generator[Query, Any, int]:
+            return (yield from culling.Cull(
+                sql, numbers.max_entries, numbers.cull_frequency, max_batches,
+                batch_size=culling.FULL_CULL_BATCH_SIZE, keep_stale_ms=numbers.stale_ms,
+                max_size=numbers.max_size(shard), observe=observer(session, shard),
+            ).run(now_ms()))
+        return on
 
     return each(session, [
-        Call(shard, Access.MAINTENANCE, work, RAISE if strict else 0, keys=ANY_KEY,
+        Call(shard, Access.MAINTENANCE, work(shard), RAISE if strict else 0, keys=ANY_KEY,
              owed_budget=max_batches)
         for shard in session.cluster.shards
     ])
 
 
 def write_path_cull(
-    session: Session, keys: list[str], numbers: Culling, probability: float
+    session: Session, rows: Mapping[str, bytes], numbers: Culling, probability: float
 ) -> On | None:
-    """With ``probability`` per shard written to, a small cull before the write, on the
-    side: rows locked by concurrent writers (or any failure) skip it, logged; the next
-    cull or ``kvcache_cull`` gets them. None when no shard draws one."""
-    if not probability:
+    """Before writing ``rows`` (stored key -> stored value), a small cull on
+    the side of each shard written to that draws one: with ``probability``, and with
+    MAX_SIZE as often as :func:`budget.draw` says for the bytes it is sent. Rows locked
+    by concurrent writers (or any failure) skip it, logged; the next cull or
+    ``kvcache_cull`` gets them. None when no shard draws one."""
+    if not probability and not numbers.max_sizes:
         return None
-    shards: dict[int, Shard] = {}
-    for shard, _ in session.cluster.by_shard(keys):
-        if random.random() < probability:
-            shards[shard.index] = shard
-    if not shards:
+    works = []
+    for shard, keys in session.cluster.by_shard(list(rows)):
+        culls = bool(probability) and random.random() < probability
+        max_size = numbers.max_size(shard)
+        incoming = 0 if max_size is None else sum(budget.row_bytes_of(key, rows[key])
+                                                  for key in keys)
+        checks = max_size is not None and budget.draw(incoming, max_size, random.random())
+        if culls or checks:
+            works.append((shard, dict(
+                check_limit=culls and culling.draw_limit_check(
+                    numbers.max_entries, random.random()),
+                max_size=max_size if checks else None, incoming=incoming,
+                delete_expired=culls,
+            )))
+    if not works:
         return None
 
-    def work(sql: Statements) -> Generator[Query, Any, int]:
-        return (yield from culling.Cull(
-            sql, numbers.max_entries, numbers.cull_frequency,
-            max_batches=culling.WRITE_PATH_BATCHES,
-            check_limit=culling.draw_limit_check(numbers.max_entries, random.random()),
-            keep_stale_ms=numbers.stale_ms,
-        ).run(now_ms()))
+    def work(shard: Shard, choices: dict[str, Any]) -> Callable[[Statements], CullPlan]:
+        def on(sql: Statements) -> Generator[Query, Any, int]:
+            return (yield from culling.Cull(
+                sql, numbers.max_entries, numbers.cull_frequency,
+                max_batches=culling.WRITE_PATH_BATCHES, keep_stale_ms=numbers.stale_ms,
+                observe=observer(session, shard), **choices,
+            ).run(now_ms()))
+        return on
 
     return each(session, [
-        Call(shard, Access.MAINTENANCE, work, 0, quiet=True) for shard in shards.values()
+        Call(shard, Access.MAINTENANCE, work(shard, choices), 0, quiet=True)
+        for shard, choices in works
     ])
+
+
+def observer(session: Session, shard: Shard) -> budget.Observer:
+    """Keeps what a budget check read in the shard's process-wide figures."""
+    def observe(size: int, entries: int) -> None:
+        stats = session.cluster.stats(shard.primary())
+        stats.stored_bytes, stats.stored_entries = size, entries
+    return observe
 
 
 # --- herd protection ------------------------------------------------------------------------

@@ -383,6 +383,10 @@ class Statements:
         self.lease_drop = f"DELETE FROM {t} WHERE `cache_key` = %s AND `value` = %s"
 
         self.locks = LockStatements(table, quote_name)
+        # MAX_SIZE's (``django_kvcache.mysql.budget``, which builds on this module).
+        from django_kvcache.mysql.budget import BudgetStatements
+
+        self.budget = BudgetStatements(table, quote_name)
 
     def new(self, column: str) -> str:
         """The inserted row's ``column`` inside ``ON DUPLICATE KEY UPDATE``."""

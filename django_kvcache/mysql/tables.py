@@ -4,7 +4,10 @@ missing or is another library's.
 Beside the cache table (LOCATION) live its lock table (``<LOCATION>_locks``,
 :mod:`~django_kvcache.mysql.locks`) and, with ``COMPRESS_DICTIONARY: "auto"``, its
 dictionary table (:mod:`~django_kvcache.mysql.dictionaries`): created together, dropped
-together, reported together. The DDL and the checks run outside any request path, on
+together, reported together. With ``MAX_SIZE``, so is its size table (``<LOCATION>_size``)
+and the triggers on the cache table that keep its totals (:mod:`~django_kvcache.mysql.budget`):
+an existing table gets them from ``kvcache_createtable`` or ``migrate``, and until then the
+system check reports the size table missing. The DDL and the checks run outside any request path, on
 the blocking driver (:func:`~django_kvcache.mysql.blocking.query`). The messages read
 no database: a call that meets a table of another layout reads its columns on its own
 driver first (:meth:`django_kvcache.mysql.plans.On.run`), and hands them over.
@@ -18,7 +21,7 @@ from django.conf import settings
 from django.db import ProgrammingError
 
 from django_kvcache.configured import mysql_cache_aliases
-from django_kvcache.mysql import blocking, dictionaries, layouts
+from django_kvcache.mysql import blocking, budget, dictionaries, layouts
 from django_kvcache.mysql.errors import CacheTableMissing
 from django_kvcache.mysql.shards import shard_aliases
 from django_kvcache.mysql.sql import (
@@ -46,14 +49,17 @@ class CacheTables:
         self.dictionaries = dictionaries.uses_stored_dictionaries(options)
         shard_aliases(options)  # a DATABASE or DATABASES that is not one raises, named
         self.placement = placement({"OPTIONS": options})
+        self.budget = budget.max_size(dict(options)) is not None
         self.backend_name = backend_name
 
     def names(self) -> list[str]:
-        """The table, its lock table, and with ``COMPRESS_DICTIONARY: "auto"`` its
-        dictionary table."""
+        """The table, its lock table, with ``COMPRESS_DICTIONARY: "auto"`` its
+        dictionary table, and with ``MAX_SIZE`` its size table."""
         names = [self.table, self.lock_table]
         if self.dictionaries:
             names.append(dictionaries.dictionary_table(self.table))
+        if self.budget:
+            names.append(budget.size_table(self.table))
         return names
 
     # --- DDL -------------------------------------------------------------------------------
@@ -68,10 +74,13 @@ class CacheTables:
         ]
         if self.dictionaries:
             statements.append(dictionaries.create_table_sql(self.table, quote_name))
+        if self.budget:
+            statements += budget.create_sql(self.table, quote_name)
         return STATEMENT_SEPARATOR.join(statements)
 
     def drop_sql(self) -> str:
-        statements = [drop_table_sql(self.table, quote_name),
+        statements = budget.drop_sql(self.table, quote_name) if self.budget else []
+        statements += [drop_table_sql(self.table, quote_name),
                       drop_lock_table_sql(self.table, quote_name)]
         if self.dictionaries:
             statements.append(dictionaries.drop_table_sql(self.table, quote_name))
@@ -88,8 +97,14 @@ class CacheTables:
         return statement
 
     def missing(self, database: str) -> list[str]:
-        """Which of :meth:`names` ``database`` lacks."""
+        """Which of :meth:`names` ``database`` lacks (the size table counts as missing
+        while any of its triggers is)."""
         present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
+        if self.budget and self.table in present:
+            triggers = {row[0] for row in blocking.query(database, budget.TRIGGERS_QUERY,
+                                                         [self.table])}
+            if not budget.installed(present, triggers, self.table):
+                present.discard(budget.size_table(self.table))
         return [name for name in self.names() if name not in present]
 
     def layout_problem(self, database: str) -> tuple[str, str] | None:
