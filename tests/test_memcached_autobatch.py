@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from django_kvcache.backends.memcached import MemcachedCache
-from django_kvcache.memcached import NodeError, autobatch
+from django_kvcache.memcached import NodeError, aio, autobatch
 from tests.test_faults_memcached import IO_TIMEOUT, build, keys_by_node, pause, resume
 
 
@@ -174,20 +174,55 @@ def test_metrics_show_the_async_pools_of_every_loop(memcached_node_factory):
     assert finished["pool_size"] >= 1  # the blocking pool's figures are still there
 
 
-def test_a_get_with_a_free_connection_goes_alone_where_batches_serve_one_caller(two_nodes):
-    """Two gets at a time on a node: the second finds the first's connection busy and
-    batches alone. Once the node's batches serve fewer than two callers on average, a
-    get that finds a connection free sends its own request instead."""
+def requests_to(node: Any) -> int:
+    """Requests sent to ``node`` on the running loop (each takes a pooled connection)."""
+    figures = aio.pool_of(node).figures()
+    return figures["connects"] + figures["reuses"]
+
+
+def test_while_requests_serve_company_the_first_get_of_an_iteration_joins_too(two_nodes):
+    """Eight gets at a time on a node: the loop's first caller goes alone (nothing shows
+    company yet) and the seven others share a request; from then on one request per
+    round, the first caller's keys in it too (it went alone every round: two requests per
+    round, and the node's connections multiplied)."""
     cache = autobatched(two_nodes[:1])
     cache.set("k", "v")
     node = cache._nodes[0]
 
     async def scenario() -> list[int]:
-        flushes = []
-        for _ in range(3):
-            before = autobatch.gets_of(node).flushes
-            assert await asyncio.gather(cache.aget("k"), cache.aget("k")) == ["v", "v"]
-            flushes.append(autobatch.gets_of(node).flushes - before)
-        return flushes
+        sent = []
+        for _ in range(4):
+            before = requests_to(node)
+            assert await asyncio.gather(*(cache.aget("k") for _ in range(8))) == ["v"] * 8
+            sent.append(requests_to(node) - before)
+        return sent
 
-    assert asyncio.run(scenario()) == [1, 0, 0]
+    assert asyncio.run(scenario()) == [2, 1, 1, 1]
+
+
+def test_a_lone_caller_goes_alone_until_company_shows_and_after_it_left(two_nodes):
+    """One get at a time: each sends its own request, with no batching detour. Eight at
+    a time: batched (one request a round once company showed). One at a time again: once
+    the node's requests have served a caller each for a while, gets go alone again."""
+    cache = autobatched(two_nodes[:1])
+    cache.set("k", "v")
+    node = cache._nodes[0]
+
+    async def scenario() -> tuple[list[int], list[int], list[int]]:
+        gets = autobatch.gets_of(node)
+
+        async def rounds(count: int, callers: int) -> list[int]:
+            batched = []
+            for _ in range(count):
+                before = gets.flushes
+                answers = await asyncio.gather(*(cache.aget("k") for _ in range(callers)))
+                assert answers == ["v"] * callers
+                batched.append(gets.flushes - before)
+            return batched
+
+        return await rounds(3, 1), await rounds(3, 8), await rounds(16, 1)
+
+    alone, together, alone_again = asyncio.run(scenario())
+    assert alone == [0, 0, 0]  # their own requests
+    assert together == [1, 1, 1]
+    assert alone_again[-3:] == [0, 0, 0] and alone_again[0] == 1

@@ -1,15 +1,20 @@
 """Autobatching (OPTIONS ``AUTOBATCH``): the gets one event loop issues for one node in
 one loop iteration go out as one multi-key ``get``.
 
-An ``aget`` — or a node's share of an ``aget_many`` — that finds the loop already busy
-with that node (gets waiting, or a connection in use: ``aio.batch_for``) hands its keys
-to the node's :class:`Gets` of the running loop and waits on a future; a lone call goes
-straight out, as without AUTOBATCH. The first keys of an iteration schedule one flush (``loop.call_soon``): it runs after every coroutine that
-was ready in that iteration has asked, and sends all their keys (each once) in one
-request, on one pooled connection, through the node's exchange — the same connection
-handling, retry and failure policy as any call. Each waiter then gets its own keys'
-share of the reply, or the node's error (and applies its own IGNORE_EXCEPTIONS to it, as
-without batching).
+An ``aget`` — or a node's share of an ``aget_many`` — that joins the node's :class:`Gets`
+of the running loop hands its keys over and waits on a future. The first keys of an
+iteration start the request's task, which runs after every coroutine that was ready in
+that iteration has asked, and sends all their keys (each once) in one request, on one
+pooled connection, through the node's exchange — the same connection handling, retry and
+failure policy as any call. Each waiter then gets its own keys' share of the reply, or
+the node's error (and applies its own IGNORE_EXCEPTIONS to it, as without batching).
+
+Whether a get joins (``batch_for``): while the node's requests serve company enough on
+average (``COMPANY`` callers or more), every get joins, the first of an iteration too, so
+that the requests measure how many callers an iteration really has; below it (one
+coroutine at a time, or callers spread over many nodes) a get goes straight out, as
+without AUTOBATCH, unless a request is already in flight to the node — its company then
+shows in the next request's figure.
 
 The fetch runs in a task of its own, so a caller that is cancelled only drops its
 future: the request, and the other callers' answers, carry on.
@@ -22,11 +27,17 @@ from typing import Any, Awaitable, Callable
 from django_kvcache.memcached import ServerError, aio, wire
 
 Found = dict[bytes, tuple[bytes, int]]
-#: The callers a request must serve on average for a get to wait for company while a
-#: connection is free: below it (the loop's coroutines spread over many nodes, a request
-#: or two each per iteration), the batch's own cost — a future per caller, a task per
-#: request — outweighs the requests it saves, and a get with a free connection goes alone.
-COMPANY = 2
+#: The callers a request serves on average (a moving average over the node's requests)
+#: from which every get for the node waits for company: a request per node and loop
+#: iteration instead of one per caller. Below it (one coroutine at a time, or the loop's
+#: coroutines spread over many nodes), the batch's own cost — a loop iteration's wait, a
+#: future per caller, a task per request — outweighs the requests it saves, and a get to
+#: a node with nothing in flight goes alone. Measured (32 coroutines, 64-byte values):
+#: the first get of an iteration going alone as well, as with the former threshold of 2
+#: and a rule that let it, made two requests per node and iteration and grew the pools;
+#: at 4 nodes the average sat on that threshold and flipped between both ways (the
+#: issue's 4-node hole, docs/benchmarks.rst).
+COMPANY = 1.5
 
 
 class Gets:
@@ -37,30 +48,34 @@ class Gets:
         self.fetch = fetch
         self.node = node
         self.waiting: list[tuple[list[bytes] | bytes, asyncio.Future]] = []
+        self.loop = asyncio.get_running_loop()  # one loop's (``aio.LoopState``)
         self.fetches: set[asyncio.Task] = set()  # running: kept referenced until done
         self.flushes = 0  # requests sent, for metrics and tests
         #: Callers per request, a moving average: whether batching pays on this node
-        #: (``batch_for``). It starts as if it did.
-        self.company = float(COMPANY)
+        #: (``batch_for``). It starts as if batches served one caller each: a loop's
+        #: first gets go alone until a request in flight gathers company.
+        self.company = 1.0
 
     def get(self, keys: list[bytes] | bytes) -> asyncio.Future:
         """A future of ``{key: (data, flags)}`` for the ``keys`` found; for one key given
         as bytes (a single-key get), of its ``(data, flags)`` or None (no dict made)."""
-        future = asyncio.get_running_loop().create_future()
+        loop = self.loop
+        future = loop.create_future()
         if not self.waiting:
-            future.get_loop().call_soon(self._flush)
+            # The request's task takes its first step next iteration, after every
+            # coroutine ready in this one has asked: one loop iteration's wait (a
+            # callback that made the task would make it two).
+            task = loop.create_task(self._fetch())
+            self.fetches.add(task)
+            task.add_done_callback(self.fetches.discard)
         self.waiting.append((keys, future))
         return future
 
-    def _flush(self) -> None:
+    async def _fetch(self) -> None:
+        """The iteration's request: every waiting caller's keys, then each one's share."""
         waiting, self.waiting = self.waiting, []
         self.flushes += 1
         self.company += (len(waiting) - self.company) / 8
-        task = asyncio.get_running_loop().create_task(self._fetch(waiting))
-        self.fetches.add(task)
-        task.add_done_callback(self.fetches.discard)
-
-    async def _fetch(self, waiting: list[tuple[list[bytes] | bytes, asyncio.Future]]) -> None:
         asked_keys: dict[bytes, None] = {}  # each key once, in the order asked
         for asked, _ in waiting:
             if type(asked) is bytes:
@@ -109,22 +124,19 @@ class Gets:
 
 
 def batch_for(node: Any) -> Gets | None:
-    """With AUTOBATCH, the running loop's batch of gets for ``node`` to join — when this
-    loop already has gets waiting, or a connection busy on the node and either none free
-    or the node's requests have lately served company enough (``COMPANY``), so there is
-    company to share a request with. None: go alone (a lone call pays no batching
+    """With AUTOBATCH, the running loop's batch of gets for ``node`` to join: when gets
+    are waiting, when the node's requests lately served company enough (``COMPANY``), or
+    when a request is in flight to the node. None: go alone (a lone call pays no batching
     detour). The loop's state is looked up once."""
     if not node.pool.settings.autobatch:
         return None
     state = aio.loop_state()
     gets = _gets_in(state, node)
-    if gets.waiting:
+    if gets.waiting or gets.company >= COMPANY:
         return gets
     pool = state.pools.get(node)
     if pool is None or pool.size <= len(pool.idle):
         return None  # nothing going on with the node
-    if pool.idle and gets.company < COMPANY:
-        return None  # a free connection, and batches here have served one caller or so
     return gets
 
 

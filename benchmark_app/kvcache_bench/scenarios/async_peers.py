@@ -15,7 +15,7 @@ Each figure is the median of ROUNDS rounds in which the clients take turns (a ch
 the machine's load hits all alike): calls per second, and the process's CPU time per
 call (client and event loop; the memcached servers run in processes of their own).
 ``ratios`` sets ours against emcache at the targets: ``get`` (default OPTIONS) ≥ 1.0×
-emcache and ≥ 0.8× emcache autobatching, ``set`` ≥ 0.8× emcache, ``get_many`` ≥ 1.0×
+emcache and ≥ 0.8× emcache autobatching, ``set`` ≥ 0.9× emcache, ``get_many`` ≥ 1.0×
 emcache's.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ OURS, OURS_UNBATCHED = "kv-memcached", "kv-memcached no autobatch"
 TARGETS = (
     (OURS, "get", EMCACHE, 1.0),
     (OURS, "get", EMCACHE_BATCHING, 0.8),
-    (OURS, "set", EMCACHE, 0.8),
+    (OURS, "set", EMCACHE, 0.9),
     (OURS, f"get_many({BATCH})", EMCACHE, 1.0),
 )
 
