@@ -393,10 +393,11 @@ class MemcachedCache(KVCache):
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
 
     def _node(self, key: str, failed: Collection[Node] = ()) -> Node:
-        """The key's node; with REPLICAS the deciding replica, passing over those that
-        ``failed`` earlier in the call."""
+        """The key's node; with REPLICAS the deciding replica (``Cluster.primary``: the
+        first up, for every process alike), passing over those that ``failed`` earlier in
+        the call."""
         if self.replicated:
-            return self.cluster.primary(key, self.failover, self._behind, failed)
+            return self.cluster.primary(key, self.failover, failed)
         return self.cluster.node(key, self.failover)
 
     def _behind(self, node: Node) -> bool:
@@ -583,8 +584,7 @@ class MemcachedCache(KVCache):
             if placement.stranded:
                 raise placement.errors[0]
             nodes = list(placement.groups)
-        first = next((node for node in nodes if not self._behind(node)), nodes[0])
-        nodes.remove(first)
+        first = nodes.pop(0)  # in rendezvous order: the deciding replica when it is up
         batches = [Batch(first, first_op or op, sent, saved)]
         batches += [Batch(node, op, sent, saved) for node in nodes]
         yield from fan_out(batches, io)
@@ -663,11 +663,14 @@ class MemcachedCache(KVCache):
         self, stored_key: str, key: Any, value: Any, expire: int, version: int | None,
         io: Transport,
     ) -> Plan:
-        """``add`` with REPLICAS: one winner. The ``add`` goes to the deciding replica
-        (``Cluster.primary``: the first up that never failed lately) alone; only if it
-        stored there is the value copied to the other replicas, with ``add`` too, so that
-        a concurrent ``set`` that reached one first is never overwritten. Then, with
-        STALE_TIMEOUT, the entry's stale copies are deleted after it, as after ``set``."""
+        """``add`` with REPLICAS: one winner, and it loses to a value any replica holds.
+        The ``add`` goes to the deciding replica (``Cluster.primary``: the first up, the
+        same for every process) alone: one process stores there, the others lose. The
+        winner there then copies the value to the other replicas with ``add`` too
+        (:meth:`_add_elsewhere`): one that holds a live value (the decider restarted
+        empty, or lost the key) makes the ``add`` lose, and that value is given back
+        where ours was stored. Then, with STALE_TIMEOUT, the entry's stale copies are
+        deleted after it, as after ``set``."""
         data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(b"add", stored_key.encode(), data, flags, expire)
         sent = len(stored_key) + len(data)
@@ -689,29 +692,74 @@ class MemcachedCache(KVCache):
             break
         if not stored:
             return False
+        try:
+            won = yield from self._add_elsewhere(primary, stored_key, op, data, io, saved)
+        except BaseException:  # cancelled before every replica was asked: ours withdrawn
+            primary.outdated.add((stored_key,))
+            raise
+        if won and self._stale_copies and not stampede.is_side_key(key):
+            yield from self._delete_stale_copies({stored_key: key}, version, io)
+        return won
+
+    def _add_elsewhere(
+        self, primary: Node, stored_key: str, op: wire.Op, data: bytes, io: Transport,
+        saved: int,
+    ) -> Plan:
+        """After the deciding replica stored an ``add``: the same ``add`` on the other
+        replicas. Whether the add won — no replica that answered held a live value. A
+        replica that is down or fails has the key marked outdated there."""
         others = [node for node in self.cluster.replica_set(stored_key) if node is not primary]
+        sent = len(stored_key) + len(data)
         copies = [Batch(node, op, sent, saved) for node in others if node.health.may_try()]
         for node in others:
             if node.health.down_until and all(batch.node is not node for batch in copies):
                 node.outdated.add((stored_key,))
         if copies:
             yield from fan_out(copies, io)
-        holding = []  # replicas that kept another value (an older one, or a racing set's)
+        holder = None
+        ours = [primary]
         for batch in copies:
             if batch.error is not None and not isinstance(batch.error, Refused):
                 batch.node.outdated.add((stored_key,))
                 self._failed_softly(batch.error)
-            elif batch.error is None and not batch.result:
-                holding.append(Batch(batch.node, wire.delete(stored_key.encode())))
-        if holding:  # deleted there: a miss, never a value other than the one added
-            yield from fan_out(holding, io)
-            for batch in holding:
-                if batch.error is not None:
-                    batch.node.outdated.add((stored_key,))
-                    self._failed_softly(batch.error)
-        if self._stale_copies and not stampede.is_side_key(key):
-            yield from self._delete_stale_copies({stored_key: key}, version, io)
-        return True
+            elif batch.error is None:
+                if batch.result:
+                    ours.append(batch.node)
+                else:
+                    holder = holder or batch.node
+        if holder is None:
+            return True
+        yield from self._give_back(holder, ours, stored_key, data, io)
+        return False
+
+    def _give_back(
+        self, holder: Node, ours: list[Node], stored_key: str, data: bytes, io: Transport
+    ) -> Plan:
+        """An ``add`` that lost to the live value ``holder`` has: on each replica of
+        ``ours`` where our value still is (``gets``, then ``cas``: a write since then is
+        left alone), the live value instead, with its remaining lifetime (meta commands),
+        or without them a miss. A replica that fails has the key marked outdated."""
+        encoded = stored_key.encode()
+        live = None
+        try:
+            if (yield from holder.speaks_meta(io)):
+                live = yield from holder.request(wire.meta_get(encoded), io)
+        except MemcachedError as exc:
+            self._failed_softly(exc)
+        for node in ours:
+            try:
+                mine = yield from node.request(wire.gets_one(encoded), io)
+                if mine is None or mine[0] != data:
+                    continue  # written since: not ours to replace
+                if live is None:
+                    op = wire.cas(encoded, b"", 0, EXPIRED, mine[2])
+                else:
+                    lifetime = None if live[2] < 0 else max(live[2], 1)
+                    op = wire.cas(encoded, live[0], live[1], wire.exptime(lifetime), mine[2])
+                yield from node.request(op, io)
+            except MemcachedError as exc:
+                node.outdated.add((stored_key,))
+                self._failed_softly(exc)
 
     def _delete_stale_copies(
         self, key_map: dict[str, Any], version: int | None, io: Transport

