@@ -84,6 +84,32 @@ def _replicas(cache, key: str) -> list[str]:
     return [node.name for node in cache.cluster.replica_set(cache.make_key(key))]
 
 
+# --- 2. incr and decr --------------------------------------------------------------------
+
+
+def test_incr_and_decr_count_on_the_partner_after_the_decider_restarted(three_nodes):
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 4)
+    cache.set_many(dict.fromkeys(keys, 10))
+    restart_empty(three_nodes[0])
+    assert [cache.incr(key) for key in keys] == [11] * 4
+    assert [cache.decr(key, 3) for key in keys] == [8] * 4
+    assert cache.get_many(keys) == dict.fromkeys(keys, 8)
+
+
+def test_async_incr_counts_on_the_partner_after_the_decider_restarted(three_nodes):
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 4)
+    cache.set_many(dict.fromkeys(keys, 10))
+
+    async def scenario() -> list[int]:
+        await cache.aget_many(keys)  # the loop's connections, stale after the restart
+        restart_empty(three_nodes[0])
+        return [await cache.aincr(key, 2) for key in keys]
+
+    assert asyncio.run(scenario()) == [12] * 4
+
+
 # --- 4. two processes, one decider -------------------------------------------------------
 
 RACER = r"""

@@ -902,14 +902,12 @@ class MemcachedCache(KVCache):
         """
         check_delta(delta)
         caller_key, key = key, self.make_and_validate_key(key, version=version)
-        failed: list[Node] = []  # with REPLICAS: replicas that failed this call, skipped
+        # With REPLICAS: replicas that failed this call or lack the key, passed over.
+        failed: list[Node] = []
         while True:
             try:
                 node = self._node(key, failed)
-                if 0 <= delta <= INT64_MAX:
-                    value = yield from self._incr_on_server(node, key, delta, caller_key, io)
-                else:
-                    value = yield from self._incr_here(node, key, delta, caller_key, io)
+                value = yield from self._count(node, key, delta, caller_key, io)
             except (Refused, Unsupported):
                 raise  # refused, not missed: the node answered and changed nothing
             except MemcachedError as exc:
@@ -927,12 +925,31 @@ class MemcachedCache(KVCache):
                 # incr and decr).
                 self._failed(exc)
                 value = None
+            else:
+                if value is None and self._next_may_hold(key, failed + [node]):
+                    failed.append(node)  # restarted empty, or lost the key: the next counts
+                    continue
             break
         if value is None:
             raise key_not_found(caller_key, version)
         if self.replicated:
             yield from self._incr_other_replicas(node, key, delta, caller_key, io, failed)
         return value
+
+    def _next_may_hold(self, key: str, asked: list[Node]) -> bool:
+        """With REPLICAS, after a replica answered that it lacks a counter: whether a
+        replica not ``asked`` yet is up, so that the counter is counted on the first
+        replica that holds it."""
+        return self.replicated and any(
+            node not in asked and not node.health.down_until
+            for node in self.cluster.replica_set(key)
+        )
+
+    def _count(self, node: Node, key: str, delta: int, caller_key: Any, io: Transport) -> Plan:
+        """``delta`` added on ``node``: the new value, or None when it lacks the key."""
+        if 0 <= delta <= INT64_MAX:
+            return (yield from self._incr_on_server(node, key, delta, caller_key, io))
+        return (yield from self._incr_here(node, key, delta, caller_key, io))
 
     def _incr_other_replicas(
         self, primary: Node, key: str, delta: int, caller_key: Any, io: Transport,
@@ -953,10 +970,7 @@ class MemcachedCache(KVCache):
                 node.outdated.add((key,))
                 continue
             try:
-                if 0 <= delta <= INT64_MAX:
-                    yield from self._incr_on_server(node, key, delta, caller_key, io)
-                else:
-                    yield from self._incr_here(node, key, delta, caller_key, io)
+                yield from self._count(node, key, delta, caller_key, io)
             except MemcachedError as exc:
                 node.outdated.add((key,))
                 self._failed_softly(exc)
