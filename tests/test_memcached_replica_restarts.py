@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
+
 import pytest
 
 from tests.test_faults_memcached import keys_by_node
@@ -108,6 +110,40 @@ def test_async_incr_counts_on_the_partner_after_the_decider_restarted(three_node
         return [await cache.aincr(key, 2) for key in keys]
 
     assert asyncio.run(scenario()) == [12] * 4
+
+
+# --- 3. ttl and get_or_set with leases ---------------------------------------------------
+
+
+def test_ttl_reads_the_partner_after_the_decider_restarted(three_nodes):
+    cache = replicated(three_nodes)
+    keys = decided_by(cache, three_nodes[0], 3)
+    cache.set_many(dict.fromkeys(keys, "v"), timeout=600)
+    restart_empty(three_nodes[0])
+    for key in keys:
+        assert 0 < cache.ttl(key) <= 600
+
+
+def test_get_or_set_with_leases_returns_the_partner_s_value(three_nodes):
+    cache = replicated(three_nodes, LEASE_TIMEOUT=5)
+    keys = decided_by(cache, three_nodes[0], 3)
+    cache.set_many(dict.fromkeys(keys, "held"))
+    restart_empty(three_nodes[0])
+    computed = []
+
+    def compute() -> str:
+        computed.append(1)
+        return "recomputed"
+
+    assert [cache.get_or_set(key, compute) for key in keys] == ["held"] * 3
+
+    async def aget_or_set() -> list[Any]:
+        return [await cache.aget_or_set(key, compute) for key in keys]
+
+    assert asyncio.run(aget_or_set()) == ["held"] * 3
+    assert computed == []
+    for key in keys:
+        assert "recomputed" not in held(cache, key).values()
 
 
 # --- 4. two processes, one decider -------------------------------------------------------

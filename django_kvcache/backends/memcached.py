@@ -29,7 +29,7 @@ import inspect
 import logging
 import random
 import time
-from typing import Any, Collection, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
@@ -312,7 +312,7 @@ class MemcachedCache(KVCache):
             return None
         return lease.MetaLeaseStore(
             self, self.stampede, key, timeout, version, node_for=self._node,
-            failed=self._failed, io=io,
+            failed=self._failed, io=io, elsewhere=self._held_elsewhere if self.replicated else None,
         )
 
     def _lock_store(self, key: Any, version: int | None, asynchronous: bool) -> MemcachedLockStore:
@@ -878,11 +878,60 @@ class MemcachedCache(KVCache):
     def _ttl(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
         try:
+            if self.replicated:  # the first replica that holds the key answers
+                found = yield from self._first_holding(key, (), io, self._remaining)
+                return 0 if found is None else found[0]
             return (yield from lease.ttl(self._node(key), key, io))
         except Unsupported:
             raise  # the server's version, not a failure: IGNORE_EXCEPTIONS does not hide it
         except MemcachedError as exc:
             return self._failed(exc, 0)
+
+    @staticmethod
+    def _remaining(node: Node, key: str, io: Transport) -> Plan:
+        """``(seconds left,)`` of ``key`` on ``node`` (None: it never expires), or None
+        when the node lacks it."""
+        remaining = yield from lease.ttl(node, key, io)
+        return None if remaining == 0 else (remaining,)
+
+    def _held_elsewhere(self, key: str, asked: Node, io: Transport) -> Plan:
+        """``(data, flags)`` of ``key`` on its first replica but ``asked`` that holds it,
+        or None (get_or_set's lease store, when the decider lacks the entry)."""
+        return (yield from self._first_holding(
+            key, (asked,), io, lambda node, key, io: node.get(key.encode(), io)))
+
+    def _first_holding(
+        self, key: str, asked: Collection[Node], io: Transport,
+        ask: Callable[[Node, str, Transport], Plan],
+    ) -> Plan:
+        """With REPLICAS: ``ask`` of the key's replicas but ``asked``, in rendezvous order,
+        until one holds it (a reply other than None); None when none does. A replica down
+        or failing is passed over (logged); the last error is raised when none answered."""
+        error: MemcachedError | None = None
+        answered = bool(asked)
+        for node in self.cluster.replica_set(key):
+            if node in asked:
+                continue
+            if node.health.down_until and not node.health.may_try():
+                error = error or node.skipped()
+                continue
+            try:
+                found = yield from ask(node, key, io)
+            except Unsupported:
+                raise
+            except MemcachedError as exc:
+                error = exc
+                continue
+            answered = True
+            if found is not None:
+                break
+        else:
+            found = None
+        if error is not None:
+            if not answered:
+                raise error
+            self._failed_softly(error)
+        return found
 
     # --- plans: counters --------------------------------------------------------------
 
