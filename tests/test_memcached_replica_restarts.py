@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_faults_memcached import keys_by_node
+from django_kvcache.memcached import wire
+from django_kvcache.memcached.exchange import ASYNCIO
+from django_kvcache.steps import arun
+from tests.test_faults_memcached import keys_by_node, pause, resume
 from tests.test_memcached_replicas import held, replicated
 
 
@@ -195,3 +198,99 @@ def test_two_processes_racing_add_after_a_restart_have_one_winner_per_key(three_
     assert won[0] & won[1] == set()
     for key in keys:
         assert set(held(cache, key).values()) == {"won"}
+
+
+# --- 5. a cancelled async write between the replicas -------------------------------------
+
+
+def _raw_value(cache, node, key: str) -> Any:
+    stored = cache.make_key(key)
+    reply = cache.cluster.by_name[node.address].call(wire.get_one(stored.encode()))
+    return None if reply is None else cache.decode(reply[0], reply[1], stored)
+
+
+def _cancel_between_replicas(cache, three_nodes, key: str, write, landed) -> None:
+    """Run ``write`` (a coroutine function) and cancel it once the decider has applied it
+    (``landed()``) while the partner's only connection is held by a request the paused
+    partner does not answer: the partner's share is not sent yet."""
+    partner = next(n for n in three_nodes if n.address == _replicas(cache, key)[1])
+    partner_node = cache.cluster.by_name[partner.address]
+
+    async def scenario() -> None:
+        pause(partner)
+        try:
+            blocker = asyncio.ensure_future(arun(partner_node.request(wire.stats(), ASYNCIO)))
+            await asyncio.sleep(0)
+            task = asyncio.ensure_future(write())
+            while not await asyncio.to_thread(landed):
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            task.cancel()
+            blocker.cancel()
+            await asyncio.gather(task, blocker, return_exceptions=True)
+        finally:
+            resume(partner)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["aincr", "adecr"])
+def test_a_cancelled_aincr_leaves_no_replica_below_an_acknowledged_value(three_nodes, sign):
+    cache = replicated(three_nodes, MAX_POOL_SIZE=1, POOL_TIMEOUT=5, IO_TIMEOUT=5)
+    key = decided_by(cache, three_nodes[0], 1)[0]
+    cache.set(key, 100)
+
+    async def step() -> int:
+        return await (cache.aincr(key, 5) if sign > 0 else cache.adecr(key, 5))
+
+    _cancel_between_replicas(cache, three_nodes, key, step,
+                             lambda: _raw_value(cache, three_nodes[0], key) == 100 + 5 * sign)
+    acknowledged = asyncio.run(step())
+    assert acknowledged == 100 + 10 * sign
+    for _ in range(6):
+        assert cache.get(key) in (acknowledged, None)
+    assert set(held(cache, key).values()) <= {acknowledged}
+
+
+def test_a_cancelled_aset_many_leaves_the_replicas_alike(three_nodes):
+    cache = replicated(three_nodes, MAX_POOL_SIZE=1, POOL_TIMEOUT=5, IO_TIMEOUT=5)
+    key = decided_by(cache, three_nodes[0], 1)[0]
+    cache.set(key, "old")
+
+    async def write() -> Any:
+        return await cache.aset_many({key: "new"})
+
+    _cancel_between_replicas(cache, three_nodes, key, write,
+                             lambda: _raw_value(cache, three_nodes[0], key) == "new")
+    assert "old" not in {cache.get(key) for _ in range(6)}
+    assert "old" not in held(cache, key).values()
+    cache.set(key, "next")
+    assert set(held(cache, key).values()) == {"next"}
+
+
+def test_a_cancelled_aset_leaves_no_older_value_on_a_replica(three_nodes):
+    cache = replicated(three_nodes, MAX_POOL_SIZE=1, POOL_TIMEOUT=5, IO_TIMEOUT=5)
+    key = decided_by(cache, three_nodes[0], 1)[0]
+    cache.set(key, "old")
+
+    async def write() -> Any:
+        return await cache.aset(key, "new")
+
+    _cancel_between_replicas(cache, three_nodes, key, write,
+                             lambda: _raw_value(cache, three_nodes[0], key) == "new")
+    assert "old" not in {cache.get(key) for _ in range(6)}
+    assert "old" not in held(cache, key).values()
+
+
+def test_a_cancelled_aadd_leaves_the_replicas_alike(three_nodes):
+    cache = replicated(three_nodes, MAX_POOL_SIZE=1, POOL_TIMEOUT=5, IO_TIMEOUT=5)
+    key = decided_by(cache, three_nodes[0], 1)[0]
+
+    async def add() -> Any:
+        return await cache.aadd(key, "added")
+
+    _cancel_between_replicas(cache, three_nodes, key, add,
+                             lambda: _raw_value(cache, three_nodes[0], key) == "added")
+    seen = {cache.get(key) for _ in range(6)}
+    assert len(seen) == 1
+    assert len(set(held(cache, key).values())) <= 1

@@ -587,7 +587,7 @@ class MemcachedCache(KVCache):
         first = nodes.pop(0)  # in rendezvous order: the deciding replica when it is up
         batches = [Batch(first, first_op or op, sent, saved)]
         batches += [Batch(node, op, sent, saved) for node in nodes]
-        yield from fan_out(batches, io)
+        yield from self._write_round(batches, io, (key, *riders))
         replies, errors = [], []
         for batch in batches:
             if batch.error is None:
@@ -602,6 +602,22 @@ class MemcachedCache(KVCache):
         for error in errors:
             self._failed_softly(error)
         return replies
+
+    def _write_round(
+        self, batches: list[fanout.Batch], io: Transport, keys: tuple[str, ...] = ()
+    ) -> Plan:
+        """A write's batches, all nodes at once. With REPLICAS, a round cut short (the
+        call cancelled) has each batch not answered yet marked missed on its node (its
+        keys, or ``keys`` for a single-key batch): it may have landed or not, and a
+        replica never keeps a value its partners do not have."""
+        try:
+            yield from fan_out(batches, io)
+        except BaseException:
+            if self.replicated:
+                for batch in batches:
+                    if batch.result is None and batch.error is None:
+                        batch.node.outdated.add([*(batch.keys or keys), *batch.side_keys])
+            raise
 
     def _write(
         self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
@@ -770,7 +786,7 @@ class MemcachedCache(KVCache):
         assert copies is not None
         batches = [fanout.delete_batch(node, [], copies.riding.get(node))
                    for node in placement.groups]
-        yield from fan_out(batches, io)
+        yield from self._write_round(batches, io)
         apart = yield from self._delete_round(copies.apart, io)
         self._missed(placement, batches, copies, apart)
         self._report(placement, batches, apart)
@@ -974,6 +990,10 @@ class MemcachedCache(KVCache):
                 # incr and decr).
                 self._failed(exc)
                 value = None
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # cancelled: it may count there yet
+                    self._count_cut_short(key, [node])
+                raise
             else:
                 if value is None and self._next_may_hold(key, failed + [node]):
                     failed.append(node)  # restarted empty, or lost the key: the next counts
@@ -1012,9 +1032,10 @@ class MemcachedCache(KVCache):
         again. One that has no such key stays
         without it. A replica that was unreachable during the call is skipped: the key
         is outdated there."""
-        for node in self.cluster.replica_set(key):
-            if node is primary or node in failed:
-                continue  # (a failed one has the key marked outdated already)
+        # (a failed one has the key marked outdated already)
+        others = [node for node in self.cluster.replica_set(key)
+                  if node is not primary and node not in failed]
+        for index, node in enumerate(others):
             if node.health.down_until and not node.health.may_try():
                 node.outdated.add((key,))
                 continue
@@ -1028,6 +1049,20 @@ class MemcachedCache(KVCache):
                 logger.warning("memcached node %s: the replica of %r differs from the counter "
                                "on %s (%s); deleted there", node.name, caller_key,
                                primary.name, exc)
+            except BaseException:  # cancelled: this replica and the next may lack it
+                self._count_cut_short(key, [primary, *others[:index]])
+                raise
+
+    def _count_cut_short(self, key: str, counted: list[Node]) -> None:
+        """With REPLICAS, an ``incr`` cut short (cancelled, interrupted) once it may have
+        counted on some replica: every replica but those that ``counted`` (for the one
+        asked then, it may land) has the key marked missed, so that none keeps a count
+        below the others' — an ``aincr`` acknowledged later would otherwise be read
+        lower there."""
+        if self.replicated:
+            for node in self.cluster.replica_set(key):
+                if node not in counted:
+                    node.outdated.add((key,))
 
     def _incr_on_server(
         self, node: Node, key: str, delta: int, caller_key: Any, io: Transport
@@ -1285,7 +1320,7 @@ class MemcachedCache(KVCache):
             self._store_batch(name, node, keys, key_map, data, timeout, copies)
             for node, keys in placement.groups.items()
         ]
-        yield from fan_out(batches, io)
+        yield from self._write_round(batches, io)
         apart = yield from self._delete_round(copies.apart if copies else [], io)
         written = self._written(batches, key_map)
         failed = [*placement.stranded, *(k for b in batches if b.error for k in b.keys)]
@@ -1382,7 +1417,7 @@ class MemcachedCache(KVCache):
             fanout.delete_batch(node, keys, copies.riding.get(node) if copies else None)
             for node, keys in placement.groups.items()
         ]
-        yield from fan_out(batches, io)
+        yield from self._write_round(batches, io)
         apart = yield from self._delete_round(copies.apart if copies else [], io)
         deleted = {key for batch in batches if batch.error is None
                    for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
@@ -1425,7 +1460,7 @@ class MemcachedCache(KVCache):
             return NO_ROUND
         placement = self._place(keys)
         batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        yield from fan_out(batches, io)
+        yield from self._write_round(batches, io)
         return Round(placement, batches)
 
     def _delete_keys(self, keys: list[str], io: Transport, report: bool = False) -> Plan:
