@@ -286,11 +286,15 @@ def test_a_cancelled_aadd_leaves_the_replicas_alike(three_nodes):
     cache = replicated(three_nodes, MAX_POOL_SIZE=1, POOL_TIMEOUT=5, IO_TIMEOUT=5)
     key = decided_by(cache, three_nodes[0], 1)[0]
 
+    decider = cache.cluster.by_name[three_nodes[0].address]
+    sent = decider.bytes_sent  # credited once the decider's reply is read: then copying
+
     async def add() -> Any:
         return await cache.aadd(key, "added")
 
     _cancel_between_replicas(cache, three_nodes, key, add,
-                             lambda: _raw_value(cache, three_nodes[0], key) == "added")
+                             lambda: decider.bytes_sent > sent
+                             and _raw_value(cache, three_nodes[0], key) == "added")
     seen = {cache.get(key) for _ in range(6)}
     assert len(seen) == 1
     assert len(set(held(cache, key).values())) <= 1
