@@ -584,7 +584,10 @@ class MemcachedCache(KVCache):
             if placement.stranded:
                 raise placement.errors[0]
             nodes = list(placement.groups)
-        first = nodes.pop(0)  # in rendezvous order: the deciding replica when it is up
+        # The deciding replica, as Cluster.primary picks it: the first up, else the first
+        # that may be probed (the lease of get_or_set is released there).
+        first = next((node for node in nodes if not node.health.down_until), nodes[0])
+        nodes.remove(first)
         batches = [Batch(first, first_op or op, sent, saved)]
         batches += [Batch(node, op, sent, saved) for node in nodes]
         yield from self._write_round(batches, io, (key, *riders))
