@@ -174,26 +174,35 @@ def test_two_processes_racing_add_after_a_restart_have_one_winner_per_key(three_
     cache = replicated(three_nodes)
     keys = decided_by(cache, three_nodes[0], 200)
     locations = json.dumps([node.address for node in three_nodes])
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    started: list[subprocess.Popen] = []
 
     def racer() -> subprocess.Popen:
         process = subprocess.Popen(
             [sys.executable, "-c", RACER, locations, json.dumps(keys)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
+        started.append(process)
         assert process.stdout.readline().strip() == "ready"
         return process
 
-    before = racer()
-    restart_empty(three_nodes[0])
-    after = racer()
-    for process in (before, after):
-        process.stdin.write("restarted\ngo\n")
-        process.stdin.flush()
-    won = []
-    for process in (before, after):
-        out, _ = process.communicate(timeout=60)
-        won.append(set(json.loads(out)))
+    try:
+        before = racer()
+        restart_empty(three_nodes[0])
+        after = racer()
+        for process in (before, after):
+            process.stdin.write("restarted\ngo\n")
+            process.stdin.flush()
+        won = []
+        for process in (before, after):
+            out, _ = process.communicate(timeout=60)
+            won.append(set(json.loads(out)))
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     assert won[0] | won[1] == set(keys)
     assert won[0] & won[1] == set()
     for key in keys:
