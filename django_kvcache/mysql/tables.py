@@ -20,6 +20,7 @@ from django.db import ProgrammingError
 from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.mysql import blocking, dictionaries, layouts
 from django_kvcache.mysql.errors import CacheTableMissing
+from django_kvcache.mysql.shards import shard_aliases
 from django_kvcache.mysql.sql import (
     check_engine,
     create_lock_table_sql,
@@ -43,6 +44,7 @@ class CacheTables:
         self.lock_table = lock_table(table)
         self.engine = check_engine(options.get("ENGINE", "InnoDB"))
         self.dictionaries = dictionaries.uses_stored_dictionaries(options)
+        shard_aliases(options)  # a DATABASE or DATABASES that is not one raises, named
         self.placement = placement({"OPTIONS": options})
         self.backend_name = backend_name
 
