@@ -22,12 +22,16 @@ a plan a request goes through the node's exchange in the plan's own driver, one 
 fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
 clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
 apart.
+
+This module is Django's API over those plans. Where a key is read and written and who
+decides (REPLICAS, one replica the degenerate case) is ``memcached.replicas``; how a
+node counts, ``memcached.counters``; the multi-key write plans, ``memcached.writes``.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
 
@@ -44,18 +48,18 @@ from django_kvcache.memcached import (
     MemcachedError,
     NodeDown,
     Refused,
-    ServerError,
     Unsupported,
 )
 from django_kvcache.memcached import aio, fanout, lease, sampling, wire
 from django_kvcache.memcached.locks import MemcachedLockStore
-from django_kvcache.memcached.cluster import Placement, cluster_for
+from django_kvcache.memcached.cluster import cluster_for
 from django_kvcache.memcached.counters import Counters
-from django_kvcache.memcached.replicas import replicas_for, unserved
+from django_kvcache.memcached.replicas import replicas_for
+from django_kvcache.memcached.writes import Writes
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS  # noqa: F401  (tests import it here)
+from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS  # noqa: F401 (imported from here)
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 from django_kvcache.steps import Plan, arun, run
@@ -90,24 +94,6 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 
 
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
-
-
-class Written(NamedTuple):
-    """What a store round did, by stored key."""
-
-    stored: list[str]
-    refused: list[str]  # the value refused by its node (too large, out of memory)
-    failed: list[str]  # the node failed, was down, or could not serve the key
-
-
-class Round(NamedTuple):
-    """One round of requests: where its keys went, and each node's batch."""
-
-    placement: Placement
-    batches: list[fanout.Batch]
-
-
-NO_ROUND = Round(Placement({}, [], []), [])
 
 
 class MemcachedCache(KVCache):
@@ -169,11 +155,12 @@ class MemcachedCache(KVCache):
         self.ignore_exceptions = flag(self.options, "IGNORE_EXCEPTIONS", IGNORE_EXCEPTIONS_DEFAULT)
         self.cluster = cluster_for(parse_location(server), self.options)
         self._nodes = self.cluster.nodes
-        #: REPLICAS: each key on its first N nodes (docs/memcached.rst, Replicas).
         #: get_or_set keeps stale copies beside its entries, which deletes remove too.
         self._stale_copies = self.stampede is not None and self.stampede.stale_timeout is not None
-        #: Where keys are read and written, and who decides (REPLICAS; one the least).
+        #: Where keys are read and written, and who decides: REPLICAS, each key on its
+        #: first N nodes (docs/memcached.rst, Replicas), one the degenerate case.
         self.replicas = replicas_for(self.cluster, self, self.failover, self._stale_copies)
+        self._writes = Writes(self, self.replicas, self._stale_copies)
         self._counters = Counters(self)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
@@ -407,21 +394,6 @@ class MemcachedCache(KVCache):
             node.ignored += 1
         return fallback
 
-    def _report(
-        self, placement: Placement, batches: list[fanout.Batch], after: Round | None = None,
-        more: list[MemcachedError] | None = None,
-    ) -> None:
-        """After a multi-key call (and the round ``after`` it): raise (or log) what went
-        wrong, once every node is done, and a node that was down once only; ``more``:
-        errors found in the replies (keys a proxy could not serve)."""
-        errors = placement.errors + self.replicas.batch_errors(batches)
-        if after is not None:
-            reported = {error.node for error in placement.errors}
-            errors += [e for e in after.placement.errors if e.node not in reported]
-            errors += self.replicas.batch_errors(after.batches)
-        for error in errors + (more or []):
-            self._failed(error)
-
     # --- plans: single keys -----------------------------------------------------------
 
     def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
@@ -446,9 +418,9 @@ class MemcachedCache(KVCache):
             if expire == EXPIRED:
                 # Nothing to cache (a timeout of 0): the entry goes, and with it the
                 # stale copies, as after delete (and as on MySQL).
-                yield from self._delete_entries({stored_key: key}, version, io)
+                yield from self._writes.delete_entries({stored_key: key}, version, io)
             else:
-                yield from self._store_entries(
+                yield from self._writes.store_entries(
                     b"set", {stored_key: key}, {key: value}, timeout, version, io)
             return
         data, flags, saved = self.codec.encode_measured(value, stored_key)
@@ -470,22 +442,20 @@ class MemcachedCache(KVCache):
 
     def _refused(self, error: Refused, key: Any) -> None:
         """A value the node refused to store, logged with the caller's ``key``."""
-        refusals.failed(f"node {error.node}", f"{key!r}: {error.reason}",
-                        label=f"node {error.node} of {self.cache_name}")
+        self._refused_line(error.node, key, error.reason)
 
-    def _delete_stale_copies(
-        self, key_map: dict[str, Any], version: int | None, io: Transport
-    ) -> Plan:
-        """The stale copies of the entries (not the entries) deleted on every replica."""
-        placement = self.replicas.place(key_map)
-        copies = self._stale_copies_of(placement, key_map, version)
-        assert copies is not None
-        batches = [fanout.delete_batch(node, [], copies.riding.get(node))
-                   for node in placement.groups]
-        yield from self.replicas.write_round(batches, io)
-        apart = yield from self._delete_round(copies.apart, io)
-        self._missed(placement, batches, copies, apart)
-        self._report(placement, batches, apart)
+    def _refused_line(self, node: str, key: Any, reason: str) -> None:
+        """A value ``node`` refused to store (``reason``), logged with the caller's ``key``."""
+        refusals.failed(f"node {node}", f"{key!r}: {reason}",
+                        label=f"node {node} of {self.cache_name}")
+
+    def _store_entries(self, *args: Any) -> Plan:
+        """(``Replicas.add``'s, with REPLICAS 1 and STALE_TIMEOUT: ``Writes.store_entries``)"""
+        return self._writes.store_entries(*args)
+
+    def _delete_stale_copies(self, *args: Any) -> Plan:
+        """(``Replicas.add``'s, with STALE_TIMEOUT: ``Writes.delete_stale_copies``)"""
+        return self._writes.delete_stale_copies(*args)
 
     def store_entry(
         self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport,
@@ -523,8 +493,7 @@ class MemcachedCache(KVCache):
             return
         refused = next((r[entry] for r in every if isinstance(r[entry], wire.ErrorReply)), None)
         if refused is not None:
-            refusals.failed(f"node {self._node(stored_key).name}", f"{key!r}: {refused}",
-                            label=f"node {self._node(stored_key).name} of {self.cache_name}")
+            self._refused_line(self._node(stored_key).name, key, str(refused))
             yield from self._forget(stored_key, key, io)
 
     def _forget(self, stored_key: str, key: Any, io: Transport) -> Plan:
@@ -546,7 +515,7 @@ class MemcachedCache(KVCache):
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan:
         if self._stale_copies and not stampede.is_side_key(key):
             stored_key = self.make_and_validate_key(key, version=version)
-            deleted, _ = yield from self._delete_entries({stored_key: key}, version, io)
+            deleted, _ = yield from self._writes.delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
         try:
@@ -612,180 +581,17 @@ class MemcachedCache(KVCache):
         if not key_map:
             return []
         if self._stale_copies and self.expire_time(timeout) == EXPIRED:  # as set's
-            _, failed = yield from self._delete_entries(key_map, version, io)
+            _, failed = yield from self._writes.delete_entries(key_map, version, io)
             return [key_map[key] for key in failed]
-        written = yield from self._store_entries(b"set", key_map, data, timeout, version, io)
+        written = yield from self._writes.store_entries(b"set", key_map, data, timeout, version, io)
         return [key_map[key] for key in written.failed + written.refused]
-
-    def _store_entries(
-        self, name: bytes, key_map: dict[str, Any], data: Mapping[Any, Any], timeout: Any,
-        version: int | None, io: Transport,
-    ) -> Plan:
-        """``set`` (or ``add``) of the entries: one pipelined request per node, all nodes
-        at once. With STALE_TIMEOUT, the stale copies ``get_or_set`` keeps of them are
-        deleted after them (:meth:`_stale_copies_of`), so that none is ever older than
-        the last value written. A value a node refused is logged, and after ``set`` its
-        older value deleted; failures are raised, or logged under IGNORE_EXCEPTIONS, once
-        every node is done, and what they leave behind is remembered as outdated.
-        Returns what was stored, what failed and what was refused (stored keys)."""
-        placement = self.replicas.place(key_map)
-        copies = self._stale_copies_of(placement, key_map, version)
-        batches = [
-            self._store_batch(name, node, keys, key_map, data, timeout, copies)
-            for node, keys in placement.groups.items()
-        ]
-        yield from self.replicas.write_round(batches, io)
-        apart = yield from self._delete_round(copies.apart if copies else [], io)
-        written, failed = self.replicas.stored(
-            self._written(batches, key_map), key_map, placement, batches)
-        self._missed(placement, batches, copies, apart)
-        unserved = self._unserved(batches + apart.batches)
-        if written.refused and name == b"set":  # a refused value leaves no older one
-            yield from self._delete_keys(written.refused, io)
-        self._report(placement, batches, apart, unserved)
-        return written._replace(failed=failed + written.failed)
-
-    def _store_batch(
-        self, name: bytes, node: Node, keys: list[str], key_map: dict[str, Any],
-        data: Mapping[Any, Any], timeout: Any, copies: lease.StaleCopies | None,
-    ) -> fanout.Batch:
-        """``keys``' values encoded, as one node's share of a store; the stale copies
-        that ride on the node deleted after them, in the same request."""
-        encoded = []
-        saved = 0
-        for key in keys:
-            payload, flags, saving = self.codec.encode_measured(data[key_map[key]], key)
-            encoded.append((payload, flags))
-            saved += saving
-        riding = copies.riding.get(node) if copies else None
-        return fanout.store_batch(node, name, keys, encoded, self.expire_time(timeout), saved,
-                                  riding)
-
-    def _written(self, batches: list[fanout.Batch], key_map: dict[str, Any]) -> Written:
-        """What the nodes that answered did with each value: stored, not stored (``add``
-        over an entry), refused (each refusal logged with the caller's key), or not
-        served (``SERVER_ERROR``: behind a proxy, the key's server is down: failed)."""
-        written = Written([], [], [])
-        for batch in batches:
-            if batch.error is not None:
-                continue
-            for key, line in zip(batch.keys, batch.result):
-                if line == b"STORED":
-                    written.stored.append(key)
-                elif unserved(line):
-                    written.failed.append(key)
-                elif line != b"NOT_STORED":
-                    written.refused.append(key)
-                    reason = line.partition(b" ")[2].decode(errors="replace") or line.decode()
-                    refusals.failed(f"node {batch.node.name}", f"{key_map[key]!r}: {reason}",
-                                    label=f"node {batch.node.name} of {self.cache_name}")
-        return written
-
-    @staticmethod
-    def _unserved(batches: list[fanout.Batch]) -> list[MemcachedError]:
-        """The keys of answered pipelined writes that the server could not serve
-        (``SERVER_ERROR`` other than a refused value: behind a proxy, their server is
-        down): missed writes, remembered as outdated on their node; a ``ServerError`` per
-        node, to report."""
-        errors: list[MemcachedError] = []
-        for batch in batches:
-            if batch.error is not None or not isinstance(batch.result, list):
-                continue
-            lines = zip([*batch.keys, *batch.side_keys], batch.result)
-            missed = [key for key, line in lines if unserved(line)]
-            if missed:
-                batch.node.outdated.add(missed)
-                errors.append(ServerError(
-                    batch.node.name, f"SERVER_ERROR for {len(missed)} key(s), remembered as "
-                    "missed (a proxy whose server for them is down?)"
-                ))
-        return errors
 
     def _delete_many(self, keys: Iterable[Any], version: int | None, io: Transport) -> Plan:
         key_map = self.make_keys(keys, version)
         if self._stale_copies:
-            yield from self._delete_entries(key_map, version, io)
+            yield from self._writes.delete_entries(key_map, version, io)
         else:
-            yield from self._delete_keys(list(key_map), io, report=True)
-
-    def _delete_entries(
-        self, key_map: dict[str, Any], version: int | None, io: Transport
-    ) -> Plan:
-        """``delete``/``delete_many`` with STALE_TIMEOUT: each entry, then the stale copies
-        ``get_or_set`` may keep of it (:meth:`_stale_copies_of`), which must not outlive
-        it. A delete that fails or is skipped is raised or logged like any, and what it
-        leaves is remembered as outdated. Returns the stored keys of the entries deleted,
-        and of those whose delete failed or was skipped."""
-        if not key_map:
-            return set(), []
-        placement = self.replicas.place(key_map)
-        copies = self._stale_copies_of(placement, key_map, version)
-        batches = [
-            fanout.delete_batch(node, keys, copies.riding.get(node) if copies else None)
-            for node, keys in placement.groups.items()
-        ]
-        yield from self.replicas.write_round(batches, io)
-        apart = yield from self._delete_round(copies.apart if copies else [], io)
-        deleted = {key for batch in batches if batch.error is None
-                   for key, line in zip(batch.keys, batch.result) if line == b"DELETED"}
-        failed = self.replicas.write_failed(key_map, placement, batches)
-        self._missed(placement, batches, copies, apart)
-        self._report(placement, batches, apart, self._unserved(batches + apart.batches))
-        return deleted, failed
-
-    def _stale_copies_of(
-        self, placement: Placement, key_map: dict[str, Any], version: int | None
-    ) -> lease.StaleCopies | None:
-        """With STALE_TIMEOUT, where the stale copies ``get_or_set`` keeps of the placed
-        entries are deleted when the entries are written or deleted: the meta store's in
-        the entry's own request, after it; the add-based store's (a key of its own) in a
-        round after the entries'. Entry first, copy after: a winner of ``get_or_set``
-        writes the copy first (``lease``), so no interleaving leaves a copy older than
-        the entry's last value, or a deleted value as the copy. None without."""
-        if not self._stale_copies:
-            return None
-        return lease.stale_copies(self, placement.groups, placement.stranded, key_map,
-                                  version, self._home)
-
-    def _missed(
-        self, placement: Placement, batches: list[fanout.Batch],
-        copies: lease.StaleCopies | None, apart: Round,
-    ) -> None:
-        """What a write round and its copies' round left undone, remembered as outdated:
-        the keys of failed batches (their riding copies with them) and skipped keys."""
-        if copies is not None:
-            placement.stranded.extend(copies.stranded)
-        self.cluster.missed_batch_writes(placement, batches, copies.entry_of if copies else None)
-        self.cluster.missed_batch_writes(apart.placement, apart.batches)
-
-    def _delete_round(self, keys: list[str], io: Transport) -> Plan:
-        """One delete request per node, all at once: a :class:`Round`, nothing raised."""
-        if not keys:
-            return NO_ROUND
-        placement = self.replicas.place(keys)
-        batches = [fanout.delete_batch(node, keys) for node, keys in placement.groups.items()]
-        yield from self.replicas.write_round(batches, io)
-        return Round(placement, batches)
-
-    def _delete_keys(self, keys: list[str], io: Transport, report: bool = False) -> Plan:
-        """One delete request per node. Failures are raised like any call's if ``report``,
-        else (a clean-up after refused writes) logged; either way the keys that were not
-        deleted are remembered as outdated."""
-        deletes = yield from self._delete_round(keys, io)
-        placement, batches = deletes
-        self.cluster.missed_batch_writes(placement, batches)
-        unserved = self._unserved(batches)
-        if report:
-            self._report(placement, batches, None, unserved)
-            return
-        errors = placement.errors + [b.error for b in batches if b.error is not None] + unserved
-        if errors:  # a clean-up delete (set_many): the keys are remembered as outdated
-            undeleted = len(placement.stranded) + sum(len(b.keys) for b in batches if b.error)
-            logger.warning(
-                "Could not delete %d key(s) of %s after a failed write; they are deleted "
-                "when their node answers again: %s", undeleted, self.cache_name,
-                "; ".join(map(str, errors)),
-            )
+            yield from self._writes.delete_keys(list(key_map), io, report=True)
 
     def _clear(self, io: Transport) -> Plan:
         """Flush every node (memcached has no per-prefix delete).
