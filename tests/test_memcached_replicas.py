@@ -142,33 +142,36 @@ def test_add_has_one_winner_across_replicas(three_nodes):
         assert held(caches_[0], key) == dict.fromkeys(replica_names(caches_[0], key), won[0])
 
 
-def test_add_never_overwrites_a_value_another_replica_already_has(three_nodes):
-    """The copy after a won ``add`` is an ``add`` too, so a concurrent ``set`` that reached
-    a replica first is never overwritten by it; that replica then has the key deleted (a
-    miss until the key's next write) rather than keep a value other than the one added."""
+def test_add_loses_to_a_value_another_replica_already_has(three_nodes):
+    """The copy after an ``add`` the decider stored is an ``add`` too: a replica that
+    holds a live value (a concurrent ``set`` that reached it first, or a decider that
+    lost the key) makes the ``add`` lose, and that value is given back to the decider."""
     cache = replicated(three_nodes)
     stored = cache.make_key("k")
     primary, other = cache.cluster.replica_set(stored)
     data, flags = cache.encode("theirs", stored)
     other.call(wire.store(b"set", stored.encode(), data, flags, 0))
-    assert cache.add("k", "mine") is True  # the decider did not have it
-    assert held(cache, "k") == {primary.name: "mine"}
+    assert cache.add("k", "mine") is False  # the decider did not have it; its partner did
+    assert held(cache, "k") == {primary.name: "theirs", other.name: "theirs"}
     cache.set("k", "next")
     assert held(cache, "k") == {primary.name: "next", other.name: "next"}
 
 
-def test_a_won_add_never_leaves_an_older_value_on_another_replica(three_nodes, api):  # noqa: F811
+def test_add_loses_to_the_value_a_replica_kept_when_the_decider_lost_it(
+    three_nodes, api  # noqa: F811
+):
     """The decider lost the key (evicted, or restarted unnoticed) while its partner kept
-    it: the add wins there, and the partner's older value is never read again."""
+    it: the value is live, so the add loses, and the decider has it back."""
     raw = replicated(three_nodes)
     cache = api(raw)
-    cache.set("k", "old")
+    cache.set("k", "old", timeout=600)
     stored = raw.make_key("k")
     primary, other = raw.cluster.replica_set(stored)
     primary.call(wire.delete(stored.encode()))  # evicted on the decider only
-    assert cache.add("k", "new") is True
-    assert held(raw, "k") == {primary.name: "new"}
-    assert "old" not in [cache.get("k") for _ in range(6)]  # reads turn over both
+    assert cache.add("k", "new") is False
+    assert held(raw, "k") == {primary.name: "old", other.name: "old"}
+    assert 590 < cache.ttl("k") <= 600  # its lifetime came back with it
+    assert {cache.get("k") for _ in range(6)} == {"old"}  # reads turn over both
 
 
 def test_counters_are_counted_by_every_replica(three_nodes, api):  # noqa: F811

@@ -92,24 +92,19 @@ class Cluster:
                 return node
         return None
 
-    def primary(
-        self, key: str, failover: bool, behind: Callable[[Node], bool],
-        failed: Collection[Node] = (),
-    ) -> Node:
+    def primary(self, key: str, failover: bool, failed: Collection[Node] = ()) -> Node:
         """The replica that decides what must have one answer (``add``'s winner, the
-        counter's value returned, get_or_set's lease): the first replica that is up and
-        not ``behind`` (it answered all along), else the first up, else the first that
-        may be probed now; with FAILOVER and every replica down, the next node. Replicas
-        that ``failed`` earlier in the same call are passed over (one failure does not
-        yet make a node down). Raises ``NodeDown`` when none may be tried."""
+        counter's value returned, get_or_set's lease): the first replica in rendezvous
+        order that is up — the same for every process that sees the same nodes up,
+        whatever each remembers of restarts — else the first that may be probed now; with
+        FAILOVER and every replica down, the next node. Replicas that ``failed`` earlier
+        in the same call are passed over (one failure does not yet make a node down).
+        Raises ``NodeDown`` when none may be tried."""
         everyone = self.replica_set(key)
         replicas = [node for node in everyone if node not in failed]
-        up = [node for node in replicas if not node.health.down_until]
-        for node in up:
-            if not behind(node):
+        for node in replicas:
+            if not node.health.down_until:
                 return node
-        if up:
-            return up[0]
         for node in replicas:
             if node.health.may_try():  # this caller probes it
                 return node

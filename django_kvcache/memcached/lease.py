@@ -176,6 +176,9 @@ class MetaLeaseStore:
     ``failed`` raises a ``MemcachedError`` or, under IGNORE_EXCEPTIONS, logs it — then
     the caller computes without protection, as it would without a cache. ``io``: the
     transport of the driver that runs the store's plans (``BLOCKING``, ``ASYNCIO``).
+    ``elsewhere`` (with REPLICAS) reads a key on its other replicas than the node asked,
+    ``(data, flags)`` or None: the entry a deciding replica lacks (restarted empty) is
+    not recomputed while another replica holds it.
     """
 
     def __init__(
@@ -188,9 +191,11 @@ class MetaLeaseStore:
         node_for: Callable[[str], Node],
         failed: Callable[[MemcachedError], Any],
         io: Transport,
+        elsewhere: Callable[[str, Node, Transport], steps.Plan] | None = None,
     ) -> None:
         self.host = host
         self.io = io
+        self.elsewhere = elsewhere
         self.policy = policy
         self.caller_key, self.timeout, self.version = key, timeout, version
         self.node_for = node_for
@@ -254,6 +259,11 @@ class MetaLeaseStore:
                     # the new value is in waits for it instead of computing too.
                     won = yield from self.take_lease(node)
                     return Read(value, True, won)
+            elif self.elsewhere is not None:
+                found = yield from self.elsewhere(self.key, node, self.io)
+                value = MISSING if found is None else self.host.decode(*found, self.key)
+                if value is not MISSING:
+                    return Read(value, True, False)
             replies = yield from node.request(
                 wire.meta_sequence(self.lease_request(), True), self.io
             )
