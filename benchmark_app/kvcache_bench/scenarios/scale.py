@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 from django.db import connections, transaction
 
 from kvcache_bench import data
-from kvcache_bench.caches import CacheSpec
+from kvcache_bench.caches import MAX_ENTRIES, CacheSpec
 from kvcache_bench.checks import matches
 from kvcache_bench.context import Context
 from kvcache_bench.storage import table_usage
@@ -71,6 +71,9 @@ def run(context: Context) -> dict[str, Any]:
     ours = next((spec for spec in specs if spec.name == OURS), None)
     if ours is None:
         raise RuntimeError(f"the scale scenario measures {OURS}, which is not among the caches")
+    # Never a cull over the count: the benchmark's MAX_ENTRIES (10 M) is the 10 M tier's size,
+    # and its cull adds a tenth of expired rows (as storage.cull_once sets it).
+    context.cache(ours)._max_entries = max(MAX_ENTRIES, 2 * sizes[-1])
     pool = data.make_values(p.seed, POOL, MIX, 0).entries
     filled = dict.fromkeys((spec.name for spec in specs), 0)
     results: list[dict[str, Any]] = []
@@ -312,7 +315,8 @@ def _writes(context: Context, spec: CacheSpec, size: int, calls: int,
     entries.append(_entry(spec.name, "delete", "uniform", size, timed.durations))
     cache.set_many({key(i): pool[i % POOL] for i in deleted}, timeout=TIMEOUT)  # untimed
     if spec.name == OURS:
-        culling = replace(spec, options={**spec.options, "CULL_PROBABILITY": 1.0}).build()
+        culling = replace(spec, options={**spec.options, "CULL_PROBABILITY": 1.0,
+                                         "MAX_ENTRIES": cache._max_entries}).build()
         try:
             writes = [rng.randrange(size) for _ in range(calls)]
             timed = time_calls(lambda i: culling.set(key(i), pool[i % POOL], timeout=TIMEOUT), writes)
