@@ -27,6 +27,9 @@ class Parameters:
     seed: int = 1234
     rows: tuple[int, ...] = (1_000, 10_000, 100_000)
     row_calls: int = 200  # set and get calls per cache at each table size
+    scale_rows: tuple[int, ...] = (100_000, 1_000_000)  # scale: table sizes (10_000_000 on request)
+    scale_calls: int = 1000  # scale: calls per cache, operation and access pattern at each size
+    scale_buffer_pool: float = 0.2  # scale: the InnoDB buffer pool, a fraction of the tables' bytes
     nodes: tuple[int, ...] = (1, 2, 4, 8)
     node_keys: int = 100
     node_calls: int = 300
@@ -53,6 +56,10 @@ class Parameters:
                     f"class a page, so a smaller node holds more than its -m")
         if self.capacity_fill <= 0:
             return "--capacity-fill must be above 0"
+        if not self.scale_rows or min(self.scale_rows) < 1000 or self.scale_calls < 1:
+            return "--scale-rows must be sizes of at least 1000 and --scale-calls at least 1"
+        if not 0 < self.scale_buffer_pool <= 4:
+            return "--scale-buffer-pool is a fraction of the tables' bytes, e.g. 0.2 (above 0)"
         if self.storage_entries < 1:
             return "--storage-entries must be at least 1"
         if self.server_cpu is not None and not 0 < self.server_cpu <= 64:

@@ -207,6 +207,28 @@ def rows_scaling(rows: dict[str, Any], results: dict[str, Any], styles: Styles) 
     return figure
 
 
+def scale_curves(scale: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
+    """One panel per operation and access pattern: p50 against table size, a line per cache
+    (the bare SELECT beside our reads)."""
+    sizes = scale["sizes"]
+    panels = list(dict.fromkeys((e["operation"], e["pattern"]) for e in scale["results"]))
+    columns = 4
+    rows = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(20, 4.2 * rows), layout="constrained",
+                                squeeze=False)
+    for axis, (operation, pattern) in zip(axes.flat, panels):
+        series = _series(scale["results"], "cache", "rows", sizes, "median_us",
+                         operation=operation, pattern=pattern)
+        series = {name: ys for name, ys in series.items() if any(y is not None for y in ys)}
+        _line_chart(axis, sizes, series, "entries in the table", "µs per call (p50)",
+                    f"{operation} ({pattern})", styles)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    _figure_legend(figure, axes.flat[0])
+    _title(figure, "scale: cost per call against table size", results, values=scale["values"])
+    return figure
+
+
 def nodes_scaling(nodes: dict[str, Any], results: dict[str, Any], styles: Styles) -> Any:
     counts = nodes["counts"]
     figure, axes = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
@@ -489,7 +511,7 @@ WRITERS: dict[str, Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {
     "concurrency": concurrency_lines, "storage": storage_bars, "capacity": capacity_bars,
     "codec": codec_tradeoff, "shards": shards_scaling, "async": async_throughput,
     "stampede": stampede_counts, "encryption": encryption_ratios, "locks": locks_bars,
-    "replicas": replicas_bars,
+    "replicas": replicas_bars, "scale": scale_curves,
 }
 #: Figures of a part of a scenario: (scenario, part) -> its writer.
 PART_WRITERS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], Styles], Any]] = {

@@ -24,6 +24,7 @@ IDENTITY = {
     "encryption": ("cache", "operation"),
     "locks": ("cache", "method", "mode"),
     "replicas": ("replicas", "part", "operation"),
+    "scale": ("cache", "case", "rows"),
 }
 
 
@@ -117,6 +118,44 @@ def rows_text(rows: dict[str, Any]) -> str:
     header = ["cache", *(f"{op}@{size:,}" for op in ("set", "get") for size in sizes),
               f"cull@{sizes[-1]:,}"]
     return f"rows: median per call with the table already holding N rows ({FILLER_LABEL})\n\n" + table(header, lines)
+
+
+def scale_text(scale: dict[str, Any]) -> str:
+    """Cost against table size: p50/p99 per cache, operation and access pattern at each size,
+    bytes per entry, the cull, the process's memory, and each target met or not."""
+    sizes = scale["sizes"]
+    by_key = {(e["cache"], e["operation"], e["pattern"], e["rows"]): e for e in scale["results"]}
+    lines = [[cache, operation, pattern,
+              *(f"{micros(by_key[cache, operation, pattern, size]['median_us'])} / "
+                f"{micros(by_key[cache, operation, pattern, size]['p99_us'])}"
+                if (cache, operation, pattern, size) in by_key else "-" for size in sizes)]
+             for cache, operation, pattern in dict.fromkeys(
+                 (e["cache"], e["operation"], e["pattern"]) for e in scale["results"])]
+    parts = [
+        f"scale: p50 / p99 per call with the table holding N entries ({scale['values']}; "
+        f"{scale['calls']:,} calls per figure, DatabaseCache's set {scale['slow_set_calls']}; "
+        f"Zipf exponent {scale['zipf_exponent']}; {scale['server']} to "
+        f"{scale['buffer_pool_fraction']:g} of the tables' bytes at each size)",
+        table(["cache", "operation", "keys", *(f"{size:,} rows" for size in sizes)], lines),
+        table(["cache", "rows", "key+value B/entry", "table B/entry", "fill"],
+              [[u["cache"], f"{u['rows']:,}", f"{u['bytes_per_entry']:,.0f}",
+                f"{u['table_bytes_per_entry']:,.0f}" if u["table_bytes_per_entry"] else "-",
+                f"{u['fill_s']:.0f}s"] for u in scale["usage"]]),
+        table(["rows", "tables (all caches)", "InnoDB buffer pool", "pool / tables"],
+              [[f"{b['rows']:,}", f"{b['tables_bytes'] / 2**20:,.0f} MiB",
+                f"{b['buffer_pool_bytes'] / 2**20:,.0f} MiB",
+                f"{b['fraction']:.2f}" if b["fraction"] else "-"] for b in scale["buffer_pools"]]),
+        table(["kvcache_cull at", "expired rows", "removed", "time", "per removed row"],
+              [[f"{c['rows']:,}", f"{c['expired']:,}", f"{c['removed']:,}", f"{c['duration_ms']:,.0f}ms",
+                micros(c["us_per_removed_row"])] for c in scale["culls"]]),
+        table(["process memory at", "RSS", "peak RSS"],
+              [[f"{m['rows']:,}", f"{m['rss_kb'] / 1024:,.0f} MiB", f"{m['peak_rss_kb'] / 1024:,.0f} MiB"]
+               for m in scale["memory"]]),
+        table(["target", "value", "limit", "met"],
+              [[t["target"], "-" if t["value"] is None else f"{t['value']:.2f}x", f"{t['limit']}x",
+                {True: "yes", False: "NO", None: "not measured"}[t["met"]]] for t in scale["targets"]]),
+    ]
+    return "\n\n".join(parts)
 
 
 def nodes_text(nodes: dict[str, Any]) -> str:
@@ -383,7 +422,8 @@ def _percent(ratio: float | None) -> str:
 TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": concurrency_text,
         "storage": storage_text, "capacity": capacity_text, "codec": codec_text,
         "shards": shards_text, "async": async_text, "stampede": stampede_text,
-        "encryption": encryption_text, "locks": locks_text, "replicas": replicas_text}
+        "encryption": encryption_text, "locks": locks_text, "replicas": replicas_text,
+        "scale": scale_text}
 #: The scenarios whose text names the value mix (the others use random filler).
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 

@@ -21,7 +21,7 @@ SCENARIOS = ("ops", "rows", "nodes", "concurrency", "stampede", "storage", "capa
 #: use small random filler and run with the first mix only.
 MIX_SCENARIOS = ("ops", "storage", "capacity", "codec", "encryption")
 #: Run only when named with --scenario: they need servers beyond the default ones.
-ON_REQUEST_SCENARIOS = ("shards", "async", "replicas")
+ON_REQUEST_SCENARIOS = ("shards", "async", "replicas", "scale")
 #: What runs on a site's own caches: nodes, storage, capacity, shards, async and replicas start
 #: servers of their own (scripts/services.py), which only the project's benchmark has.
 SITE_SCENARIOS = ("ops", "rows", "concurrency", "stampede", "codec")
@@ -120,7 +120,10 @@ def _run_mix(context: Context, parameters: Parameters, scenarios: Sequence[str],
 #: Scenarios about one kind of cache, and what they say when no cache of that kind runs
 #: (a memcached-only site has no table to grow).
 SUBJECTS = {"rows": (lambda spec: spec.table is not None,
-                     "it measures table-backed caches, and none is measured")}
+                     "it measures table-backed caches, and none is measured"),
+            "scale": (lambda spec: spec.name == "kv-mysql-innodb",
+                      "it measures kv-mysql-innodb (beside db-mariadb and django-mysql), "
+                      "which is not among the caches")}
 
 
 def _nothing_to_measure(name: str, context: Context) -> str | None:

@@ -68,6 +68,15 @@ class Command(BaseCommand):
         parser.add_argument("--calls", type=int, help="calls per cache, operation and round")
         parser.add_argument("--batch-size", type=int, dest="batch", help="keys per *_many call (20)")
         parser.add_argument("--rows", type=_numbers, help="table sizes, e.g. 1000,10000,100000")
+        parser.add_argument("--scale-rows", type=_numbers, dest="scale_rows",
+                            help="scale: table sizes (default 100000,1000000; add 10000000 for "
+                                 "the 10 M tier, which takes a long fill and several GB)")
+        parser.add_argument("--scale-calls", type=int, dest="scale_calls",
+                            help="scale: calls per cache, operation and access pattern (1000)")
+        parser.add_argument("--scale-buffer-pool", type=float, dest="scale_buffer_pool",
+                            metavar="FRACTION",
+                            help="scale: the server's InnoDB buffer pool, resized at each size to "
+                                 "this fraction of the measured tables' bytes (0.2)")
         parser.add_argument("--nodes", type=_numbers, help="memcached node counts, e.g. 1,2,4,8")
         parser.add_argument("--workers", type=_numbers, help="concurrent workers, e.g. 1,2,4,8")
         parser.add_argument("--iterations", type=int, help="mixed-workload iterations per worker")
