@@ -24,6 +24,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX
 from django_kvcache.memcached import wire
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.zstd import FLAG_ZSTD, zstd_engine
+from tests.racing_read_proxy import RacingReadProxy
 from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric, html
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -246,6 +247,25 @@ def test_overflowing_increments_are_undone_exactly_amid_other_counting(cache):
     assert wrongly_counted == []
     assert cache.get("n") == 1000 + succeeded["incr"] - succeeded["decr"]
     assert succeeded == wanted, f"refused too often amid the overflows: {attempts} attempts"
+
+
+def test_a_decrement_never_writes_back_a_value_an_increment_replaced_as_it_was_read():
+    # memcached can answer an mg with an item's old value and the CAS of the item an
+    # incr replaced it with (tests/racing_read_proxy.py): a compare-and-swap from that
+    # read would overwrite the increment. Seen as counters off by INT64_MAX amid
+    # overflowing increments (the test above), once in a few hundred runs.
+    with memcached_node() as node:
+        proxy = RacingReadProxy("127.0.0.1", node.port)
+        try:
+            cache = MemcachedCache(proxy.address, {"OPTIONS": {"IGNORE_EXCEPTIONS": False}})
+            cache.set("n", 10)
+            proxy.race_next_read(b":1:n", 5)
+            assert cache.decr("n") == 14
+            assert proxy.races == 1
+            assert cache.get("n") == 14
+            cache.close()
+        finally:
+            proxy.stop()
 
 
 def test_incr_of_a_corrupt_integer_is_a_logged_miss(cache, caplog):

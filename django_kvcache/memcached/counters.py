@@ -116,7 +116,9 @@ class Counters:
     def with_cas(self, node: Node, key: str, delta: int, caller_key: Any, io: Transport) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
-        while others change it, for up to CAS_PATIENCE seconds.
+        while others change it, for up to CAS_PATIENCE seconds. The value and its CAS
+        come from two reads that agree (``wire.meta_get_settled``): one read alone can
+        pair the value before a server ``incr`` with the CAS after it.
 
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
@@ -124,7 +126,9 @@ class Counters:
         encoded_key = key.encode()
         deadline = time.monotonic() + CAS_PATIENCE
         while time.monotonic() < deadline:
-            found = yield from node.request(wire.meta_get(encoded_key), io)
+            found = yield from node.request(wire.meta_get_settled(encoded_key), io)
+            if found is wire.UNSETTLED:
+                continue  # an incr replaced the item as it was read (wire.meta_get_settled)
             if found is None:
                 return None
             data, flags, ttl, cas = found

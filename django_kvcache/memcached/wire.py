@@ -745,14 +745,47 @@ def meta_probe() -> Op:
 
 def meta_get(key: bytes) -> Op:
     """``(data, flags, remaining ttl or -1, cas)``, or None when the key is missing."""
-    def finish(reply: MetaReply) -> tuple[bytes, int, int, int] | None:
-        if reply.code == b"EN":
-            return None
-        if reply.code != b"VA":
-            raise ProtocolError(f"unexpected reply to mg: {reply.code!r}")
-        return reply.value, reply.number(b"f"), reply.number(b"t"), reply.number(b"c")
+    return Op(meta_command(b"mg", key, b"v", b"f", b"t", b"c"), Meta, False, _meta_item)
 
-    return Op(meta_command(b"mg", key, b"v", b"f", b"t", b"c"), Meta, False, finish)
+
+def _meta_item(reply: MetaReply) -> tuple[bytes, int, int, int] | None:
+    if reply.code == b"EN":
+        return None
+    if reply.code != b"VA":
+        raise ProtocolError(f"unexpected reply to mg: {reply.code!r}")
+    return reply.value, reply.number(b"f"), reply.number(b"t"), reply.number(b"c")
+
+
+#: What :func:`meta_get_settled` gives when its two reads disagree: read again.
+UNSETTLED: Any = object()
+
+
+def meta_get_settled(key: bytes) -> Op:
+    """:func:`meta_get` sent twice in one request, for a read-modify-write by CAS: its
+    result when both replies agree, :data:`UNSETTLED` when they do not (read again).
+
+    A reply to ``mg`` can pair an item's old value with the CAS of what replaced it:
+    when an ``incr`` replaces an item another connection is reading (memcached 1.6 up to
+    at least 1.6.3x, ``do_add_delta``), it gives the old item its successor's CAS, and a
+    ``ms`` with that CAS then overwrites the increment. The second ``mg`` starts after the
+    first has read its CAS, so after such a replacement: it sees the successor, whose
+    value differs (an increment never adds 0) or whose CAS does. Two agreeing replies
+    are a value and a CAS of one item.
+    """
+    command = meta_command(b"mg", key, b"v", b"f", b"t", b"c")
+
+    def finish(replies: list[MetaReply]) -> Any:
+        for reply in replies:
+            if reply.code in (b"CLIENT_ERROR", b"SERVER_ERROR"):
+                raise ErrorReply(reply.code + b" " + (reply.value or b""))
+        first, second = _meta_item(replies[0]), _meta_item(replies[1])
+        if first is None or second is None:
+            return first if first == second else UNSETTLED
+        if first[3] != second[3] or first[0].rstrip(b" ") != second[0].rstrip(b" "):
+            return UNSETTLED  # (an in-place incr pads a shorter number with spaces)
+        return first
+
+    return Op(command + command, lambda: MetaSequence([False, False]), False, finish)
 
 
 def meta_cas(key: bytes, data: bytes, flags: int, ttl: int, cas: int) -> Op:
