@@ -3,6 +3,7 @@ compression does not shrink enough to store compressed, and entries written by m
 code before that rule."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import random
 import string
@@ -47,3 +48,12 @@ MAIN_TOKEN = alphanumeric(600, 40)
 def html(rows: int = 100) -> str:
     """Rendered-template-like text: compression takes most of it off."""
     return "".join(f"<li class='item' data-id='{row}'>entry {row}</li>\n" for row in range(rows))
+
+
+def assert_read_back(cache, values: dict) -> None:
+    """Each of ``values`` read back by every read of both APIs (``get_many`` with a
+    missing key among them)."""
+    assert {key: cache.get(key) for key in values} == values
+    assert cache.get_many([*values, "never-set"]) == values
+    assert asyncio.run(cache.aget_many(list(values))) == values
+    assert {key: asyncio.run(cache.aget(key)) for key in values} == values

@@ -121,61 +121,74 @@ def indented_block(lines: list[str], start: int, indent: int) -> tuple[str, int]
     return textwrap.dedent("\n".join(lines[start:end])).strip("\n"), end
 
 
-def rst_snippets(path: Path) -> Iterator[Snippet]:
+def rst_block(lines: list[str], index: int) -> tuple[str, str, int] | None:
+    """The ``code-block`` or ``::`` literal block starting at ``index``: its language,
+    text and the index after it."""
+    line = lines[index]
+    block = CODE_BLOCK.match(line)
+    literal = (line.rstrip().endswith("::") and not DIRECTIVE.match(line)
+               and not line.lstrip().startswith(".."))
+    if not (block or literal):
+        return None
+    start = index + 1
+    if block:  # the directive's options, then its content
+        while start < len(lines) and lines[start].strip().startswith(":"):
+            start += 1
+    text, end = indented_block(lines, start, indent_of(line))
+    return (block[2] if block else "auto"), text, end
+
+
+def md_block(lines: list[str], index: int) -> tuple[str, str, int] | None:
+    """The fenced block starting at ``index``: its language, text and the index after it."""
+    line = lines[index]
+    if not line.startswith("```"):
+        return None
+    end = index + 1
+    while not lines[end].startswith("```"):
+        end += 1
+    return line[3:].strip() or "text", "\n".join(lines[index + 1:end]), end + 1
+
+
+@dataclass(frozen=True)
+class Markup:
+    """How a format writes a code block, the mark of one not run, and a comment."""
+
+    not_run: re.Pattern
+    mark: str
+    block_at: Any  # (lines, index) -> (language, text, index after) | None
+    comment: str | None  # how a line the mark may stand above starts (rst comments)
+
+
+RST = Markup(NOT_RUN_RST, ".. not-run:", rst_block, "..")
+MD = Markup(NOT_RUN_MD, "<!-- not-run: -->", md_block, None)
+
+
+def file_snippets(path: Path, markup: Markup) -> Iterator[Snippet]:
     lines = path.read_text().splitlines()
     reason = None
     index = 0
     while index < len(lines):
         line = lines[index]
-        marked = NOT_RUN_RST.match(line)
-        block = CODE_BLOCK.match(line)
-        literal = (line.rstrip().endswith("::") and not DIRECTIVE.match(line)
-                   and not line.lstrip().startswith(".."))
+        marked = markup.not_run.match(line)
+        found = None if marked else markup.block_at(lines, index)
         if marked:
             reason = marked[1].strip()
-        elif block or literal:
-            start = index + 1
-            if block:  # the directive's options, then its content
-                while start < len(lines) and lines[start].strip().startswith(":"):
-                    start += 1
-            text, end = indented_block(lines, start, indent_of(line))
-            yield Snippet(path, index + 1, block[2] if block else "auto", text, reason)
-            reason = None
-            index = end
+        elif found:
+            language, text, after = found
+            yield Snippet(path, index + 1, language, text, reason)
+            reason, index = None, after
             continue
-        elif line.strip() and reason is not None and not line.lstrip().startswith(".."):
-            raise AssertionError(f"{path.name}:{index + 1}: '.. not-run:' must come right "
+        elif (line.strip() and reason is not None
+              and not (markup.comment and line.lstrip().startswith(markup.comment))):
+            raise AssertionError(f"{path.name}:{index + 1}: '{markup.mark}' must come right "
                                  "before the block it marks")
-        index += 1
-
-
-def md_snippets(path: Path) -> Iterator[Snippet]:
-    lines = path.read_text().splitlines()
-    reason = None
-    index = 0
-    while index < len(lines):
-        line = lines[index]
-        marked = NOT_RUN_MD.match(line)
-        if marked:
-            reason = marked[1].strip()
-        elif line.startswith("```"):
-            end = index + 1
-            while not lines[end].startswith("```"):
-                end += 1
-            yield Snippet(path, index + 1, line[3:].strip() or "text",
-                          "\n".join(lines[index + 1:end]), reason)
-            reason = None
-            index = end
-        elif line.strip() and reason is not None:
-            raise AssertionError(f"{path.name}:{index + 1}: '<!-- not-run: -->' must come "
-                                 "right before the block it marks")
         index += 1
 
 
 def snippets() -> list[Snippet]:
     found: list[Snippet] = []
     for path in SOURCES:
-        found += md_snippets(path) if path.suffix == ".md" else rst_snippets(path)
+        found += file_snippets(path, MD if path.suffix == ".md" else RST)
     return found
 
 

@@ -25,7 +25,7 @@ from django_kvcache.memcached import wire
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.zstd import FLAG_ZSTD, zstd_engine
 from tests.racing_read_proxy import RacingReadProxy
-from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric, html
+from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric, assert_read_back, html
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
 
@@ -601,10 +601,7 @@ def test_what_does_not_save_the_threshold_is_stored_as_it_is(make_cache):
         assert stored_flags(cache, ":1:noise") == FLAG_PICKLE
         assert stored_flags(cache, ":1:token") == token_flags
         assert stored_flags(cache, ":1:page") == compressed
-        assert {key: cache.get(key) for key in values} == values
-        assert cache.get_many(list(values)) == values
-        assert asyncio.run(cache.aget_many(list(values))) == values
-        assert asyncio.run(cache.aget("noise")) == values["noise"]
+        assert_read_back(cache, values)
 
 
 @pytest.mark.parametrize("data, flags", MAIN_ENTRIES, ids=["zstd", "zlib"])
@@ -612,6 +609,4 @@ def test_entries_mains_code_compressed_read_back(cache, data, flags):
     if flags & FLAG_ZSTD and zstd_engine() is None:
         pytest.skip("zstd not installed (a backend extra brings it)")
     raw_client(cache, ":1:old").set(":1:old", data, flags=flags)
-    assert cache.get("old") == MAIN_TOKEN
-    assert cache.get_many(["old", "other"]) == {"old": MAIN_TOKEN}
-    assert asyncio.run(cache.aget("old")) == MAIN_TOKEN
+    assert_read_back(cache, {"old": MAIN_TOKEN})
