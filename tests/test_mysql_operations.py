@@ -1,7 +1,6 @@
 """MySQLCache operations beyond the shared contract: schema, statements, keys, incr, options."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import warnings
