@@ -57,6 +57,16 @@ def new_mysql_failure_episodes() -> None:
         failure_log.episodes.clear()
 
 
+@pytest.fixture(autouse=True)
+def no_read_your_writes_window_yet() -> None:
+    """Each test's thread starts without a READ_YOUR_WRITES window: the window is the
+    thread's (as in a long-lived worker thread), and an earlier test's write through a
+    cache of the same configuration would send this test's first reads to the primary."""
+    cluster = sys.modules.get("django_kvcache.mysql.cluster")
+    for each in cluster._clusters.values() if cluster else []:
+        each.written_here().clear()
+
+
 @pytest.fixture
 def without_zstd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What a process without any zstd engine (zstandard, or before Python 3.14

@@ -8,6 +8,7 @@ is visible to it and locks nothing.
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -18,6 +19,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django_kvcache.backends.mysql import MySQLCache, now_ms  # noqa: F401  (re-exported)
 from django_kvcache.mysql import blocking, connection
 from django_kvcache.mysql.server import forget_server
+from django_kvcache.mysql.tables import STATEMENT_SEPARATOR
 
 BACKEND = "django_kvcache.backends.mysql.MySQLCache"
 TABLE = "kvcache_test"
@@ -45,6 +47,13 @@ def drop_table(table: str, alias: str = "default") -> None:
 def sql(statement: str, params: Any = None, alias: str = "default") -> list[tuple]:
     """Run ``statement`` on the test database (committed at once) and return its rows."""
     return blocking.query(alias, statement, params)
+
+
+def drop_cache_tables(cache: MySQLCache) -> None:
+    """The cache's tables dropped, one statement at a time (as the cache's connections
+    take them)."""
+    for statement in cache.drop_table_sql().split(STATEMENT_SEPARATOR):
+        sql(statement)
 
 
 def rows(table: str = TABLE) -> list[tuple]:
@@ -126,6 +135,26 @@ def sent_statements(alias: str | None = None) -> Iterator[list[str]]:
     with pytest.MonkeyPatch.context() as patch:  # (around another recording block's, if any)
         patch.setattr(connection, "statement_bytes", recording(connection.statement_bytes))
         yield sent
+
+
+def in_another_thread(call: Callable[[], Any]) -> Any:
+    """``call()``'s result (or exception) from another thread: one whose READ_YOUR_WRITES
+    window this thread's writes did not open, nor its writes this thread's."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((call(), None))
+        except BaseException as exc:  # handed to the caller
+            outcome.append((None, exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:

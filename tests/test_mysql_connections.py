@@ -173,6 +173,19 @@ def test_errors_are_django_s(mysql_tables):
     assert isinstance(raised.value.__cause__, ProgrammingError)
 
 
+def test_two_statements_in_one_string_are_refused_and_the_connection_stays_in_step(cache):
+    """The cache's connections run one statement a query: mysqlclient turns multiple
+    statements on for every connection, and a second result nobody reads put the
+    connection out of step ("Commands out of sync", 2014) for whoever took it next."""
+    blocking.close_pools(["default"])
+    with pytest.raises(ProgrammingError):
+        blocking.query("default", "SELECT 1; SELECT 2")
+    for _ in range(3):
+        assert blocking.query("default", "SELECT 3") == [(3,)]
+    cache.set("k", "v")
+    assert cache.get("k") == "v"
+
+
 def test_an_incr_overflow_changes_nothing(cache):
     """Error 1690, as Django's cursor reported it."""
     cache.set("n", INT64_MAX)

@@ -10,6 +10,7 @@ site expects, not every lag.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -52,7 +53,7 @@ KEYS = ["page", "gone", "added", "hits"]
 def test_within_the_window_own_writes_after_it_the_lagging_replica(cache, replica):
     cache.set_many({"page": "old", "gone": "old", "hits": 1})
     replica.caught_up()
-    other = replicated(replica)  # another thread's instance: it wrote nothing
+    other = replicated(replica)  # other OPTIONS (the default window): it wrote nothing
     with replica.delayed(LAG):
         written = time.monotonic()
         cache.set("page", "new")
@@ -76,6 +77,20 @@ def test_within_the_window_own_writes_after_it_the_lagging_replica(cache, replic
     # delayed() waited until the replica caught up: now it has every write.
     assert cache.get_many(KEYS) == {"page": "new", "added": 1, "hits": 2}
     assert other.get_many(KEYS) == {"page": "new", "added": 1, "hits": 2}
+
+
+def test_two_caches_of_one_table_in_one_thread_read_each_other_s_writes(cache, replica):
+    # As Django's caches["default"] and a caches["v2"] of the same LOCATION in one
+    # request: the window is the thread's, not the instance's.
+    v2 = replicated(replica, READ_YOUR_WRITES=WINDOW)  # another instance, the same cache
+    with replica.sql_thread_stopped():
+        v2.set("page", "from v2", version=2)
+        assert cache.get("page", version=2) == "from v2"
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(cache.get("page", version=2)))
+        thread.start()
+        thread.join()
+        assert elsewhere == [None]  # another thread's reads: the replica, which lags
 
 
 def test_a_stopped_replica_serves_what_it_had_until_it_applies_again(cache, replica):

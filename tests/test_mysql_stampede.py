@@ -32,7 +32,13 @@ from django_kvcache.mysql.keys import DIGEST_HEAD_LENGTH, DIGEST_MARKER, MAX_KEY
 from django_kvcache.mysql.lease import LEASE_KEY_HEAD, RELEASED, MySQLLeaseStore, lease_key
 from django_kvcache.stampede import recompute_early
 from django_kvcache.mysql import blocking
-from tests.mysql_support import MYISAM_TABLE, register_alias, sent_statements, unregister_alias
+from tests.mysql_support import (
+    MYISAM_TABLE,
+    in_another_thread,
+    register_alias,
+    sent_statements,
+    unregister_alias,
+)
 from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
 from tests.servers import free_port, replica_caught_up
 from tests.test_stampede import Computation, in_threads
@@ -613,9 +619,9 @@ def test_lease_reads_go_to_the_primary_and_do_not_count_as_writes():
     writer = MySQLCache(TABLE, {"OPTIONS": options})
     if not writer.table_exists():
         writer.create_table()
-    writer.set("hot", "value", 60)
+    in_another_thread(lambda: writer.set("hot", "value", 60))  # no window opened here
     replica_caught_up()  # the table and the row, on the real replica
-    cache = MySQLCache(TABLE, {"OPTIONS": options})  # another thread's instance: no writes
+    cache = MySQLCache(TABLE, {"OPTIONS": options})  # this thread has written nothing
     cache.get("warm-up")  # the replica's server detection, out of the way
     with sent_statements("shard2") as primary, \
             sent_statements("shard2_replica") as replica:

@@ -4,8 +4,8 @@
 :class:`Cluster` for them — every instance Django builds (one per thread, one per async
 context) shares it: the shards and their router, each alias's health record and
 counters, each primary's record of missed writes, and the statement text per server
-flavour. What is per instance is a :class:`Session`: the read-your-writes window of the
-thread (or task) that uses it.
+flavour, and the read-your-writes window of each thread (or async context), which every
+instance used there shares. What is per instance is a :class:`Session` (its messages).
 
 Missed writes (:class:`MissedWrites`): a write that failed or was skipped leaves the
 shard's older copy in place. Until it is deleted those keys are *owed*: a call that
@@ -17,6 +17,7 @@ it is read, and the flush runs in ``DELETE … LIMIT`` batches.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -222,10 +223,23 @@ class Cluster:
         self._names: tuple[Any, str] = (None, "")  # (settings.CACHES, the caches' names)
         # Reads may leave the primary only with a replica or routers that pick readers.
         self.tracks_writes = any(s.replica or s.alias is None for s in self.shards)
+        # shard index -> when this thread (or async context) last wrote it: every
+        # instance of this configuration in the thread reads its writes, as one Django
+        # request would through two aliases of one table (another VERSION, say).
+        self._written_at: contextvars.ContextVar[dict[int, float]] = contextvars.ContextVar(
+            f"kvcache written shards of {table}")
         self._health: dict[str, NodeHealth] = {}
         self._statements: dict[bool, Statements] = {}
         self._missed: dict[str, MissedWrites] = {}  # primary alias -> its record
         self.single = self.shards[0] if self.router is None else None
+
+    def written_here(self) -> dict[int, float]:
+        """When this thread (or async context) last wrote each shard (monotonic time)."""
+        written = self._written_at.get(None)
+        if written is None:
+            written = {}
+            self._written_at.set(written)
+        return written
 
     # --- where keys live ---------------------------------------------------------------
 
@@ -345,7 +359,8 @@ def _frozen(value: Any) -> Any:
 
 class Session:
     """One backend instance's view of its cluster: the cluster's shared records, and the
-    read-your-writes window of the thread (or async context) the instance belongs to."""
+    read-your-writes window of the thread (or async context) that uses it — shared by
+    every instance of the configuration there (:meth:`Cluster.written_here`)."""
 
     def __init__(
         self,
@@ -357,18 +372,17 @@ class Session:
         self.describe_missing_table = describe_missing_table
         # a table of another layout: (alias, its columns, the server's error) -> message
         self.describe_table_layout = describe_table_layout
-        self._written_at: dict[int, float] = {}  # shard index -> monotonic time
 
     def wrote(self, shard: Shard) -> None:
         """A write to ``shard`` starts, or ends: reads of it go to its primary for
         READ_YOUR_WRITES from now (stamped at both ends: a lost reply may still have
         applied, and a slow write must not end with its window already past)."""
         if self.cluster.tracks_writes:
-            self._written_at[shard.index] = time.monotonic()
+            self.cluster.written_here()[shard.index] = time.monotonic()
 
     def reader(self, shard: Shard) -> str:
         if not self.cluster.tracks_writes:
             return shard.reader()
-        written = self._written_at.get(shard.index)
+        written = self.cluster.written_here().get(shard.index)
         lately = written is not None and time.monotonic() - written < self.cluster.read_your_writes
         return shard.reader(lately, self.cluster.replica_behind(shard))

@@ -53,6 +53,11 @@ DEFAULT_CONNECT_TIMEOUT = 1.0
 #: (docs/benchmarks.rst, "Timeouts"), and a statement that runs out of time counts
 #: against its server's health.
 DEFAULT_IO_TIMEOUT = 2.0
+#: ``mysql_set_server_option``'s MYSQL_OPTION_MULTI_STATEMENTS_OFF (mysqlclient exports
+#: no name for it): one statement a query. mysqlclient turns multiple statements on for
+#: every connection, and a second result nobody reads leaves the connection out of step
+#: ("Commands out of sync") for the next caller; the cache never sends two at once.
+MULTI_STATEMENTS_OFF = 1
 #: A timeout the cache's OPTIONS leave to the alias (and then to the default).
 FROM_ALIAS: Any = "from the alias"
 
@@ -207,6 +212,7 @@ def open_connection(params: ConnectionParams) -> Connection:
     try:
         if raw.encoders.get(bytes) is bytes:  # as Django's get_new_connection()
             raw.encoders.pop(bytes)
+        raw.set_server_option(MULTI_STATEMENTS_OFF)
         if params.session_sql:
             raw.query(params.session_sql)
         raw.alias = params.alias
