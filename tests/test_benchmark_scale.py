@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from tests.mysql_support import drop_table, make_cache, sql
 from tests.test_benchmark import benchmark
-from kvcache_bench.scenarios.scale import ZipfKeys  # noqa: E402  (test_benchmark put it on the path)
+from kvcache_bench import data  # noqa: E402  (test_benchmark put it on the path)
+from kvcache_bench.caches import KV_MYSQL, CacheSpec  # noqa: E402
+from kvcache_bench.context import Context, Parameters  # noqa: E402
+from kvcache_bench.scenarios import scale as scenario  # noqa: E402
+from kvcache_bench.scenarios.scale import ZipfKeys  # noqa: E402
 
 pytestmark = pytest.mark.once
 
@@ -120,3 +125,35 @@ def test_zipf_keys_are_skewed_and_spread_over_the_table() -> None:
     assert len(counts) > 200  # and a long tail
     hot = sorted(index for index, _ in counts.most_common(5))
     assert hot[-1] - hot[0] > 100  # scattered, not the first keys written
+
+
+SLOW_TABLE = "kvcache_test_scale_cull"
+
+
+def test_a_cull_slower_than_the_caches_io_timeout_is_timed_to_its_end(django_db_blocker) -> None:
+    """At 10 M entries a 10,000-row batch of the cull took longer than the cache's
+    IO_TIMEOUT (2 s) on the shared VM: the cull, failing open, returned 0 and the run had
+    no figure. Here a trigger makes each deleted row sleep, so that the one batch of 100
+    expired rows takes 1.5 s against a cache whose IO_TIMEOUT is 0.5 s: the scenario's
+    cull runs past it and removes every expired row."""
+    spec = CacheSpec("kv-mysql-innodb", "MySQLCache, IO_TIMEOUT 0.5 s", "kv-mysql", KV_MYSQL,
+                     SLOW_TABLE, key_prefix="kvb-slowcull",
+                     options={"IO_TIMEOUT": 0.5, "MAX_ENTRIES": 10**6, "DATABASE": "default"},
+                     database="default")
+    context = Context(token="slowcull", parameters=Parameters(), caches=[spec], reference=None,
+                      memcached_nodes=[], show_progress=False)
+    pool = data.make_values(1234, scenario.POOL, scenario.MIX, 0).entries
+    with django_db_blocker.unblock():
+        make_cache(SLOW_TABLE).close()
+        try:
+            sql(f"CREATE TRIGGER `{SLOW_TABLE}_slow` BEFORE DELETE ON `{SLOW_TABLE}` "
+                "FOR EACH ROW SET @kvcache_slow = SLEEP(0.015)")
+            scenario._fill(context, spec, pool, 0, scenario.POOL)
+            culled = scenario._cull(context, spec, 1000, pool)
+            left = sql(f"SELECT COUNT(*) FROM `{SLOW_TABLE}` WHERE `expires` < 1000")[0][0]
+        finally:
+            context.cache(spec).close()
+            for table in (SLOW_TABLE, f"{SLOW_TABLE}_locks"):
+                drop_table(table)
+    assert (culled["expired"], culled["removed"], left) == (100, 100, 0), context.failures
+    assert culled["duration_ms"] >= 1400 and context.failures == []

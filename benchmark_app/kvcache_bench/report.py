@@ -146,7 +146,7 @@ def scale_text(scale: dict[str, Any]) -> str:
                 f"{b['buffer_pool_bytes'] / 2**20:,.0f} MiB",
                 f"{b['fraction']:.2f}" if b["fraction"] else "-"] for b in scale["buffer_pools"]]),
         table(["kvcache_cull at", "expired rows", "removed", "time", "per removed row"],
-              [[f"{c['rows']:,}", f"{c['expired']:,}", f"{c['removed']:,}", f"{c['duration_ms']:,.0f}ms",
+              [[f"{c['rows']:,}", f"{c['expired']:,}", "-" if c["removed"] is None else f"{c['removed']:,}", f"{c['duration_ms']:,.0f}ms",
                 micros(c["us_per_removed_row"])] for c in scale["culls"]]),
         table(["process memory at", "RSS", "peak RSS"],
               [[f"{m['rows']:,}", f"{m['rss_kb'] / 1024:,.0f} MiB", f"{m['peak_rss_kb'] / 1024:,.0f} MiB"]
