@@ -52,6 +52,9 @@ class Connection(Protocol):
 class Line(Protocol):
     """The callers waiting for a pool, oldest first (guarded by the pool's lock)."""
 
+    #: The waiters themselves: looked at directly on every checkout and checkin.
+    waiters: Any
+
     def __len__(self) -> int: ...
 
     def hand_over(self, item: Any) -> bool:
@@ -85,6 +88,9 @@ class Pool(Generic[C]):
         self.lock = threading.Lock()
         self.idle: list[C] = []
         self.size = 0
+        #: Whether ``usable`` asks anything of an idle connection (a subclass's rule);
+        #: when it does not, a checkout takes an idle connection without asking.
+        self.asks_usable = type(self).usable is not Pool.usable
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -117,7 +123,7 @@ class Pool(Generic[C]):
 
     def checkin(self, connection: C) -> None:
         self.idle.append(connection)
-        if self.line:  # read after the append: see the module docstring
+        if self.line.waiters:  # read after the append: see the module docstring
             with self.lock:
                 self._hand_over_idle()
 
@@ -156,9 +162,12 @@ class Pool(Generic[C]):
 
     def _idle_now(self) -> C | None:
         """An idle connection, taken without the lock while nobody waits."""
-        if self.line:
+        if self.line.waiters:  # (every request's path: the deque itself, not len(line))
             return None
         while (connection := self._pop_idle()) is not None:
+            if not self.asks_usable:
+                self.reuses += 1
+                return connection
             if self._usable(connection, locked=False):
                 return connection
         return None

@@ -124,6 +124,34 @@ def test_non_ascii_keys_without_spaces_work(cache):
     }
 
 
+class PrefixedKeys(MemcachedCache):
+    """Keys made its own way, by a subclass's ``make_key``."""
+
+    def make_key(self, key, version=None):
+        return "sub-" + super().make_key(key, version=version)
+
+
+def test_keys_are_djangos_however_they_are_made(make_cache, locations):
+    """The usual key is made inline (``make_and_validate_key``); every other way is still
+    Django's: another version, a key that is not a str, a KEY_FUNCTION, a subclass's
+    ``make_key`` — each checked by memcached's rules all the same."""
+    cache = make_cache(KEY_PREFIX="site", VERSION=3)
+    assert cache.make_and_validate_key("k") == cache.make_key("k") == "site:3:k"
+    assert cache.make_and_validate_key("k", version=5) == "site:5:k"
+    assert cache.make_and_validate_key(7) == "site:3:7"
+    own = make_cache(KEY_FUNCTION=lambda key, prefix, version: f"own-{key}")
+    assert own.make_and_validate_key("k") == "own-k"
+    subclass = PrefixedKeys(locations, {})
+    assert subclass.make_and_validate_key("k") == "sub-:1:k"
+    subclass.set("k", "made by the subclass")
+    assert raw_client(subclass, "sub-:1:k").get("sub-:1:k") is not None
+    for made in (cache, own, subclass):
+        with pytest.raises(InvalidCacheKey, match="characters"):
+            made.get("with space")
+        with pytest.raises(InvalidCacheKey):
+            made.get("k" * 251)
+
+
 # --- expiry -------------------------------------------------------------------------------
 
 
@@ -139,6 +167,10 @@ def test_expire_times_follow_memcached_rules(make_cache):
     absolute = cache.expire_time(THIRTY_DAYS + 10)
     assert abs(absolute - (time.time() + THIRTY_DAYS + 10)) < 5
     assert make_cache(TIMEOUT=None).expire_time() == 0
+    assert make_cache(TIMEOUT=0).expire_time() == EXPIRED
+    # A default over 30 days is a Unix time: worked out at each call, never kept.
+    far = make_cache(TIMEOUT=THIRTY_DAYS + 10)
+    assert abs(far.expire_time() - (time.time() + THIRTY_DAYS + 10)) < 5
 
 
 def test_timeout_over_thirty_days_is_stored_as_a_unix_time(cache):

@@ -33,7 +33,12 @@ import inspect
 import logging
 from typing import Any, Iterable, Mapping
 
-from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache, InvalidCacheKey
+from django.core.cache.backends.base import (
+    DEFAULT_TIMEOUT,
+    BaseCache,
+    InvalidCacheKey,
+    default_key_func,
+)
 
 from django_kvcache import stampede
 from django_kvcache.base import (
@@ -59,7 +64,7 @@ from django_kvcache.memcached.writes import Writes
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS  # noqa: F401 (imported from here)
+from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 from django_kvcache.steps import Plan, arun, run
@@ -94,6 +99,24 @@ def _node_answers_again(sender: Any, node: str, **kwargs: Any) -> None:
 
 
 node_up.connect(_node_answers_again, dispatch_uid="django_kvcache.memcached.ignored_failures")
+
+
+def _plain_key(key: str) -> bool:
+    """The usual key, valid for memcached at a glance (three C calls): ASCII, printable,
+    no space, at most 250 characters (which are then bytes too)."""
+    return key.isascii() and len(key) <= MAX_KEY_BYTES and key.isprintable() and " " not in key
+
+
+def _key_head(cache: BaseCache) -> str | None:
+    """What every key of ``cache`` at its own VERSION starts with, when keys are Django's
+    default (``default_key_func``, ``make_key``, ``make_and_validate_key`` and this
+    backend's ``validate_key`` left as they are); None when they are made otherwise."""
+    cls = type(cache)
+    if (cache.key_func is not default_key_func or cls.make_key is not BaseCache.make_key
+            or cls.make_and_validate_key is not MemcachedCache.make_and_validate_key
+            or cls.validate_key is not MemcachedCache.validate_key):
+        return None
+    return default_key_func("", cache.key_prefix, cache.version)
 
 
 class MemcachedCache(KVCache):
@@ -162,6 +185,13 @@ class MemcachedCache(KVCache):
         self.replicas = replicas_for(self.cluster, self, self.failover, self._stale_copies)
         self._writes = Writes(self, self.replicas, self._stale_copies)
         self._counters = Counters(self)
+        #: Every key at this cache's VERSION starts so (``make_and_validate_key``).
+        self._key_head = _key_head(self)
+        #: The exptime of the default TIMEOUT, when it is the same at every call (not an
+        #: absolute time: up to 30 days, or forever).
+        default = self.default_timeout
+        self._default_exptime = (wire.exptime(default) if default is None
+                                 or default <= THIRTY_DAYS else None)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -169,7 +199,17 @@ class MemcachedCache(KVCache):
         return run(self._get(key, default, version, BLOCKING))
 
     async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return await arun(self._get(key, default, version, ASYNCIO))
+        stored_key = self.make_and_validate_key(key, version=version)
+        joined = self.replicas.joined_read(stored_key)
+        if joined is None:
+            return await arun(self._read(stored_key, default, ASYNCIO))
+        # The usual case on a busy loop: the get joins its node's pending gets, awaited
+        # here without a plan or its driver; what comes back is treated as _read does.
+        try:
+            found = await joined
+        except MemcachedError as exc:
+            return self._failed(exc, default)
+        return self._found(found, default, stored_key)
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -340,14 +380,26 @@ class MemcachedCache(KVCache):
         lease stores, ``memcached.lease``)."""
         return self.codec.encode(value, key)
 
+    def make_and_validate_key(self, key: Any, version: int | None = None) -> str:
+        """Django's (``make_key``, then ``validate_key``) — every call's first step, so
+        the usual one is done inline: a ``str`` key at this cache's VERSION, with Django's
+        default KEY_FUNCTION, is the cache's key head (``KEY_PREFIX:VERSION:``, made once)
+        and the key; a subclass that makes or checks keys its own way is always asked."""
+        head = self._key_head
+        if head is not None and version is None and type(key) is str:
+            stored_key = head + key
+            if _plain_key(stored_key):
+                return stored_key
+        return super().make_and_validate_key(key, version=version)
+
     def validate_key(self, key: str) -> None:
         """memcached's rules in UTF-8 bytes: at most 250, no spaces or control characters.
 
         The messages are Django's own (``memcache_key_warnings``), word for word; only
         the length is counted in bytes, where Django counts characters.
         """
-        if key.isascii() and len(key) <= MAX_KEY_BYTES and key.isprintable() and " " not in key:
-            return  # the common case, in three C calls
+        if _plain_key(key):
+            return  # the common case
         if len(key.encode()) > MAX_KEY_BYTES:
             raise InvalidCacheKey(
                 f"Cache key will cause errors if used with memcached: {key!r} "
@@ -363,6 +415,8 @@ class MemcachedCache(KVCache):
         """memcached's exptime for Django's ``timeout`` (``wire.exptime``): 0 forever, a
         past Unix time for 0 and below, whole seconds rounded up, a Unix time past 30
         days, at most ``LATEST_EXPIRY``."""
+        if timeout is DEFAULT_TIMEOUT and self._default_exptime is not None:
+            return self._default_exptime
         return wire.exptime(self.timeout_seconds(timeout))
 
     # --- routing and failure policy (the cluster's, with this cache's FAILOVER) -------
@@ -397,11 +451,18 @@ class MemcachedCache(KVCache):
     # --- plans: single keys -----------------------------------------------------------
 
     def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
-        stored_key = self.make_and_validate_key(key, version=version)
+        return self._read(self.make_and_validate_key(key, version=version), default, io)
+
+    def _read(self, stored_key: str, default: Any, io: Transport) -> Plan:
         try:
             found = yield from self.replicas.read(stored_key, io)
         except MemcachedError as exc:
             return self._failed(exc, default)
+        return self._found(found, default, stored_key)
+
+    def _found(self, found: tuple[bytes, int] | None, default: Any, stored_key: str) -> Any:
+        """A read's ``(data, flags)`` (None: a miss) as the caller's value, or ``default``
+        (a corrupt entry is a logged miss)."""
         if found is None:
             return default
         value = self.decode(found[0], found[1], stored_key)

@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import time
+import weakref
 from collections import deque
 from typing import Any, Sequence
 
@@ -206,7 +207,10 @@ class AsyncConnection:
         stream.transport.write(request)  # type: ignore[union-attr]
         if stream.drained is not None:  # the kernel's buffer is full: wait for room
             await self._wait(stream.drained, deadline)
-        if reply.parse(stream.buffer):  # already here
+        buffer = stream.buffer
+        # Bytes come in only while this coroutine waits (data_received runs on the loop),
+        # so the reply is parsed here only if some did (while it waited for room).
+        if buffer.pos < len(buffer.data) and reply.parse(buffer):  # already here
             return
         timer = self._expect(stream, reply, deadline)
         try:
@@ -361,13 +365,25 @@ def loop_state() -> LoopState:
 
 
 def pool_of(node: Any) -> AsyncPool:
-    """The running loop's pool for ``node`` (anything with a blocking ``pool``, whose
-    address and settings it shares), made on first use. Call it on the loop."""
+    """The running loop's pool for ``node`` (a ``memcached.node.Node``: its blocking
+    ``pool`` gives the address and settings), made on first use. Call it on the loop.
+
+    Every request asks, so the node remembers the last loop's pool (``loop_pool``: weak
+    references to the loop and its pool, one attribute that another thread's loop may
+    replace whole; weak, so that a loop closed without shutting down is collected) and
+    the loop's state is looked up only when another loop asks."""
+    loop = asyncio.get_running_loop()
+    last = node.loop_pool
+    if last is not None and last[0]() is loop:
+        pool = last[1]()
+        if pool is not None:
+            return pool
     state = loop_state()
     pool = state.pools.get(node)
     if pool is None:
         pool = state.pools[node] = AsyncPool(node.pool.address, node.pool.settings,
                                              state.deadlines)
+    node.loop_pool = (weakref.ref(loop), weakref.ref(pool))
     return pool
 
 

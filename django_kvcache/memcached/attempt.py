@@ -10,7 +10,6 @@ and an asyncio one (``arun``: an awaitable), on the connection the attempt holds
 """
 from __future__ import annotations
 
-import asyncio
 import enum
 import ssl
 from typing import TYPE_CHECKING, Any, Awaitable
@@ -214,11 +213,12 @@ class TakeTurn:
 
 
 class Share:
-    """Await a joint get's share (AUTOBATCH: the event loop only)."""
+    """Await a joint get's share (AUTOBATCH: the event loop only): its future, or the
+    awaitable ``exchange.joined_get`` gives."""
 
     __slots__ = ("future",)
 
-    def __init__(self, future: asyncio.Future) -> None:
+    def __init__(self, future: Awaitable[Any]) -> None:
         self.future = future
 
     def run(self) -> Any:

@@ -22,6 +22,7 @@ future: the request, and the other callers' answers, carry on.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any, Awaitable, Callable
 
 from django_kvcache.memcached import ServerError, aio, wire
@@ -127,14 +128,19 @@ def batch_for(node: Any) -> Gets | None:
     """With AUTOBATCH, the running loop's batch of gets for ``node`` to join: when gets
     are waiting, when the node's requests lately served company enough (``COMPANY``), or
     when a request is in flight to the node. None: go alone (a lone call pays no batching
-    detour). The loop's state is looked up once."""
+    detour)."""
     if not node.pool.settings.autobatch:
         return None
-    state = aio.loop_state()
-    gets = _gets_in(state, node)
+    # The node remembers the last loop's batch (``Node.loop_gets``, a weak reference: each
+    # Gets holds its loop), so the loop's state is looked up only when another loop asks.
+    remembered = node.loop_gets
+    gets = remembered() if remembered is not None else None
+    if gets is None or gets.loop is not asyncio.get_running_loop():
+        gets = gets_of(node)
+        node.loop_gets = weakref.ref(gets)
     if gets.waiting or gets.company >= COMPANY:
         return gets
-    pool = state.pools.get(node)
+    pool = aio.loop_state().pools.get(node)
     if pool is None or pool.size <= len(pool.idle):
         return None  # nothing going on with the node
     return gets

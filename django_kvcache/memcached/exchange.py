@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 from time import monotonic
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from django_kvcache.memcached import (
     MemcachedError,
@@ -187,26 +187,38 @@ def fan_out(batches: Sequence[Batch], io: Transport) -> Plan:
 def get_one(node: Node, key: bytes, io: Transport,
             on_result: Callable[[Any], Any]) -> Plan:
     """A single-key get, as a plan whose value is ``(data, flags)`` or None, passed to
-    ``on_result`` first (the node's hit and miss counts). The hot path: on the loop, with
-    AUTOBATCH and company (``Transport.company``), it joins the node's pending gets with
-    no batch, wire op or generator of the general plan; otherwise it is :func:`request`'s
-    one batch."""
+    ``on_result`` first (the node's hit and miss counts). On the loop, with AUTOBATCH and
+    company, it joins the node's pending gets (:func:`joined_get`); otherwise it is
+    :func:`request`'s one batch."""
     if io.joins:
-        gets = io.company(node)
-        if gets is not None:
-            node.ops += 1
-            return _share_one(gets.get(key), on_result)
+        share = joined_get(node, key, on_result)
+        if share is not None:
+            return _awaited(share)
     batch = Batch(node, wire.get_one(key))
     batch.gets, batch.one, batch.on_result = [key], True, on_result
     node.ops += 1
     return _rounds((batch,), io, batch)  # alone: no company to join (asked above)
 
 
-def _share_one(share: asyncio.Future, on_result: Callable[[Any], Any]) -> Plan:
-    """A single-key get's share of the node's joint get: its ``(data, flags)`` or None,
-    or the node's error (raised). Cancelled, the share nobody will read is dropped."""
+def joined_get(node: Node, key: bytes,
+               on_result: Callable[[Any], Any]) -> Awaitable[Any] | None:
+    """On the event loop: a single-key get that joins the node's pending gets (AUTOBATCH,
+    while they have company: ``autobatch.batch_for``), as an awaitable of its share of
+    their reply — ``(data, flags)`` or None, passed to ``on_result`` first — or the
+    node's error, raised. None: the get goes alone (:func:`get_one`). ``aget``'s usual
+    case awaits it directly: no batch, wire op, plan or driver in between."""
+    gets = autobatch.batch_for(node)
+    if gets is None:
+        return None
+    node.ops += 1
+    return _share_of(gets.get(key), on_result)
+
+
+async def _share_of(share: asyncio.Future, on_result: Callable[[Any], Any]) -> Any:
+    """A single-key get's share of the node's joint get (:func:`joined_get`).
+    Cancelled, the share nobody will read is dropped."""
     try:
-        found = yield Share(share)
+        found = await share
     except MemcachedError:
         raise
     except BaseException:
@@ -214,6 +226,11 @@ def _share_one(share: asyncio.Future, on_result: Callable[[Any], Any]) -> Plan:
         raise
     on_result(found)
     return found
+
+
+def _awaited(awaitable: Awaitable[Any]) -> Plan:
+    """A plan of one step: what ``awaitable`` gives (the asyncio driver only)."""
+    return (yield Share(awaitable))
 
 
 def request(batch: Batch, io: Transport) -> Plan:
@@ -579,9 +596,6 @@ class Transport(Protocol):
         """The get batches that joined gets already going to their node, each with the
         future of its share of their reply (AUTOBATCH)."""
 
-    def company(self, node: Any) -> Any:
-        """The node's pending gets a get should join (``autobatch.Gets``), or None."""
-
 
 class Blocking:
     """The blocking driver: the node's process-wide pool, blocking calls."""
@@ -596,17 +610,12 @@ class Blocking:
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:
         return {}
 
-    @staticmethod
-    def company(node: Any) -> None:
-        return None
-
 
 class Asyncio:
     """The asyncio driver: the running loop's pool for the node; nothing blocks."""
 
     joins = True
     pool = staticmethod(aio.pool_of)
-    company = staticmethod(autobatch.batch_for)
 
     @staticmethod
     def join(batches: Sequence[Batch]) -> dict[Batch, Any]:

@@ -42,6 +42,13 @@ COUNTERS = (
 class Node:
     """Counters are plain ints: cheap, and exact enough under the GIL for monitoring."""
 
+    #: The last event loop that used the node, and that loop's pool for it (``aio.pool_of``),
+    #: as weak references.
+    loop_pool: tuple[Any, Any] | None = None
+    #: The last loop's gets waiting to go out together (``autobatch.batch_for``), as a
+    #: weak reference.
+    loop_gets: Any = None
+
     def __init__(self, address: NodeAddress, pool: NodePool, health: NodeHealth) -> None:
         self.name = address.name
         self.pool = pool

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Collection, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Collection, Iterable, Protocol
 
 from django_kvcache import stampede
 from django_kvcache.memcached import (
@@ -45,7 +45,7 @@ from django_kvcache.memcached import (
     wire,
 )
 from django_kvcache.memcached.cluster import Cluster, Placement, Usable
-from django_kvcache.memcached.exchange import Batch, Transport, fan_out
+from django_kvcache.memcached.exchange import Batch, Transport, fan_out, joined_get
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.steps import Plan
@@ -149,6 +149,13 @@ class Replicas:
         return self.cluster.place_everywhere(keys, self.failover, side)
 
     # --- reads ----------------------------------------------------------------------------
+
+    def joined_read(self, stored_key: str) -> Awaitable[Any] | None:
+        """``aget``'s usual case, on the event loop: a read that joins the pending gets of
+        the one node :meth:`read` would ask (``exchange.joined_get``), as an awaitable of
+        ``(data, flags)`` or None that raises the node's error. None when the read is
+        :meth:`read`'s to do — here always: a replica's miss may be asked on."""
+        return None
 
     def read(self, stored_key: str, io: Transport) -> Plan:
         """A single-key read: ``(data, flags)`` or None. One replica asked
@@ -621,6 +628,12 @@ class OneReplica(Replicas):
 
     def read(self, stored_key: str, io: Transport) -> Plan:
         return self.cluster.node(stored_key, self.failover).get(stored_key.encode(), io)
+
+    def joined_read(self, stored_key: str) -> Awaitable[Any] | None:
+        node = self.cluster.home(stored_key)
+        if node.health.down_until:
+            return None  # down, or probed now: which node serves is read's to decide
+        return joined_get(node, stored_key.encode(), node.count_get)
 
     def ttl(self, key: str, io: Transport) -> Plan:
         return lease.ttl(self.cluster.node(key, self.failover), key, io)

@@ -640,9 +640,20 @@ STORE_REPLIES = (b"STORED", b"NOT_STORED", b"EXISTS", b"NOT_FOUND")
 def store(name: bytes, key: bytes, data: bytes, flags: int, expire: int) -> Op:
     """``set``/``add``/``replace``: whether it was stored; ``ErrorReply`` if refused
     (out of step: memcached may not have read the data block)."""
-    return Op(store_command(name, key, data, flags, expire),
-              lambda: Line(name.decode(), carries_data=True), True,
-              _answer(b"STORED", STORE_REPLIES, name.decode()))
+    reading = _STORE_READING.get(name) or _store_reading(name)
+    return Op(store_command(name, key, data, flags, expire), reading[0], True, reading[1])
+
+
+def _store_reading(name: bytes) -> tuple[Callable[[], Line], Callable[[bytes], bool]]:
+    """How a store command's reply is read (its parser's factory) and what it means:
+    made once per command name (``set`` is on every write's path)."""
+    command = name.decode()
+    reading = _STORE_READING[name] = (partial(Line, command, True, True),
+                                      _answer(b"STORED", STORE_REPLIES, command))
+    return reading
+
+
+_STORE_READING: dict[bytes, tuple[Callable[[], Line], Callable[[bytes], bool]]] = {}
 
 
 def cas(key: bytes, data: bytes, flags: int, expire: int, token: int) -> Op:
