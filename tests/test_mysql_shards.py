@@ -29,7 +29,7 @@ from django_kvcache.mysql import blocking, errors, policy, pools
 from django_kvcache.mysql.query import Query, rowcount, rows
 from django_kvcache.mysql.sql import FOREVER
 from django_kvcache.routing import KvcacheRouter
-from tests.mysql_support import BACKEND, now_ms, sent_statements, wait_for
+from tests.mysql_support import BACKEND, in_another_thread, now_ms, sent_statements, wait_for
 from tests.servers import replica_caught_up
 
 SHARDS = list(settings.SHARD_ALIASES)
@@ -602,9 +602,8 @@ def replicated(**options: Any) -> MySQLCache:
 
 def test_reads_go_to_the_replica_until_this_thread_writes():
     writer = replicated()
-    writer.clear()
-    writer.set("seed", 1)
-    reader = replicated()  # another thread's instance: it wrote nothing; waits for "seed"
+    in_another_thread(lambda: (writer.clear(), writer.set("seed", 1)))  # no window here
+    reader = replicated()  # this thread has written nothing; waits for "seed"
     reader.get("warm-up"), writer.get("warm-up")
     with Statements(["shard2", REPLICA]) as sent:
         assert reader.get("seed") == 1
