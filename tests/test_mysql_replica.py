@@ -10,6 +10,7 @@ site expects, not every lag.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -91,6 +92,16 @@ def test_two_caches_of_one_table_in_one_thread_read_each_other_s_writes(cache, r
         thread.start()
         thread.join()
         assert elsewhere == [None]  # another thread's reads: the replica, which lags
+
+
+def test_an_aset_in_one_event_loop_is_read_back_in_the_next(cache, replica):
+    # asyncio.run() per call, as sync code calling the async API does: each call is a
+    # task of its own, whose context is a copy of this thread's.
+    fresh = replicated(replica, READ_YOUR_WRITES=WINDOW * 2)  # a configuration new here
+    with replica.sql_thread_stopped():
+        asyncio.run(fresh.aset("page", "new"))
+        assert asyncio.run(fresh.aget("page")) == "new"
+        assert fresh.get("page") == "new"
 
 
 def test_a_stopped_replica_serves_what_it_had_until_it_applies_again(cache, replica):

@@ -372,6 +372,9 @@ class Session:
         self.describe_missing_table = describe_missing_table
         # a table of another layout: (alias, its columns, the server's error) -> message
         self.describe_table_layout = describe_table_layout
+        # The window of the context that builds the instance exists from now on, so the
+        # tasks it starts later (each asyncio.run, asyncio.gather…) share it, not copies.
+        cluster.written_here()
 
     def wrote(self, shard: Shard) -> None:
         """A write to ``shard`` starts, or ends: reads of it go to its primary for
