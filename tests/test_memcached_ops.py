@@ -24,7 +24,7 @@ from django_kvcache.codec import FLAG_INTEGER, FLAG_PICKLE, INT64_MAX
 from django_kvcache.memcached import wire
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.zstd import FLAG_ZSTD, zstd_engine
-from tests.racing_read_proxy import RacingReadProxy
+from tests.memcached_fault_proxy import MemcachedFaultProxy
 from tests.codec_support import MAIN_ENTRIES, MAIN_TOKEN, alphanumeric, assert_read_back, html
 from tests.servers import MemcachedNode, memcached_node
 from tests.zstd_support import ZSTD_ENTRY, ZSTD_ENTRY_FLAGS
@@ -281,23 +281,48 @@ def test_overflowing_increments_are_undone_exactly_amid_other_counting(cache):
     assert succeeded == wanted, f"refused too often amid the overflows: {attempts} attempts"
 
 
-def test_a_decrement_never_writes_back_a_value_an_increment_replaced_as_it_was_read():
-    # memcached can answer an mg with an item's old value and the CAS of the item an
-    # incr replaced it with (tests/racing_read_proxy.py): a compare-and-swap from that
-    # read would overwrite the increment. Seen as counters off by INT64_MAX amid
-    # overflowing increments (the test above), once in a few hundred runs.
+@pytest.fixture
+def behind_a_fault_proxy():
+    """A strict cache on one memcached node of its own, through a proxy that simulates
+    rare answers of memcached's (tests/memcached_fault_proxy.py)."""
     with memcached_node() as node:
-        proxy = RacingReadProxy("127.0.0.1", node.port)
+        proxy = MemcachedFaultProxy("127.0.0.1", node.port)
+        cache = MemcachedCache(proxy.address, {"OPTIONS": {"IGNORE_EXCEPTIONS": False}})
         try:
-            cache = MemcachedCache(proxy.address, {"OPTIONS": {"IGNORE_EXCEPTIONS": False}})
-            cache.set("n", 10)
-            proxy.race_next_read(b":1:n", 5)
-            assert cache.decr("n") == 14
-            assert proxy.races == 1
-            assert cache.get("n") == 14
-            cache.close()
+            yield proxy, cache
         finally:
+            cache.close()
             proxy.stop()
+
+
+def test_a_decrement_never_writes_back_a_value_an_increment_replaced_as_it_was_read(
+    behind_a_fault_proxy,
+):
+    # memcached can answer an mg with an item's old value and the CAS of the item an
+    # incr replaced it with: a compare-and-swap from that read would overwrite the
+    # increment. Seen as counters off by INT64_MAX amid overflowing increments (the test
+    # above), once in a few hundred runs.
+    proxy, cache = behind_a_fault_proxy
+    cache.set("n", 10)
+    proxy.race_next_read(b":1:n", 5)
+    assert cache.decr("n") == 14
+    assert proxy.races == 1
+    assert cache.get("n") == 14
+
+
+def test_an_undo_memcached_refuses_to_count_is_made_by_compare_and_swap(behind_a_fault_proxy):
+    # memcached 1.6.18 can refuse to incr a number of 2**63 or more, the very numbers an
+    # overflow's undo counts from: the counter stayed out of range, and every later incr
+    # of it raised OverflowError (CI, py311-dj42).
+    proxy, cache = behind_a_fault_proxy
+    cache.set("n", 1000)
+    proxy.refuse_next(b"incr :1:n %d" % (2**64 - INT64_MAX),
+                      b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n")
+    with pytest.raises(OverflowError):
+        cache.incr("n", INT64_MAX)
+    assert proxy.refusals == 1
+    assert cache.get("n") == 1000
+    assert cache.incr("n") == 1001
 
 
 def test_incr_of_a_corrupt_integer_is_a_logged_miss(cache, caplog):

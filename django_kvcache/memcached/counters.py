@@ -73,8 +73,41 @@ class Counters:
         if value is None or delta <= value <= INT64_MAX:
             return value
         if delta:  # a failed undo raises, and the key is deleted as outdated (see incr)
-            yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
+            yield from self.undo(node, key, delta, io)
         raise counter_overflow(caller_key, delta)
+
+    def undo(self, node: Node, key: str, delta: int, io: Transport) -> Plan:
+        """Take back an ``incr`` by ``delta`` (modulo 2**64, whatever else was counted
+        since): the server's ``incr`` by 2**64 - delta; where the server refuses it,
+        the same subtraction by compare-and-swap.
+
+        memcached (1.6.18 among others) can refuse to count a number of 2**63 or more —
+        the very numbers an undo starts from — as "non-numeric": its ``safe_strtoull``
+        looks for a minus sign with ``strchr``, past the end of the number, in whatever
+        memory follows the item. A value that is no longer a number was replaced since:
+        nothing to take back.
+        """
+        encoded_key = key.encode()
+        try:
+            yield from node.request(wire.incr(encoded_key, 2**64 - delta), io)
+            return
+        except Refused as exc:
+            if not exc.client_error:
+                raise
+        deadline = time.monotonic() + CAS_PATIENCE
+        while time.monotonic() < deadline:
+            found = yield from node.request(wire.meta_get_settled(encoded_key), io)
+            if found is wire.UNSETTLED:
+                continue
+            if found is None or not found[0].rstrip(b" ").isdigit():
+                return  # deleted or replaced meanwhile
+            data, flags, ttl, cas = found
+            ttl = yield from absolute_if_long(node, ttl, io)
+            restored = b"%d" % ((int(data) - delta) % 2**64)  # as the server's incr would
+            if (yield from node.request(wire.meta_cas(encoded_key, restored, flags, ttl, cas), io)):
+                return
+            yield Sleep(random.random() / 1000)
+        raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
     def here(self, node: Node, key: str, delta: int, caller_key: Any, io: Transport) -> Plan:
         """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond

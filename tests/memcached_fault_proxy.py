@@ -1,14 +1,22 @@
-"""A TCP proxy in front of one memcached that can answer one ``mg`` as memcached does when
-an ``incr`` from another connection replaces the item while that ``mg`` holds it (a fault
-only: the race is a matter of nanoseconds on a real server).
+"""A TCP proxy in front of one memcached that can answer a request as memcached does in two
+rare cases (faults only: on a real server they are a matter of nanoseconds, or of what
+bytes follow an item in memory).
 
-memcached's ``do_add_delta``, when it cannot change the number in place (the item is being
-read, or the new number is longer), links a new item and then gives the old one the new
-item's CAS; a reader still holding the old item answers with its value and that CAS. Armed
-with a key and an increment, the proxy answers the next ``mg`` of the key that asks for
-the CAS with exactly that: the value before the increment, which it then applies from a
-connection of its own, and the CAS after it. Everything else is forwarded as it is, and
-what followed the ``mg`` in the same request reaches the server after the answer.
+* :meth:`MemcachedFaultProxy.race_next_read` — an ``mg`` racing an ``incr``:
+
+  memcached's ``do_add_delta``, when it cannot change the number in place (the item is
+  being read, or the new number is longer), links a new item and then gives the old one
+  the new item's CAS; a reader still holding the old item answers with its value and that
+  CAS. Armed with a key and an increment, the proxy answers the next ``mg`` of the key
+  that asks for the CAS with exactly that: the value before the increment, which it then
+  applies from a connection of its own, and the CAS after it.
+* :meth:`MemcachedFaultProxy.refuse_next` — a request answered with an error line instead
+  of being forwarded: memcached 1.6.18 refuses to ``incr`` a number of 2**63 or more as
+  "non-numeric" when a minus sign follows the item in memory (its ``safe_strtoull``
+  searches for one with ``strchr``, past the end of the number).
+
+Everything else is forwarded as it is, and what followed the request in the same chunk
+reaches the server after the answer.
 """
 from __future__ import annotations
 
@@ -18,10 +26,12 @@ import socket
 from tests.lost_reply_proxy import LostReplyProxy, chunks, close, send
 
 
-class RacingReadProxy(LostReplyProxy):
+class MemcachedFaultProxy(LostReplyProxy):
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.racing: tuple[bytes, int] | None = None
         self.races = 0
+        self.refusing: tuple[bytes, bytes] | None = None
+        self.refusals = 0
         super().__init__(upstream_host, upstream_port)
 
     @property
@@ -34,8 +44,24 @@ class RacingReadProxy(LostReplyProxy):
         with self.lock:
             self.racing = (key, increment)
 
+    def refuse_next(self, request_line: bytes, answer: bytes) -> None:
+        """Answer the next request whose first line is ``request_line`` with ``answer``
+        (an error line), without forwarding it."""
+        with self.lock:
+            self.refusing = (request_line, answer)
+
     def client_to_server(self, client: socket.socket, server: socket.socket, pair: dict) -> None:
         for chunk in chunks(client):
+            with self.lock:
+                refusing = self.refusing
+                if refusing is not None and chunk.startswith(refusing[0] + b"\r\n"):
+                    self.refusing = None
+                    self.refusals += 1
+                    chunk = chunk[len(refusing[0]) + 2:]
+                else:
+                    refusing = None
+            if refusing is not None and not send(client, refusing[1]):
+                break
             with self.lock:
                 racing, self.racing = self.racing, None
             if racing is not None:
