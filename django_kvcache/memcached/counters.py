@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from django_kvcache.base import MISSING, counter_overflow
 from django_kvcache.codec import FLAG_INTEGER, FLAG_LONG, INT64_MAX, INT64_MIN
@@ -87,27 +87,19 @@ class Counters:
         memory follows the item. A value that is no longer a number was replaced since:
         nothing to take back.
         """
-        encoded_key = key.encode()
         try:
-            yield from node.request(wire.incr(encoded_key, 2**64 - delta), io)
+            yield from node.request(wire.incr(key.encode(), 2**64 - delta), io)
             return
         except Refused as exc:
             if not exc.client_error:
                 raise
-        deadline = time.monotonic() + CAS_PATIENCE
-        while time.monotonic() < deadline:
-            found = yield from node.request(wire.meta_get_settled(encoded_key), io)
-            if found is wire.UNSETTLED:
-                continue
-            if found is None or not found[0].rstrip(b" ").isdigit():
-                return  # deleted or replaced meanwhile
-            data, flags, ttl, cas = found
-            ttl = yield from absolute_if_long(node, ttl, io)
-            restored = b"%d" % ((int(data) - delta) % 2**64)  # as the server's incr would
-            if (yield from node.request(wire.meta_cas(encoded_key, restored, flags, ttl, cas), io)):
-                return
-            yield Sleep(random.random() / 1000)
-        raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
+
+        def restored(data: bytes, flags: int) -> tuple[bytes, int, bool] | None:
+            if not data.rstrip(b" ").isdigit():
+                return None  # replaced meanwhile
+            return b"%d" % ((int(data) - delta) % 2**64), flags, True  # as incr would
+
+        yield from compare_and_swap(node, key, restored, io)
 
     def here(self, node: Node, key: str, delta: int, caller_key: Any, io: Transport) -> Plan:
         """What the server's ``incr`` cannot do (negative deltas and values, deltas beyond
@@ -149,37 +141,21 @@ class Counters:
     def with_cas(self, node: Node, key: str, delta: int, caller_key: Any, io: Transport) -> Plan:
         """``incr`` computed here and stored only if the item did not change meanwhile
         (compare-and-swap on the meta commands, which keep the item's lifetime); retried
-        while others change it, for up to CAS_PATIENCE seconds. The value and its CAS
-        come from two reads that agree (``wire.meta_get_settled``): one read alone can
-        pair the value before a server ``incr`` with the CAS after it.
+        while others change it (:func:`compare_and_swap`).
 
         Like MySQLCache, only values stored as integers count (a pickled int beyond 64
         bits raises ``TypeError``); a corrupt one is a logged miss.
         """
-        encoded_key = key.encode()
-        deadline = time.monotonic() + CAS_PATIENCE
-        while time.monotonic() < deadline:
-            found = yield from node.request(wire.meta_get_settled(encoded_key), io)
-            if found is wire.UNSETTLED:
-                continue  # an incr replaced the item as it was read (wire.meta_get_settled)
-            if found is None:
-                return None
-            data, flags, ttl, cas = found
+        def counted(data: bytes, flags: int) -> tuple[bytes, int, int] | None:
             value = self.value(data, flags, key, caller_key)
             if value is MISSING:
                 return None
             result = value + delta
             if not (INT64_MIN <= value <= INT64_MAX and INT64_MIN <= result <= INT64_MAX):
                 raise counter_overflow(caller_key, delta)  # (beyond: another's undo is due)
-            ttl = yield from absolute_if_long(node, ttl, io)
-            new_data, new_flags = self.host.codec.encode(result, key)
-            swapped = yield from node.request(
-                wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io
-            )
-            if swapped:
-                return result
-            yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
-        raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
+            return (*self.host.codec.encode(result, key), result)
+
+        return (yield from compare_and_swap(node, key, counted, io))
 
     def value(self, data: bytes, flags: int, key: str, caller_key: Any) -> Any:
         """A stored integer (read under the stored ``key``); ``TypeError`` naming the
@@ -187,6 +163,36 @@ class Counters:
         if flags not in (FLAG_INTEGER, FLAG_LONG):
             raise TypeError(f"The value of key '{caller_key}' is not an integer")
         return self.host.decode(data, flags, key)
+
+
+def compare_and_swap(node: Node, key: str,
+                     rewrite: Callable[[bytes, int], tuple[bytes, int, Any] | None],
+                     io: Transport) -> Plan:
+    """The item under ``key`` rewritten only if it did not change meanwhile (the meta
+    commands' compare-and-swap, which keeps its lifetime), retried while others change
+    it, for up to CAS_PATIENCE seconds. ``rewrite(data, flags)`` gives the new data,
+    flags and the plan's result, or None to leave the item (the plan's result then, as
+    for a missing key). The value and its CAS come from two reads that agree
+    (``wire.meta_get_settled``): one read alone can pair the value before a server
+    ``incr`` with the CAS after it."""
+    encoded_key = key.encode()
+    deadline = time.monotonic() + CAS_PATIENCE
+    while time.monotonic() < deadline:
+        found = yield from node.request(wire.meta_get_settled(encoded_key), io)
+        if found is wire.UNSETTLED:
+            continue  # an incr replaced the item as it was read
+        if found is None:
+            return None
+        data, flags, ttl, cas = found
+        change = rewrite(data, flags)
+        if change is None:
+            return None
+        new_data, new_flags, result = change
+        ttl = yield from absolute_if_long(node, ttl, io)
+        if (yield from node.request(wire.meta_cas(encoded_key, new_data, new_flags, ttl, cas), io)):
+            return result
+        yield Sleep(random.random() / 1000)  # someone else won: let them get out of the way
+    raise MemcachedError(node.name, f"{key!r} kept changing for {CAS_PATIENCE} s of retries")
 
 
 def absolute_if_long(node: Node, ttl: int, io: Transport) -> Plan:
