@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import shutil
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -87,6 +88,32 @@ class MemcachedNode:
             self.process.send_signal(sig)
             self.process.wait(timeout=10)
         self.process = None
+
+
+def connections_held(address: str) -> int:
+    """This process's open TCP connections to `address`, as the kernel has them.
+
+    Counted on this side, not from the server's `curr_connections`: memcached drops a
+    closed connection from its count only when a worker thread next reads it, so its count
+    lags a close by a moment, and it also counts other processes' connections and the
+    start-up probe's. A socket this process closed is gone from /proc/self/fd at once."""
+    host, port = address.rsplit(":", 1)
+    wanted = f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # an fd closed while we look
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    count = 0
+    with open("/proc/self/net/tcp") as table:
+        next(table)  # the header
+        for line in table:
+            fields = line.split()
+            # remote address, state (0A is LISTEN), inode
+            if fields[2] == wanted and fields[3] != "0A" and fields[9] in inodes:
+                count += 1
+    return count
 
 
 @contextlib.contextmanager

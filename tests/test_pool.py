@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from django_kvcache.memcached import aio as memcached_aio
 from django_kvcache.memcached.pool import ConnectionSettings, NodePool
 from django_kvcache.memcached.routing import parse_location
 from django_kvcache.mysql import pools
+from tests.servers import connections_held
 from tests.mysql_support import make_cache, mysql_tables  # noqa: F401  (a fixture)
 
 
@@ -94,17 +96,29 @@ def test_threads_share_a_small_pool_without_losing_a_slot(memcached_node_factory
     assert pool.size == len(pool.idle) <= 2 and not pool.line
 
 
-def server_connections(address: str) -> int:
-    host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(b"stats\r\n")
-        data = b""
-        while not data.endswith(b"END\r\n"):
-            data += sock.recv(65536)
-    for line in data.decode().splitlines():
-        if line.startswith("STAT curr_connections "):
-            return int(line.split()[2])
-    raise AssertionError("no curr_connections")
+def test_the_connection_count_sees_this_process_s_sockets_only_and_at_once(
+        memcached_node_factory):
+    """The count the tests below compare: another process's connection (as the fixture's
+    start-up probe is, to memcached, until a worker thread reads its close) is not in it,
+    and a socket this process closes leaves it at once. memcached's `curr_connections`
+    counted both: a baseline taken while the probe was still counted failed `1 == 2`."""
+    node = memcached_node_factory()
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys; host, port = sys.argv[1].rsplit(':', 1); "
+        "s = socket.create_connection((host, int(port))); print('ok', flush=True); "
+        "sys.stdin.read()"), node.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert other.stdout.readline() == b"ok\n"
+        baseline = connections_held(node.address)
+        own = socket.create_connection(("127.0.0.1", node.port))
+        assert connections_held(node.address) == baseline + 1
+        own.close()
+        other.stdin.close()
+        other.wait(timeout=10)
+        assert connections_held(node.address) == baseline
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_loops_closed_without_shutting_down_leave_no_connection_open(memcached_node_factory):
@@ -112,7 +126,7 @@ def test_loops_closed_without_shutting_down_leave_no_connection_open(memcached_n
     pools were kept, with the loops, for the life of the process (one socket each)."""
     node = memcached_node_factory()
     cache = MemcachedCache([node.address], {"OPTIONS": {"IGNORE_EXCEPTIONS": False}})
-    baseline = server_connections(node.address)
+    baseline = connections_held(node.address)
     loops: list[weakref.ref] = []
     for index in range(12):
         loop = asyncio.new_event_loop()
@@ -124,13 +138,13 @@ def test_loops_closed_without_shutting_down_leave_no_connection_open(memcached_n
     cache.metrics()  # lists every loop's pools: the closed ones are closed and forgotten
     gc.collect()
     deadline = time.monotonic() + 5
-    while server_connections(node.address) > baseline and time.monotonic() < deadline:
+    while connections_held(node.address) > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server_connections(node.address) == baseline
+    assert connections_held(node.address) == baseline
     assert not [ref for ref in loops if ref() is not None]  # the loops were collected
     # A loop that shuts down properly closes its pools at once, as before.
     asyncio.run(cache.aget("key-0"))
-    assert server_connections(node.address) == baseline
+    assert connections_held(node.address) == baseline
 
 
 def test_a_new_loop_closes_what_closed_loops_left(memcached_node_factory):
@@ -138,14 +152,14 @@ def test_a_new_loop_closes_what_closed_loops_left(memcached_node_factory):
     the closed ones left: a process making loop after loop keeps at most one's sockets."""
     node = memcached_node_factory()
     cache = MemcachedCache([node.address], {})
-    baseline = server_connections(node.address)
+    baseline = connections_held(node.address)
     for index in range(10):
         loop = asyncio.new_event_loop()
         loop.run_until_complete(cache.aset("key", index))
         loop.close()
     gc.collect()
     time.sleep(0.1)
-    assert server_connections(node.address) <= baseline + 1
+    assert connections_held(node.address) <= baseline + 1
 
 
 @pytest.mark.django_db(transaction=True)
