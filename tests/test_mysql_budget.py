@@ -90,6 +90,18 @@ def test_shares_split_the_budget_by_weight():
     assert budget.shares(None, [1.0, 1.0]) == [None, None]
 
 
+def test_max_size_alone_is_the_only_bound_and_max_entries_applies_when_set(table):
+    """Django's default MAX_ENTRIES (300) does not cap a cache bounded by MAX_SIZE."""
+    budgeted = make_cache(table, OPTIONS={"MAX_SIZE": "20GB", "CULL_PROBABILITY": 1})
+    budgeted.set_many({f"n{i}": i for i in range(400)})
+    budgeted.set("one-more", 1)  # a write-path cull, drawn with probability 1
+    budgeted.cull()
+    assert stored(table)[1] == 401
+    both = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": "20GB", "MAX_ENTRIES": 300}})
+    both.cull()
+    assert stored(table)[1] <= 300
+
+
 # --- the totals -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [

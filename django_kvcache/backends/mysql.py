@@ -142,6 +142,11 @@ class MySQLCache(KVCache):
         self.max_size = budget.max_size(self.options)
         weights = self.router.weights if self.router is not None else [1.0]
         self.max_sizes = tuple(budget.shares(self.max_size, weights)) if self.max_size else ()
+        #: Whether MAX_ENTRIES bounds the table: always without MAX_SIZE (Django's default
+        #: of 300 included), beside MAX_SIZE only when set explicitly; a budget of "20GB"
+        #: must not also mean "at most 300 entries".
+        self.counts_entries = (self.max_size is None or "MAX_ENTRIES" in self.options
+                               or "max_entries" in params)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -566,7 +571,8 @@ class MySQLCache(KVCache):
 
     def _culling(self) -> plans.Culling:
         stale = self.stampede.stale_timeout if self.stampede is not None else None
-        return plans.Culling(self._max_entries, self._cull_frequency, plans.stale_ms(stale),
+        max_entries = self._max_entries if self.counts_entries else None
+        return plans.Culling(max_entries, self._cull_frequency, plans.stale_ms(stale),
                              self.max_sizes)
 
     # --- herd protection and locks ---------------------------------------------------------
