@@ -665,20 +665,30 @@ class MySQLCache(KVCache):
         return self.tables.drop_sql()
 
     def create_table(self, database: str | None = None) -> str:
-        """Create the tables where they are missing (``database``, else every shard);
-        returns the DDL it ran (the last shard's)."""
+        """Create the tables where they are missing and upgrade an outdated table
+        (``database``, else every shard); returns the DDL it ran (the last shard's)."""
         return self.tables.create([database] if database else self.database_aliases())
 
     def table_exists(self, database: str | None = None) -> bool:
-        """Whether the tables exist in ``database``, else on every shard."""
+        """Whether the tables exist, up to date, in ``database``, else on every shard."""
         databases = [database] if database else self.database_aliases()
-        return not any(self.tables.missing(alias) for alias in databases)
+        return not any(self.tables.missing(alias) or self.tables.outdated(alias)
+                       for alias in databases)
 
     def missing_tables(self, database: str) -> list[str]:
         """Which of the cache's tables ``database`` lacks: the table, its lock table,
-        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table, and with ``MAX_SIZE``
-        its size table (missing too while any of its triggers is)."""
+        and with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
         return self.tables.missing(database)
+
+    def outdated_table(self, database: str) -> list[str]:
+        """What the existing table in ``database`` lacks for MAX_SIZE's estimate, or keeps
+        of the old size table and triggers (``["column key_hash", ...]``); [] when up to
+        date. ``create_table`` upgrades it."""
+        return self.tables.outdated(database)
+
+    def upgrade_table_sql(self, database: str) -> list[str]:
+        """The statements ``create_table`` runs to upgrade the table in ``database``."""
+        return self.tables.upgrade_sql(database)
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:
         """What is wrong with the layout of the table in ``database`` and the fix, or

@@ -612,6 +612,7 @@ def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bo
                 check_limit=numbers.max_entries is not None,
                 batch_size=culling.FULL_CULL_BATCH_SIZE, keep_stale_ms=numbers.stale_ms,
                 max_size=numbers.max_size(shard), observe=observer(session, shard),
+                where=(shard.primary(), session.cluster.table),
             ).run(now_ms()))
         return on
 
@@ -654,7 +655,8 @@ def write_path_cull(
             return (yield from culling.Cull(
                 sql, numbers.max_entries or 0, numbers.cull_frequency,
                 max_batches=culling.WRITE_PATH_BATCHES, keep_stale_ms=numbers.stale_ms,
-                observe=observer(session, shard), **choices,
+                observe=observer(session, shard),
+                where=(shard.primary(), session.cluster.table), **choices,
             ).run(now_ms()))
         return on
 
@@ -666,9 +668,10 @@ def write_path_cull(
 
 def observer(session: Session, shard: Shard) -> budget.Observer:
     """Keeps what a budget check read in the shard's process-wide figures."""
-    def observe(size: int, entries: int) -> None:
+    def observe(held: budget.Estimate) -> None:
         stats = session.cluster.stats(shard.primary())
-        stats.stored_bytes, stats.stored_entries = size, entries
+        stats.stored_bytes, stats.stored_entries = held.bytes, held.entries
+        stats.stored_estimated = int(not held.exact)
     return observe
 
 
