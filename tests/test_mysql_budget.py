@@ -169,6 +169,29 @@ def test_a_stream_of_three_budgets_leaves_the_table_at_its_budget(table):
         assert cache.get(key) == value
 
 
+def test_a_budget_of_more_rows_than_the_sample_holds_by_the_estimate(table):
+    """Small values: the table holds more rows than the sample, so every check reads an
+    estimate; a stream of three budgets still ends within 10 % of it."""
+    limit = 8 * MB
+    cache = make_cache(table, OPTIONS={"MAX_SIZE": limit})
+    rng = random.Random(43)
+    draw = sizes(rng, 100, 2000)
+    written, samples, i = 0, [], 0
+    while written < 3 * limit:
+        batch = {f"s{i + j}": rng.randbytes(next(draw)) for j in range(100)}
+        cache.set_many(batch, timeout=3600)
+        written += sum(map(len, batch.values()))
+        i += 100
+        if i % 5000 == 0:
+            samples.append(stored(table)[0])
+    final = stored(table)
+    assert final[1] > budget.SAMPLE_ROWS  # the checks read estimates
+    assert not budget.server_estimate("default", table).exact
+    assert max(samples + [final[0]]) <= 1.2 * limit, samples
+    assert 0.9 * limit <= final[0] <= 1.1 * limit, final
+    assert cache.get_many(list(batch)) == batch
+
+
 def test_the_entries_closest_to_expiry_go_first(table):
     cache = make_cache(table, OPTIONS={"MAX_SIZE": 100_000})
     for i in range(20):  # 10 kB each; the later ones expire sooner
