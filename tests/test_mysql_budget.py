@@ -304,7 +304,9 @@ def test_a_table_of_the_trigger_release_is_read_until_upgraded_then_upgraded(tab
             call_command("kvcache_createtable", "default", "--dry-run", stdout=out)
             assert f"DROP TABLE IF EXISTS `{budget.size_table(table)}`" in out.getvalue()
             assert triggers_on(table) == sorted(budget.trigger_names(table))  # a dry run
+            out = io.StringIO()
             call_command("kvcache_createtable", "default", stdout=out)
+            assert out.getvalue() == "default: upgraded table\n"
         assert triggers_on(table) == []
         assert sql("SHOW TABLES LIKE %s", [budget.size_table(table)]) == []
         assert cache.outdated_table("default") == []
