@@ -69,3 +69,18 @@ def test_ops_without_a_database_cache_claims_no_speed_up():
     text = report.ops_text(ops, None, "realistic")
     assert text.startswith("ops, realistic values: median per call\n")
     assert "speed-up" not in text and "nothing" not in text
+
+
+def test_the_title_names_the_value_mix_only_when_a_scenario_used_it():
+    """A run of filler-only scenarios (async, nodes, rows...) was titled with the realistic
+    mix's label, as if its figures were of those values."""
+    ops = {"operations": ["get hit"], "results": [
+        {"cache": "default", "operation": "get hit", "median_us": 50.0, "cpu_us": 40.0,
+         "ratio": None, "correct": True}]}
+    results = {"machine": {**MACHINE, "mariadb": None, "memcached": "1.6.18"},
+               "values": {"name": "realistic", "label": "realistic values (mean 3.4 KB)"},
+               "reference": None, "skipped": {"async": "no emcache"}, "scenarios": {},
+               "notes": [], "failures": []}
+    assert "realistic values" not in report.text(results)
+    with_ops = report.text({**results, "scenarios": {"ops": ops}})
+    assert with_ops.splitlines()[1] == "realistic values (mean 3.4 KB)"

@@ -248,3 +248,37 @@ def test_one_server_down_behind_the_proxy_costs_only_its_keys(own_proxy, how):
     metrics = cache.metrics()[own_proxy.address]
     assert metrics["down"] is False and metrics["errors"] == 0
     assert metrics["ignored"] > 0
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_an_overflow_s_undo_refused_behind_a_proxy_deletes_the_counter_and_raises_overflow(api):
+    """memcached 1.6.18 can refuse the ``incr`` that undoes an overflow (its
+    ``safe_strtoull`` bug); directly, the undo is then made by compare-and-swap on the
+    meta commands, which a proxy does not forward. The counter cannot be put back, so it
+    must not stay out of range: the key is deleted as outdated, and the call raises
+    ``OverflowError`` as any overflow does, without counting the proxy as failed.
+    Before, the meta request reached twemproxy, which closed the connection: a node
+    error, the proxy marked failed, and the counter left at 2**63 + 999."""
+    from tests.memcached_fault_proxy import MemcachedFaultProxy
+
+    host, port = settings.TWEMPROXY.rsplit(":", 1)
+    fault = MemcachedFaultProxy(host, int(port))
+    cache = build(fault.address, IGNORE_EXCEPTIONS=False)
+    try:
+        cache.set("n", 1000)
+        stored = cache.make_and_validate_key("n")
+        fault.refuse_next(b"incr %s %d" % (stored.encode(), 2**64 - (2**63 - 1)),
+                          b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n")
+        with pytest.raises(OverflowError):
+            if api == "sync":
+                cache.incr("n", 2**63 - 1)
+            else:
+                asyncio.run(cache.aincr("n", 2**63 - 1))
+        assert fault.refusals == 1
+        assert cache.get("n") is None  # never an out-of-range counter
+        assert client(settings.TWEMPROXY).get(stored) is None
+        metrics = cache.metrics()[fault.address]
+        assert metrics["errors"] == 0 and metrics["down"] is False
+    finally:
+        cache.close()
+        fault.stop()

@@ -424,7 +424,8 @@ TEXT = {"ops": ops_text, "rows": rows_text, "nodes": nodes_text, "concurrency": 
         "shards": shards_text, "async": async_text, "stampede": stampede_text,
         "encryption": encryption_text, "locks": locks_text, "replicas": replicas_text,
         "scale": scale_text}
-#: The scenarios whose text names the value mix (the others use random filler).
+#: The scenarios whose text names the value mix (the others use random filler); the
+#: report's title names the mix only when one of them ran.
 MIX_TEXT = {"ops", "storage", "capacity", "codec", "encryption"}
 
 
@@ -461,7 +462,10 @@ def header(machine: dict[str, Any]) -> str:
 
 def text(results: dict[str, Any]) -> str:
     machine, values = results["machine"], results["values"]
-    parts = [f"django-kvcache benchmark, {machine['date_utc']}: {header(machine)}\n{values['label']}"]
+    title = f"django-kvcache benchmark, {machine['date_utc']}: {header(machine)}"
+    if MIX_TEXT.intersection(results["scenarios"]):  # the others measure filler
+        title += f"\n{values['label']}"
+    parts = [title]
     for name, note in results["skipped"].items():
         parts.append(f"skipped {name}: {note}")
     for name, scenario in results["scenarios"].items():

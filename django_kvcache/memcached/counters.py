@@ -93,6 +93,12 @@ class Counters:
         except Refused as exc:
             if not exc.client_error:
                 raise
+        if not (yield from node.speaks_meta(io)):
+            # Behind a proxy (twemproxy forwards no meta command) the subtraction cannot
+            # be made: the out-of-range counter is deleted before the node serves again,
+            # as an outdated copy is, rather than left for every later incr to overflow.
+            node.outdated.add((key,))
+            return
 
         def restored(data: bytes, flags: int) -> tuple[bytes, int, bool] | None:
             if not data.rstrip(b" ").isdigit():
