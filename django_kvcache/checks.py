@@ -15,6 +15,11 @@
   aliases (``OPTIONS["DATABASE"]``, each of ``OPTIONS["DATABASES"]``, or the router's) are
   checked, whichever alias was named. Inside ``manage.py migrate``, a table the same run
   is about to create (its ``pre_migrate`` receiver does) is no warning.
+* ``kvcache.W004`` with ``MAX_SIZE``, the table exists in one of the cache's own
+  databases without the generated columns and index the budget's estimate reads, or
+  with the size table and triggers of the release that kept an exact total; the
+  message lists what, ``kvcache_createtable`` or ``migrate`` upgrades it. Checked as
+  W001 is.
 * ``kvcache.E002`` the table exists in one of the cache's own databases with another
   layout: django-mysql's, Django's DatabaseCache's, or another application's table of that
   name (every cache call would fail); the message says whose it looks like and the fix.
@@ -128,6 +133,8 @@ def check_mysql_cache_tables(
             if problem is not None:
                 found, fix = problem
                 messages.append(Error(found, hint=fix, id="kvcache.E002"))
+            elif cache.table not in missing and not created_by_this_migrate(cache, database):
+                messages += outdated_warnings(alias, cache, database)
             if not missing or created_by_this_migrate(cache, database):
                 continue
             names = " and ".join(repr(table) for table in missing)
@@ -142,6 +149,21 @@ def check_mysql_cache_tables(
                 )
             )
     return messages
+
+
+def outdated_warnings(alias: str, cache: Any, database: str) -> list[CheckMessage]:
+    """kvcache.W004: the table in ``database`` lacks what MAX_SIZE's estimate reads."""
+    outdated = cache.outdated_table(database)
+    if not outdated:
+        return []
+    return [Warning(
+        f"The table {cache.table!r} of cache {alias!r} in database {database!r} is outdated "
+        f"for MAX_SIZE: {', '.join(outdated)}.",
+        hint="'manage.py migrate' upgrades it before migrating (or run 'manage.py "
+        f"kvcache_createtable {alias}'). Until then the budget is read from the old size "
+        "table where there is one, else not enforced (docs/mysql.rst, \"Sizing\").",
+        id="kvcache.W004",
+    )]
 
 
 @register(Tags.caches)

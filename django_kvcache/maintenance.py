@@ -65,7 +65,8 @@ def create_tables(aliases: Iterable[str] | None = None, dry_run: bool = False) -
             refuse_other_layout(cache, database)  # before its side tables are made
             if cache.table_exists(database):
                 continue
-            statement = cache.create_table_sql(database)
+            statement = ";\n".join([cache.create_table_sql(database),
+                                    *cache.upgrade_table_sql(database)])
             if not dry_run:
                 cache.create_table(database)
             statements.append(f"-- database {database}\n{statement}" if sharded else statement)
@@ -79,25 +80,34 @@ def create_tables_in(database: str, dry_run: bool = False) -> dict[str, str]:
     database routers let migrate there (``allow_migrate``, as Django's
     ``createcachetable`` asks for DatabaseCache); returns ``{alias: SQL}`` as
     ``create_tables``."""
-    return {alias: sql for alias, (sql, _) in _create_missing_in(database, dry_run).items()}
+    return {alias: sql for alias, (sql, _, _) in _create_missing_in(database, dry_run).items()}
 
 
-def _create_missing_in(database: str, dry_run: bool = False) -> dict[str, tuple[str, list[str]]]:
-    """``create_tables_in``, with the names of the tables each cache lacked:
-    ``{alias: (SQL, [table, ...])}``."""
+def _create_missing_in(
+    database: str, dry_run: bool = False
+) -> dict[str, tuple[str, list[str], list[str]]]:
+    """``create_tables_in``, with the names of the tables each cache lacked and what its
+    table's upgrade did: ``{alias: (SQL, [table, ...], ["column key_hash", ...])}``."""
     done = {}
     for alias, cache in caches_in(database).items():
         if not router.allow_migrate_model(database, cache.cache_model_class):
             continue
         refuse_other_layout(cache, database)  # before its side tables are made
         missing = cache.missing_tables(database)
-        if not missing:
+        outdated = [] if cache.table in missing else cache.outdated_table(database)
+        if not missing and not outdated:
             continue
-        done[alias] = (cache.create_table_sql(database), missing)
+        statement = ";\n".join([cache.create_table_sql(database),
+                                *cache.upgrade_table_sql(database)])
+        done[alias] = (statement, missing, outdated)
         if not dry_run:
             cache.create_table(database)
-            logger.info("Created the tables %s of cache %r in database %r",
-                        table_names(missing), alias, database)
+            if missing:
+                logger.info("Created the tables %s of cache %r in database %r",
+                            table_names(missing), alias, database)
+            if outdated:
+                logger.info("Upgraded the table %r of cache %r in database %r: %s",
+                            cache.table, alias, database, ", ".join(outdated))
     return done
 
 
@@ -190,9 +200,13 @@ def prepare_migrate(
     follow_test_mirror(using)
     created = _create_missing_in(using)
     if verbosity >= 1 and stdout is not None:
-        for alias, (_, tables) in created.items():
-            noun = "tables" if len(tables) > 1 else "table"
-            stdout.write(f"  Created the {noun} {table_names(tables)} of cache {alias!r}.\n")
+        for alias, (_, tables, outdated) in created.items():
+            if tables:
+                noun = "tables" if len(tables) > 1 else "table"
+                stdout.write(f"  Created the {noun} {table_names(tables)} of cache {alias!r}.\n")
+            if outdated:
+                stdout.write(f"  Upgraded the table of cache {alias!r} for MAX_SIZE: "
+                             f"{', '.join(outdated)}.\n")
 
 
 def cull_all(aliases: Iterable[str] | None = None) -> dict[str, int]:

@@ -54,9 +54,12 @@ MEANINGS = {
     "replica_behind": "1 while this replica is over MAX_REPLICA_LAG (stopped, unanswered, or "
                       "not asked yet included): its shard's reads go to the primary",
     "max_size": "MAX_SIZE: the bytes this table (shard) may hold, keys and stored values",
-    "stored_bytes": "bytes of keys and stored values the table holds (MAX_SIZE's count; in "
-                    "a process's figures, as its last budget check read it)",
-    "stored_entries": "rows the table holds (MAX_SIZE's count)",
+    "stored_bytes": "bytes of keys and stored values the table holds, MAX_SIZE's estimate "
+                    "(exact for a table no larger than its sample; in a process's figures, as "
+                    "its last budget check read it)",
+    "stored_entries": "rows the table holds, MAX_SIZE's estimate (as stored_bytes)",
+    "stored_estimated": "1 when stored_bytes and stored_entries are estimated from a sample "
+                        "of the table, 0 when summed",
     "late_writes": "writes that timed out, still to settle",
     "pool_size": "open blocking connections",
     "pool_idle": "idle blocking connections",
@@ -164,17 +167,18 @@ def server_figures(alias: str) -> dict[str, dict[str, Any]]:
 
 
 def budget_size(database: str, table: str, max_size: int | None) -> dict[str, Any]:
-    """With MAX_SIZE: the budget of ``table`` in ``database`` and what it holds, as the
-    size table counts (:mod:`django_kvcache.mysql.budget`)."""
+    """With MAX_SIZE: the budget of ``table`` in ``database`` and what it holds, as a
+    budget check estimates it (:mod:`django_kvcache.mysql.budget`)."""
     if max_size is None:
         return {}
-    from django_kvcache.mysql.budget import server_totals
+    from django_kvcache.mysql.budget import NotReady, server_estimate
 
     try:
-        stored, entries = server_totals(database, table)
-    except DatabaseError as exc:
+        held = server_estimate(database, table)
+    except (DatabaseError, NotReady) as exc:
         return {"max_size": max_size, "error": f"{type(exc).__name__}: {exc}"}
-    return {"max_size": max_size, "stored_bytes": stored, "stored_entries": entries}
+    return {"max_size": max_size, "stored_bytes": held.bytes, "stored_entries": held.entries,
+            "stored_estimated": int(not held.exact)}
 
 
 def table_size(database: str, table: str) -> dict[str, Any]:

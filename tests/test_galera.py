@@ -18,6 +18,7 @@ made.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from django.test.utils import override_settings
 
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_engine_on_galera, is_galera_node
-from django_kvcache.mysql import blocking, pools
+from django_kvcache.mysql import blocking, budget, pools
 from django_kvcache.mysql.errors import error_code
 from django_kvcache.mysql.server import forget_server
 from tests.contract import CacheContract
@@ -594,3 +595,44 @@ def test_a_node_cut_off_holds_no_lock_and_grants_none(fourth_node):
     wait_for(lambda: cut_off.lock("feed").locked())  # it sees the successor's grant
     assert not held_there.owned()
     successor.release()
+
+
+# --- MAX_SIZE (django_kvcache.mysql.budget) ---------------------------------------------------
+
+BUDGET_TABLE = "kvcache_galera_budget"
+
+
+@on_the_nodes
+def test_budgeted_writes_of_their_own_keys_on_every_node_never_conflict(galera_table):
+    """MAX_SIZE keeps nothing per write (its estimate reads a sample): writers of their
+    own keys on every node certify without a conflict, as without a budget. (The
+    triggers' totals rows of the earlier design were written by every write, and every
+    node's.)"""
+    budgeted = node_cache(NODES[0], BUDGET_TABLE, MAX_SIZE="10MB")
+    budgeted.create_table()
+    try:
+        for alias in NODES:
+            with causal_reads(alias):
+                assert node_cache(alias, BUDGET_TABLE, MAX_SIZE="10MB").table_exists(alias)
+        conflicts_before = certification_aborts() + reruns()
+        rng = random.Random(41)
+        values = [rng.randbytes(rng.randrange(1000, 4000)) for _ in range(300)]
+
+        def work(cache: MySQLCache, worker: int, calls: Calls) -> None:
+            for i, value in enumerate(values):  # 1 check in about 100 writes
+                calls.attempt(worker, cache.set, f"w{worker}-{i}", value, 3600)
+
+        calls = on_every_node(work, table=BUDGET_TABLE, MAX_SIZE="10MB")
+        calls.check_no_conflict()
+        assert certification_aborts() + reruns() == conflicts_before
+        summed = (f"SELECT SUM(LENGTH(`cache_key`) + LENGTH(`value`)), COUNT(*) "
+                  f"FROM `{BUDGET_TABLE}`")
+        for alias in NODES:
+            with causal_reads(alias):
+                held = budget.server_estimate(alias, BUDGET_TABLE)
+                size, rows = blocking.query(alias, summed)[0]
+            assert held == (size, rows, True)
+            assert rows == len(NODES) * 2 * len(values)
+    finally:
+        with connections[NODES[0]].cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS `{BUDGET_TABLE}`, `{budgeted.lock_table}`")

@@ -1,19 +1,21 @@
 """OPTIONS["MAX_SIZE"]: a MySQLCache table kept under a byte budget on real MariaDB.
 
 What a table holds is measured here with SQL (``SUM(LENGTH(cache_key) + LENGTH(value))``),
-never with the size table the cache itself reads, so each test checks the totals too.
+never with the estimate the cache itself reads, so each test checks the estimate too.
 """
 from __future__ import annotations
 
+import io
 import random
 from typing import Any, Iterator
 
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.test.utils import override_settings
 
-from django_kvcache import stats
+from django_kvcache import maintenance, stats
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.mysql import budget
@@ -34,14 +36,17 @@ def stored(table: str = TABLE, alias: str = "default") -> tuple[int, int]:
 
 
 def counted(table: str = TABLE, alias: str = "default") -> tuple[int, int]:
-    """What the size table says ``table`` holds."""
-    return budget.server_totals(alias, table)
+    """What the budget's estimate says ``table`` holds (summed when it has no more rows
+    than the sample)."""
+    held = budget.server_estimate(alias, table)
+    return held.bytes, held.entries
 
 
 def drop(table: str = TABLE, aliases: tuple[str, ...] = ("default",)) -> None:
     for alias in aliases:
         drop_table(table, alias)
         drop_table(budget.size_table(table), alias)
+        drop_table(table + "_locks", alias)
 
 
 @pytest.fixture
@@ -90,6 +95,18 @@ def test_shares_split_the_budget_by_weight():
     assert budget.shares(None, [1.0, 1.0]) == [None, None]
 
 
+def test_max_size_alone_is_the_only_bound_and_max_entries_applies_when_set(table):
+    """Django's default MAX_ENTRIES (300) does not cap a cache bounded by MAX_SIZE."""
+    budgeted = make_cache(table, OPTIONS={"MAX_SIZE": "20GB", "CULL_PROBABILITY": 1})
+    budgeted.set_many({f"n{i}": i for i in range(400)})
+    budgeted.set("one-more", 1)  # a write-path cull, drawn with probability 1
+    budgeted.cull()
+    assert stored(table)[1] == 401
+    both = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": "20GB", "MAX_ENTRIES": 300}})
+    both.cull()
+    assert stored(table)[1] <= 300
+
+
 # --- the totals -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [
@@ -97,7 +114,7 @@ def test_shares_split_the_budget_by_weight():
     {"COMPRESS_MIN_LENGTH": 100},
     {"ENCRYPTION_KEYS": ["the budget tests' key, 41 characters long"]},
 ], ids=["plain", "compressed", "encrypted"])
-def test_the_totals_follow_every_operation_exactly(table, options):
+def test_a_table_no_larger_than_the_sample_is_summed_exactly(table, options):
     cache = make_cache(table, OPTIONS={"MAX_SIZE": "10MB", **options})
     cache.set("a", "x" * 5000)
     cache.set("a", "y" * 300)  # overwritten: the difference
@@ -113,6 +130,7 @@ def test_the_totals_follow_every_operation_exactly(table, options):
     cache.get_or_set("c", lambda: "z" * 70000)
     sql(f"DELETE FROM `{table}` WHERE `cache_key` LIKE %s", [":1:m1%"])  # behind its back
     assert counted(table) == stored(table) != (0, 0)
+    assert budget.server_estimate("default", table).exact
     cache.clear()
     assert counted(table) == stored(table) == (0, 0)
 
@@ -151,6 +169,29 @@ def test_a_stream_of_three_budgets_leaves_the_table_at_its_budget(table):
         assert cache.get(key) == value
 
 
+def test_a_budget_of_more_rows_than_the_sample_holds_by_the_estimate(table):
+    """Small values: the table holds more rows than the sample, so every check reads an
+    estimate; a stream of three budgets still ends within 10 % of it."""
+    limit = 8 * MB
+    cache = make_cache(table, OPTIONS={"MAX_SIZE": limit})
+    rng = random.Random(43)
+    draw = sizes(rng, 100, 2000)
+    written, samples, i = 0, [], 0
+    while written < 3 * limit:
+        batch = {f"s{i + j}": rng.randbytes(next(draw)) for j in range(100)}
+        cache.set_many(batch, timeout=3600)
+        written += sum(map(len, batch.values()))
+        i += 100
+        if i % 5000 == 0:
+            samples.append(stored(table)[0])
+    final = stored(table)
+    assert final[1] > budget.SAMPLE_ROWS  # the checks read estimates
+    assert not budget.server_estimate("default", table).exact
+    assert max(samples + [final[0]]) <= 1.2 * limit, samples
+    assert 0.9 * limit <= final[0] <= 1.1 * limit, final
+    assert cache.get_many(list(batch)) == batch
+
+
 def test_the_entries_closest_to_expiry_go_first(table):
     cache = make_cache(table, OPTIONS={"MAX_SIZE": 100_000})
     for i in range(20):  # 10 kB each; the later ones expire sooner
@@ -163,40 +204,180 @@ def test_the_entries_closest_to_expiry_go_first(table):
 
 def test_kvcache_cull_brings_a_table_under_a_new_budget(table):
     unbounded = make_cache(table)
-    # 2 MB, written before the cache had a budget: no size table yet
+    # 2 MB, written before the cache had a budget: no columns for the estimate yet
     unbounded.set_many({f"u{i}": random.randbytes(50_000) for i in range(40)})
     bounded = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": 500_000, "CULL_PROBABILITY": 0}})
-    assert bounded.missing_tables("default") == [budget.size_table(table)]
-    bounded.create_table()  # the upgrade: size table, totals of the rows there, triggers
     assert bounded.missing_tables("default") == []
+    assert bounded.outdated_table("default") == [
+        "column key_hash", "column byte_size", f"index {budget.SAMPLE_INDEX}"]
+    assert not bounded.table_exists()
+    bounded.create_table()  # the upgrade: the generated columns and their index
+    assert bounded.outdated_table("default") == [] and bounded.table_exists()
     assert counted(table) == stored(table)
     assert bounded.cull() > 0
     assert 0.9 * 500_000 <= stored(table)[0] <= 500_000
     assert counted(table) == stored(table)
 
 
-def test_writes_go_on_while_the_size_table_is_missing(table, caplog):
+def test_writes_go_on_while_the_table_lacks_the_estimate(table, caplog):
     make_cache(table).set("x", 1)  # a table from before MAX_SIZE
     bounded = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": 1000, "CULL_PROBABILITY": 0}})
-    bounded.set("big", random.randbytes(5000))  # draws a check: it fails, logged
+    bounded.set("big", random.randbytes(5000))  # draws a check: nothing to read, logged
+    bounded.cull()  # nor does kvcache_cull fail: it says so
     assert bounded.get("big") is not None and bounded.get("x") == 1
-    assert budget.size_table(table) in caplog.text
+    assert "kvcache_createtable" in caplog.text and budget.SAMPLE_INDEX in caplog.text
+    assert "error" in stats.budget_size("default", table, 1000)
 
 
-def test_the_system_check_reports_a_budget_without_its_size_table(table):
+def test_the_system_check_reports_a_table_without_the_estimate(table):
     make_cache(table).set("x", 1)
     entry = {"BACKEND": BACKEND, "LOCATION": table, "OPTIONS": {"MAX_SIZE": "1MB"}}
     with override_settings(CACHES={"default": entry}):
-        warnings = [m for m in check_mysql_cache_tables(databases=["default"])
-                    if m.id == "kvcache.W001"]
-        assert [m.msg for m in warnings] == [
-            f"The table '{budget.size_table(table)}' of cache 'default' does not exist in "
-            "database 'default'."]
+        warnings = check_mysql_cache_tables(databases=["default"])
+        assert [(m.id, m.msg) for m in warnings] == [(
+            "kvcache.W004", f"The table '{table}' of cache 'default' in database 'default' is "
+            f"outdated for MAX_SIZE: column key_hash, column byte_size, index "
+            f"{budget.SAMPLE_INDEX}.")]
         assert "kvcache_createtable default" in warnings[0].hint
-        make_cache(table, OPTIONS={"MAX_SIZE": "1MB"})  # creates what is missing
+        make_cache(table, OPTIONS={"MAX_SIZE": "1MB"})  # upgrades it
         assert check_mysql_cache_tables(databases=["default"]) == []
-        sql(f"DROP TRIGGER `{budget.trigger_names(table)[2]}`")  # a trigger lost: missing
-        assert [m.id for m in check_mysql_cache_tables(databases=["default"])] == ["kvcache.W001"]
+        sql(f"ALTER TABLE `{table}` DROP INDEX `{budget.SAMPLE_INDEX}`")  # an index lost
+        assert [m.id for m in check_mysql_cache_tables(databases=["default"])] == [
+            "kvcache.W004"]
+
+
+def create_as_the_trigger_release(table: str) -> None:
+    """``table`` as kvcache_createtable made it with MAX_SIZE before the estimate: the
+    table without its columns, a side table of 16 slot rows of totals, three triggers."""
+    from django_kvcache.mysql.sql import create_lock_table_sql, create_table_sql, quote_name
+
+    sql(create_table_sql(table, quote_name, mariadb=True))
+    sql(create_lock_table_sql(table, quote_name, mariadb=True))
+    size = budget.size_table(table)
+    ins, upd, dele = budget.trigger_names(table)
+    slot = "WHERE `slot` = CONNECTION_ID() % 16"
+    row = "LENGTH({0}.`cache_key`) + LENGTH({0}.`value`)"
+    for statement in [
+        f"CREATE TABLE IF NOT EXISTS `{size}` (`slot` SMALLINT UNSIGNED NOT NULL, `bytes` "
+        "BIGINT NOT NULL, `entries` BIGINT NOT NULL, PRIMARY KEY (`slot`)) ENGINE=InnoDB",
+        f"INSERT IGNORE INTO `{size}` (`slot`, `bytes`, `entries`) SELECT 0, COALESCE(SUM("
+        f"LENGTH(`cache_key`) + LENGTH(`value`)), 0), COUNT(*) FROM `{table}`",
+        f"INSERT IGNORE INTO `{size}` (`slot`, `bytes`, `entries`) VALUES "
+        + ", ".join(f"({i}, 0, 0)" for i in range(1, 16)),
+        f"CREATE TRIGGER IF NOT EXISTS `{ins}` AFTER INSERT ON `{table}` FOR EACH ROW UPDATE "
+        f"`{size}` SET `bytes` = `bytes` + {row.format('NEW')}, `entries` = `entries` + 1 {slot}",
+        f"CREATE TRIGGER IF NOT EXISTS `{upd}` AFTER UPDATE ON `{table}` FOR EACH ROW UPDATE "
+        f"`{size}` SET `bytes` = `bytes` + {row.format('NEW')} - ({row.format('OLD')}) {slot}",
+        f"CREATE TRIGGER IF NOT EXISTS `{dele}` AFTER DELETE ON `{table}` FOR EACH ROW UPDATE "
+        f"`{size}` SET `bytes` = `bytes` - ({row.format('OLD')}), `entries` = `entries` - 1 "
+        f"{slot}",
+    ]:
+        sql(statement)
+
+
+def triggers_on(table: str) -> list[str]:
+    return sorted(row[0] for row in sql(budget.TRIGGERS_QUERY, [table]))
+
+
+@pytest.mark.parametrize("upgrade", ["kvcache_createtable", "migrate"])
+def test_a_table_of_the_trigger_release_is_read_until_upgraded_then_upgraded(table, upgrade):
+    create_as_the_trigger_release(table)
+    entry = {"BACKEND": BACKEND, "LOCATION": table,
+             "OPTIONS": {"MAX_SIZE": 100_000, "CULL_PROBABILITY": 0}}
+    with override_settings(CACHES={"default": entry}):
+        cache = MySQLCache(table, {"OPTIONS": entry["OPTIONS"]})
+        [warning] = check_mysql_cache_tables(databases=["default"])
+        assert warning.id == "kvcache.W004"
+        assert all(name in warning.msg for name in budget.trigger_names(table))
+        # Not upgraded yet: the budget is held by the old totals, which the triggers keep.
+        for i in range(20):
+            cache.set(f"o{i:02}", random.randbytes(10_000), timeout=10_000 - i * 100)
+        assert stored(table)[0] <= 100_000 and cache.get("o19") is not None
+        assert counted(table) == stored(table)
+        assert sql(budget.LAYOUT_QUERY, [table, table, budget.size_table(table)])[0][2] == 1
+
+        out = io.StringIO()
+        if upgrade == "migrate":  # what its pre_migrate receiver runs
+            maintenance.prepare_migrate(sender=None, using="default", stdout=out)
+            assert "Upgraded the table of cache 'default' for MAX_SIZE" in out.getvalue()
+        else:
+            call_command("kvcache_createtable", "default", "--dry-run", stdout=out)
+            assert f"DROP TABLE IF EXISTS `{budget.size_table(table)}`" in out.getvalue()
+            assert triggers_on(table) == sorted(budget.trigger_names(table))  # a dry run
+            out = io.StringIO()
+            call_command("kvcache_createtable", "default", stdout=out)
+            assert out.getvalue() == "default: upgraded table\n"
+        assert triggers_on(table) == []
+        assert sql("SHOW TABLES LIKE %s", [budget.size_table(table)]) == []
+        assert cache.outdated_table("default") == []
+        assert check_mysql_cache_tables(databases=["default"]) == []
+        assert counted(table) == stored(table)  # now the estimate, the rows there included
+        for i in range(20, 40):
+            cache.set(f"o{i:02}", random.randbytes(10_000), timeout=10_000 - i * 100)
+        assert stored(table)[0] <= 100_000 and cache.get("o39") is not None
+
+
+def test_the_upgrade_adds_the_columns_at_once_and_builds_the_index_with_writes_going_on(
+        table):
+    """The server takes the upgrade's statements with ALGORITHM=INSTANT (the columns: no
+    copy of a large table) and ALGORITHM=INPLACE, LOCK=NONE (the index), or refuses."""
+    from django_kvcache.mysql.sql import quote_name
+
+    make_cache(table).set_many({f"i{i}": i for i in range(100)})
+    lacks = budget.outdated("default", table)
+    columns, index = budget.upgrade_sql(table, quote_name, True, "InnoDB", lacks)
+    sql(columns + ", ALGORITHM=INSTANT")
+    sql(index + ", ALGORITHM=INPLACE, LOCK=NONE")
+    assert budget.outdated("default", table) == []
+    assert counted(table) == stored(table)
+
+
+def test_a_table_made_again_another_way_is_read_again(table, caplog):
+    """The layout a process remembers for a table is forgotten when reading by it fails:
+    a table dropped and made again as the trigger release made it (by another process)
+    costs one check, not a minute of checks."""
+    cache = make_cache(table, OPTIONS={"MAX_SIZE": 100_000})
+    cache.set("first", random.randbytes(10_000))  # a check: the sampled layout remembered
+    drop()
+    create_as_the_trigger_release(table)
+    cache.set("fails", random.randbytes(10_000))  # its check fails: logged, forgotten
+    assert "Cull of" in caplog.text and cache.get("fails") is not None
+    for i in range(20):
+        cache.set(f"a{i:02}", random.randbytes(10_000), timeout=10_000 - i * 100)
+    assert stored(table)[0] <= 100_000 and cache.get("a19") is not None
+
+
+#: The estimate's test table: more rows than the sample, sizes spread over two orders of
+#: magnitude, made by the server (MariaDB's sequence engine) from the row number alone.
+ESTIMATED_ROWS = 5 * budget.SAMPLE_ROWS
+
+
+def test_the_estimate_of_a_table_larger_than_the_sample_is_within_its_bound(table):
+    """The estimate is the sample's mean size times the k-minimum-values row count, both
+    unbiased and independent; its relative standard deviation is about
+    ``sqrt((1 + cv²) (1 - k/N) / k)`` (cv: the sizes' coefficient of variation, k the
+    sample's rows, N the table's). Fixed rows and keys (the hash is CRC32): the same
+    estimate every run, checked against four of those deviations."""
+    make_cache(table, OPTIONS={"MAX_SIZE": "1GB"})
+    if not sql("SELECT COUNT(*) FROM information_schema.ENGINES WHERE ENGINE = 'SEQUENCE'"
+               )[0][0]:
+        pytest.skip("needs MariaDB's sequence engine")
+    sql(f"INSERT INTO `{table}` (`cache_key`, `value`, `flags`, `expires`) "
+        f"SELECT CONCAT(':1:est', `seq`), REPEAT('v', FLOOR(20 * POW(100, "
+        f"MOD(`seq` * 2654435761, 1000003) / 1000003))), 0, 9223372036854775807 "
+        f"FROM `seq_1_to_{ESTIMATED_ROWS}`")
+    size, rows = stored(table)
+    assert rows == ESTIMATED_ROWS
+    cv = float(sql(f"SELECT STDDEV_POP(`byte_size`) / AVG(`byte_size`) FROM `{table}`")[0][0])
+    k = budget.SAMPLE_ROWS + 1
+    deviation = ((1 - k / rows) / k) ** 0.5
+    held = budget.server_estimate("default", table)
+    assert not held.exact
+    assert abs(held.entries - rows) <= 4 * deviation * rows, (held, rows, deviation)
+    assert abs(held.bytes - size) <= 4 * deviation * (1 + cv * cv) ** 0.5 * size, (
+        held, size, deviation, cv)
+    shown = stats.budget_size("default", table, 10**9)
+    assert (shown["stored_bytes"], shown["stored_estimated"]) == (held.bytes, 1)
 
 
 def test_figures_show_the_budget_and_what_the_table_holds(table):
@@ -208,8 +389,8 @@ def test_figures_show_the_budget_and_what_the_table_holds(table):
             cache.set(f"f{i}", random.randbytes(30_000))
         size, rows = stored(table)
         server = stats.server_figures("default")["default"]
-        assert (server["max_size"], server["stored_bytes"], server["stored_entries"]) == (
-            200_000, size, rows)
+        assert (server["max_size"], server["stored_bytes"], server["stored_entries"],
+                server["stored_estimated"]) == (200_000, size, rows, 0)  # few rows: summed
         shard = cache.metrics()["shards"]["default"]
         assert shard["max_size"] == 200_000
         assert 0 < shard["stored_bytes"] <= 200_000  # as the last check read it

@@ -142,6 +142,11 @@ class MySQLCache(KVCache):
         self.max_size = budget.max_size(self.options)
         weights = self.router.weights if self.router is not None else [1.0]
         self.max_sizes = tuple(budget.shares(self.max_size, weights)) if self.max_size else ()
+        #: Whether MAX_ENTRIES bounds the table: always without MAX_SIZE (Django's default
+        #: of 300 included), beside MAX_SIZE only when set explicitly; a budget of "20GB"
+        #: must not also mean "at most 300 entries".
+        self.counts_entries = (self.max_size is None or "MAX_ENTRIES" in self.options
+                               or "max_entries" in params)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
 
@@ -566,7 +571,8 @@ class MySQLCache(KVCache):
 
     def _culling(self) -> plans.Culling:
         stale = self.stampede.stale_timeout if self.stampede is not None else None
-        return plans.Culling(self._max_entries, self._cull_frequency, plans.stale_ms(stale),
+        max_entries = self._max_entries if self.counts_entries else None
+        return plans.Culling(max_entries, self._cull_frequency, plans.stale_ms(stale),
                              self.max_sizes)
 
     # --- herd protection and locks ---------------------------------------------------------
@@ -659,20 +665,30 @@ class MySQLCache(KVCache):
         return self.tables.drop_sql()
 
     def create_table(self, database: str | None = None) -> str:
-        """Create the tables where they are missing (``database``, else every shard);
-        returns the DDL it ran (the last shard's)."""
+        """Create the tables where they are missing and upgrade an outdated table
+        (``database``, else every shard); returns the DDL it ran (the last shard's)."""
         return self.tables.create([database] if database else self.database_aliases())
 
     def table_exists(self, database: str | None = None) -> bool:
-        """Whether the tables exist in ``database``, else on every shard."""
+        """Whether the tables exist, up to date, in ``database``, else on every shard."""
         databases = [database] if database else self.database_aliases()
-        return not any(self.tables.missing(alias) for alias in databases)
+        return not any(self.tables.missing(alias) or self.tables.outdated(alias)
+                       for alias in databases)
 
     def missing_tables(self, database: str) -> list[str]:
         """Which of the cache's tables ``database`` lacks: the table, its lock table,
-        with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table, and with ``MAX_SIZE``
-        its size table (missing too while any of its triggers is)."""
+        and with ``COMPRESS_DICTIONARY: "auto"`` its dictionary table."""
         return self.tables.missing(database)
+
+    def outdated_table(self, database: str) -> list[str]:
+        """What the existing table in ``database`` lacks for MAX_SIZE's estimate, or keeps
+        of the old size table and triggers (``["column key_hash", ...]``); [] when up to
+        date. ``create_table`` upgrades it."""
+        return self.tables.outdated(database)
+
+    def upgrade_table_sql(self, database: str) -> list[str]:
+        """The statements ``create_table`` runs to upgrade the table in ``database``."""
+        return self.tables.upgrade_sql(database)
 
     def table_layout_problem(self, database: str) -> tuple[str, str] | None:
         """What is wrong with the layout of the table in ``database`` and the fix, or

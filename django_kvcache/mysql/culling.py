@@ -6,8 +6,8 @@
 2. If a row still exists at offset ``MAX_ENTRIES`` the table is over its limit: the
    entries closest to expiry are evicted until ``MAX_ENTRIES - MAX_ENTRIES // CULL_FREQUENCY``
    remain (``CULL_FREQUENCY`` 0 or 1, and ``MAX_ENTRIES`` 0, empty the table).
-3. With ``MAX_SIZE``, if the table's stored bytes (plus what is about to be written) are
-   over the budget, the entries closest to expiry are evicted in the same order until
+3. With ``MAX_SIZE``, if the table's stored bytes (estimated, plus what is about to be
+   written) are over the budget, the entries closest to expiry are evicted in the same order until
    they fit (:mod:`~django_kvcache.mysql.budget`).
 
 OPTIONS refuses negative numbers, but Django's own tests set ``cache._max_entries = -1``
@@ -76,6 +76,7 @@ class Cull:
         incoming: int = 0,
         delete_expired: bool = True,
         observe: budget.Observer | None = None,
+        where: tuple[str, str] = ("", ""),
     ) -> None:
         self.sql = sql
         self.max_entries = min(max(max_entries, 0), MAX_OFFSET)
@@ -95,6 +96,8 @@ class Cull:
         #: first anyway, and one statement less keeps the check cheap.
         self.delete_expired = delete_expired
         self.observe = observe
+        #: (database alias, table) the cull runs on: whose layout the budget remembers.
+        self.where = where
 
     def run(self, now_ms: int) -> Statements_:
         """Delete expired rows, then evict if over the limit, then if over the byte
@@ -110,7 +113,7 @@ class Cull:
         if self.max_size is not None and self.batches_left > 0:
             batches = int(min(self.batches_left, MAX_BUDGET_ROUNDS))
             deleted += yield from budget.enforce(
-                self.sql, self.max_size, self.incoming, batches, self.observe)
+                self.sql, self.max_size, self.incoming, batches, self.where, self.observe)
         return deleted
 
     def entries_to_keep(self) -> int:

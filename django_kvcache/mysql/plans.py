@@ -589,7 +589,7 @@ CullPlan = Generator[Query, Any, int]
 class Culling(NamedTuple):
     """A cache's culling numbers, as Django's tests may set them on a live cache."""
 
-    max_entries: int
+    max_entries: int | None  # None: no bound on the count (MAX_SIZE alone)
     cull_frequency: int
     stale_ms: int  # expired rows kept this long for get_or_set (STALE_TIMEOUT)
     #: MAX_SIZE's share of each shard (by Shard.index), or ``()`` without a budget.
@@ -608,9 +608,11 @@ def cull(session: Session, numbers: Culling, max_batches: int | None, strict: bo
     def work(shard: Shard) -> Callable[[Statements], CullPlan]:
         def on(sql: Statements) -> Generator[Query, Any, int]:
             return (yield from culling.Cull(
-                sql, numbers.max_entries, numbers.cull_frequency, max_batches,
+                sql, numbers.max_entries or 0, numbers.cull_frequency, max_batches,
+                check_limit=numbers.max_entries is not None,
                 batch_size=culling.FULL_CULL_BATCH_SIZE, keep_stale_ms=numbers.stale_ms,
                 max_size=numbers.max_size(shard), observe=observer(session, shard),
+                where=(shard.primary(), session.cluster.table),
             ).run(now_ms()))
         return on
 
@@ -640,8 +642,8 @@ def write_path_cull(
         checks = max_size is not None and budget.draw(incoming, max_size, random.random())
         if culls or checks:
             works.append((shard, dict(
-                check_limit=culls and culling.draw_limit_check(
-                    numbers.max_entries, random.random()),
+                check_limit=culls and numbers.max_entries is not None
+                and culling.draw_limit_check(numbers.max_entries, random.random()),
                 max_size=max_size if checks else None, incoming=incoming,
                 delete_expired=culls,
             )))
@@ -651,9 +653,10 @@ def write_path_cull(
     def work(shard: Shard, choices: dict[str, Any]) -> Callable[[Statements], CullPlan]:
         def on(sql: Statements) -> Generator[Query, Any, int]:
             return (yield from culling.Cull(
-                sql, numbers.max_entries, numbers.cull_frequency,
+                sql, numbers.max_entries or 0, numbers.cull_frequency,
                 max_batches=culling.WRITE_PATH_BATCHES, keep_stale_ms=numbers.stale_ms,
-                observe=observer(session, shard), **choices,
+                observe=observer(session, shard),
+                where=(shard.primary(), session.cluster.table), **choices,
             ).run(now_ms()))
         return on
 
@@ -665,9 +668,10 @@ def write_path_cull(
 
 def observer(session: Session, shard: Shard) -> budget.Observer:
     """Keeps what a budget check read in the shard's process-wide figures."""
-    def observe(size: int, entries: int) -> None:
+    def observe(held: budget.Estimate) -> None:
         stats = session.cluster.stats(shard.primary())
-        stats.stored_bytes, stats.stored_entries = size, entries
+        stats.stored_bytes, stats.stored_entries = held.bytes, held.entries
+        stats.stored_estimated = int(not held.exact)
     return observe
 
 

@@ -38,9 +38,11 @@ class ShardStats:
     skipped: int = 0  # calls not sent because the alias was marked down
     reruns: int = 0  # statements sent again after an error (a Galera conflict, a lost connection)
     # MAX_SIZE: the table's stored bytes and rows at this process's last budget check
-    # (None before one): what a scrape can show without asking the server.
+    # (None before one), and 1 when they were estimated from a sample (0: summed): what a
+    # scrape can show without asking the server.
     stored_bytes: int | None = None
     stored_entries: int | None = None
+    stored_estimated: int | None = None
 
 
 _shard_stats: dict[tuple[str, str], ShardStats] = {}

@@ -75,9 +75,16 @@ def create_table_sql(
     mariadb: bool,
     engine: str = "InnoDB",
     collation: str | None = None,
+    sampled: bool = False,
 ) -> str:
-    """The table's DDL; ``collation`` defaults to the flavour's binary NO PAD one."""
+    """The table's DDL; ``collation`` defaults to the flavour's binary NO PAD one.
+    ``sampled`` (MAX_SIZE): with the generated columns and index its estimate reads."""
     collation = collation or (MARIADB_COLLATION if mariadb else MYSQL_COLLATION)
+    extra_columns, extra_keys = "", ""
+    if sampled:
+        columns = sample_columns_sql(mariadb, engine)
+        extra_columns = "".join(f"    {column},\n" for column in columns)
+        extra_keys = f",\n    {sample_index_sql()}"
     return (
         f"CREATE TABLE IF NOT EXISTS {quote_name(table)} (\n"
         f"    `cache_key` VARCHAR({MAX_KEY_LENGTH}) CHARACTER SET utf8mb4"
@@ -85,10 +92,34 @@ def create_table_sql(
         "    `value` LONGBLOB NOT NULL,\n"
         "    `flags` INT UNSIGNED NOT NULL,\n"
         "    `expires` BIGINT NOT NULL,\n"
+        f"{extra_columns}"
         "    PRIMARY KEY (`cache_key`),\n"
-        "    KEY `kvcache_expires` (`expires`)\n"
+        f"    KEY `kvcache_expires` (`expires`){extra_keys}\n"
         f") ENGINE={check_engine(engine)} DEFAULT CHARSET=utf8mb4 COLLATE={collation}"
     )
+
+
+#: MAX_SIZE's estimate (``django_kvcache.mysql.budget``) reads this index of a budgeted
+#: table: (key_hash, byte_size), covering.
+SAMPLE_INDEX = "kvcache_sample"
+#: The generated columns of a budgeted table, in order (:func:`sample_columns_sql`).
+SAMPLE_COLUMNS = ("key_hash", "byte_size")
+
+
+def sample_columns_sql(mariadb: bool, engine: str) -> list[str]:
+    """The generated columns of a budgeted table. VIRTUAL: no bytes in the row, added to
+    an existing table without a copy (ALGORITHM=INSTANT); their index stores the values.
+    MySQL indexes virtual columns in InnoDB only, so its other engines store them."""
+    kind = "VIRTUAL" if mariadb or engine.lower() == "innodb" else "STORED"
+    return [
+        f"`key_hash` INT UNSIGNED GENERATED ALWAYS AS (CRC32(`cache_key`)) {kind}",
+        f"`byte_size` BIGINT UNSIGNED GENERATED ALWAYS AS "
+        f"(LENGTH(`cache_key`) + LENGTH(`value`)) {kind}",
+    ]
+
+
+def sample_index_sql() -> str:
+    return f"KEY `{SAMPLE_INDEX}` (`key_hash`, `byte_size`)"
 
 
 def drop_table_sql(table: str, quote_name: Callable[[str], str]) -> str:

@@ -4,13 +4,16 @@ missing or is another library's.
 Beside the cache table (LOCATION) live its lock table (``<LOCATION>_locks``,
 :mod:`~django_kvcache.mysql.locks`) and, with ``COMPRESS_DICTIONARY: "auto"``, its
 dictionary table (:mod:`~django_kvcache.mysql.dictionaries`): created together, dropped
-together, reported together. With ``MAX_SIZE``, so is its size table (``<LOCATION>_size``)
-and the triggers on the cache table that keep its totals (:mod:`~django_kvcache.mysql.budget`):
-an existing table gets them from ``kvcache_createtable`` or ``migrate``, and until then the
-system check reports the size table missing. The DDL and the checks run outside any request path, on
-the blocking driver (:func:`~django_kvcache.mysql.blocking.query`). The messages read
-no database: a call that meets a table of another layout reads its columns on its own
-driver first (:meth:`django_kvcache.mysql.plans.On.run`), and hands them over.
+together, reported together. With ``MAX_SIZE``, the cache table has two generated
+columns and an index its estimate reads (:mod:`~django_kvcache.mysql.budget`): a table
+made without them (before ``MAX_SIZE`` was set, or by the release that kept the total
+with triggers in ``<LOCATION>_size``) is outdated, and ``kvcache_createtable`` or
+``migrate`` upgrades it (adds them, drops the old triggers and size table); until then
+the system check reports it (``kvcache.W004``). The DDL and the checks run outside any
+request path, on the blocking driver (:func:`~django_kvcache.mysql.blocking.query`). The
+messages read no database: a call that meets a table of another layout reads its columns
+on its own driver first (:meth:`django_kvcache.mysql.plans.On.run`), and hands them
+over.
 """
 from __future__ import annotations
 
@@ -53,13 +56,11 @@ class CacheTables:
         self.backend_name = backend_name
 
     def names(self) -> list[str]:
-        """The table, its lock table, with ``COMPRESS_DICTIONARY: "auto"`` its
-        dictionary table, and with ``MAX_SIZE`` its size table."""
+        """The table, its lock table, and with ``COMPRESS_DICTIONARY: "auto"`` its
+        dictionary table."""
         names = [self.table, self.lock_table]
         if self.dictionaries:
             names.append(dictionaries.dictionary_table(self.table))
-        if self.budget:
-            names.append(budget.size_table(self.table))
         return names
 
     # --- DDL -------------------------------------------------------------------------------
@@ -69,42 +70,52 @@ class CacheTables:
         PAD collation, or a placeholder for a migration)."""
         mariadb = blocking.server_info(database).mariadb
         statements = [
-            create_table_sql(self.table, quote_name, mariadb, self.engine, collation),
+            create_table_sql(self.table, quote_name, mariadb, self.engine, collation,
+                             sampled=self.budget),
             create_lock_table_sql(self.table, quote_name, mariadb, collation),
         ]
         if self.dictionaries:
             statements.append(dictionaries.create_table_sql(self.table, quote_name))
-        if self.budget:
-            statements += budget.create_sql(self.table, quote_name)
         return STATEMENT_SEPARATOR.join(statements)
 
+    def upgrade_sql(self, database: str) -> list[str]:
+        """What brings the existing table in ``database`` up to date (:meth:`outdated`):
+        with MAX_SIZE, its estimate's columns and index added, the old size table and
+        its triggers dropped; [] when there is nothing to do."""
+        lacks = self.outdated(database)
+        if not lacks:
+            return []
+        mariadb = blocking.server_info(database).mariadb
+        return budget.upgrade_sql(self.table, quote_name, mariadb, self.engine, lacks)
+
+    def outdated(self, database: str) -> list[str]:
+        """What the existing table in ``database`` lacks, or keeps that is no longer used
+        ("column key_hash", "trigger <LOCATION>_size_ins", ...); [] when up to date or
+        missing. Only MAX_SIZE has such parts."""
+        return budget.outdated(database, self.table) if self.budget else []
+
     def drop_sql(self) -> str:
-        statements = budget.drop_sql(self.table, quote_name) if self.budget else []
-        statements += [drop_table_sql(self.table, quote_name),
+        statements = [drop_table_sql(self.table, quote_name),
                       drop_lock_table_sql(self.table, quote_name)]
         if self.dictionaries:
             statements.append(dictionaries.drop_table_sql(self.table, quote_name))
         return STATEMENT_SEPARATOR.join(statements)
 
     def create(self, databases: list[str]) -> str:
-        """Create the tables where they are missing, in each of ``databases``; the DDL it
-        ran (the last database's)."""
+        """Create the tables where they are missing and upgrade an outdated one, in each
+        of ``databases``; the DDL it ran (the last database's)."""
         statement = ""
         for database in databases:
-            statement = self.create_sql(database)
+            upgrade = self.upgrade_sql(database)
+            statement = STATEMENT_SEPARATOR.join([self.create_sql(database), *upgrade])
             for part in statement.split(STATEMENT_SEPARATOR):
                 blocking.query(database, part)
+        budget.forget_layouts()  # this process's budget checks read the new layout
         return statement
 
     def missing(self, database: str) -> list[str]:
-        """Which of :meth:`names` ``database`` lacks (the size table counts as missing
-        while any of its triggers is)."""
+        """Which of :meth:`names` ``database`` lacks."""
         present = {row[0] for row in blocking.query(database, "SHOW TABLES")}
-        if self.budget and self.table in present:
-            triggers = {row[0] for row in blocking.query(database, budget.TRIGGERS_QUERY,
-                                                         [self.table])}
-            if not budget.installed(present, triggers, self.table):
-                present.discard(budget.size_table(self.table))
         return [name for name in self.names() if name not in present]
 
     def layout_problem(self, database: str) -> tuple[str, str] | None:

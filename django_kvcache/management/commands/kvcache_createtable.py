@@ -23,9 +23,14 @@ class Command(MySQLCacheCommand):
     ) -> None:
         for alias, cache in self.selected_caches(aliases, verbosity).items():
             with failing(alias, cache):
+                # Every table there, one outdated: MAX_SIZE's columns and index are added.
+                upgrades = not any(cache.missing_tables(database)
+                                   for database in cache.database_aliases())
                 created = create_tables([alias], dry_run=dry_run)
             if dry_run and alias in created:  # the SQL asked for: printed at any verbosity
                 self.stdout.write(f"-- {alias}\n{created[alias]};")
             elif verbosity >= 1:
-                done = "created table" if alias in created else "table exists"
+                done = "table exists"
+                if alias in created:
+                    done = "upgraded table" if upgrades else "created table"
                 self.stdout.write(f"{alias}: {done}")
