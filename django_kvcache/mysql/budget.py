@@ -54,12 +54,15 @@ from django_kvcache.mysql import blocking
 from django_kvcache.mysql.query import Query, first_row, rowcount
 from django_kvcache.mysql.query import rows as all_rows
 from django_kvcache.mysql.sql import (  # the DDL of the estimate's columns: a table's own
+    LAYOUT_QUERY,
     SAMPLE_COLUMNS,
     SAMPLE_INDEX,
     sample_columns_sql,
     sample_index_sql,
     quote_name,
     side_table,
+    size_table,
+    BudgetStatements,
 )
 
 if TYPE_CHECKING:
@@ -138,26 +141,11 @@ def draw(incoming: int, budget: int, uniform: float) -> bool:
 # The side table and triggers of the release that kept an exact total (see the module's
 # docstring): only read until the upgrade, and dropped by it.
 
-def size_table(table: str) -> str:
-    """The old running totals of cache table ``table``: ``<table>_size``."""
-    return side_table(table, "_size")
-
-
 def trigger_names(table: str) -> list[str]:
     """The old triggers that kept :func:`size_table`."""
     return [side_table(table, f"_size_{event}") for event in ("ins", "upd", "del")]
 
 
-#: What a budgeted table in the current database has: (columns of SAMPLE_COLUMNS, whether
-#: SAMPLE_INDEX exists, whether the old size table exists). Parameters: the table (3 times).
-LAYOUT_QUERY = (
-    "SELECT (SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
-    "AND TABLE_NAME = %s AND COLUMN_NAME IN ('key_hash', 'byte_size')), "
-    "(SELECT COUNT(*) FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() "
-    f"AND TABLE_NAME = %s AND INDEX_NAME = '{SAMPLE_INDEX}'), "
-    "(SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
-    "AND TABLE_NAME = %s)"
-)
 TRIGGERS_QUERY = (
     "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = DATABASE() "
     "AND EVENT_OBJECT_TABLE = %s"
@@ -219,39 +207,6 @@ def upgrade_sql(table: str, quote_name: Callable[[str], str], mariadb: bool, eng
     if f"table {size_table(table)}" in lacks:
         statements.append(f"DROP TABLE IF EXISTS {quote_name(size_table(table))}")
     return statements
-
-
-class BudgetStatements:
-    """The statements a budget check sends (``%s`` parameters, ``%`` doubled); its
-    DELETE is the cull's (``Statements.evict_through``)."""
-
-    def __init__(self, table: str, quote_name: Callable[[str], str]) -> None:
-        t = quote_name(table).replace("%", "%%")
-        old = quote_name(size_table(table)).replace("%", "%%")
-        self.table = table
-        #: (rows, bytes, largest key_hash) of the ``%s`` entries of lowest key_hash: one
-        #: range of the covering SAMPLE_INDEX, whatever the table's size.
-        self.sample = (
-            "SELECT COUNT(*), COALESCE(SUM(`byte_size`), 0), COALESCE(MAX(`key_hash`), 0) "
-            f"FROM (SELECT `key_hash`, `byte_size` FROM {t} FORCE INDEX (`{SAMPLE_INDEX}`) "
-            "ORDER BY `key_hash` LIMIT %s) AS `sample`"
-        )
-        #: A table not upgraded yet: the totals its old triggers keep.
-        self.old_totals = (
-            f"SELECT COALESCE(SUM(`bytes`), 0), COALESCE(SUM(`entries`), 0) FROM {old}"
-        )
-        self.layout = LAYOUT_QUERY
-        #: The ``%s`` entries closest to expiry and what each counts, through the expiry
-        #: index (the sizes read the values: an eviction reads what it deletes).
-        #: (The expiry index alone picks them, in a derived table: asked for the values
-        #: beside the order, the optimizer prefers a scan and a sort of the whole table.)
-        self.candidates = (
-            f"SELECT `first`.`expires`, `first`.`cache_key`, "
-            f"LENGTH(`first`.`cache_key`) + LENGTH({t}.`value`) FROM (SELECT `expires`, "
-            f"`cache_key` FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s) AS `first` "
-            f"JOIN {t} ON {t}.`cache_key` = `first`.`cache_key` "
-            "ORDER BY `first`.`expires`, `first`.`cache_key`"
-        )
 
 
 # --- the estimate ---------------------------------------------------------------------------

@@ -251,6 +251,58 @@ def row_alias_name(table: str) -> str:
     return ROW_ALIAS if table.lower() != ROW_ALIAS else ROW_ALIAS + "_row"
 
 
+# --- MAX_SIZE's statements (django_kvcache.mysql.budget builds on them) -------------------
+
+def size_table(table: str) -> str:
+    """The old running totals of cache table ``table``: ``<table>_size``."""
+    return side_table(table, "_size")
+
+
+#: What a budgeted table in the current database has: (columns of SAMPLE_COLUMNS, whether
+#: SAMPLE_INDEX exists, whether the old size table exists). Parameters: the table (3 times).
+LAYOUT_QUERY = (
+    "SELECT (SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
+    "AND TABLE_NAME = %s AND COLUMN_NAME IN ('key_hash', 'byte_size')), "
+    "(SELECT COUNT(*) FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() "
+    f"AND TABLE_NAME = %s AND INDEX_NAME = '{SAMPLE_INDEX}'), "
+    "(SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() "
+    "AND TABLE_NAME = %s)"
+)
+
+
+class BudgetStatements:
+    """The statements a budget check sends (``%s`` parameters, ``%`` doubled); its
+    DELETE is the cull's (``Statements.evict_through``)."""
+
+    def __init__(self, table: str, quote_name: Callable[[str], str]) -> None:
+        t = quote_name(table).replace("%", "%%")
+        old = quote_name(size_table(table)).replace("%", "%%")
+        self.table = table
+        #: (rows, bytes, largest key_hash) of the ``%s`` entries of lowest key_hash: one
+        #: range of the covering SAMPLE_INDEX, whatever the table's size.
+        self.sample = (
+            "SELECT COUNT(*), COALESCE(SUM(`byte_size`), 0), COALESCE(MAX(`key_hash`), 0) "
+            f"FROM (SELECT `key_hash`, `byte_size` FROM {t} FORCE INDEX (`{SAMPLE_INDEX}`) "
+            "ORDER BY `key_hash` LIMIT %s) AS `sample`"
+        )
+        #: A table not upgraded yet: the totals its old triggers keep.
+        self.old_totals = (
+            f"SELECT COALESCE(SUM(`bytes`), 0), COALESCE(SUM(`entries`), 0) FROM {old}"
+        )
+        self.layout = LAYOUT_QUERY
+        #: The ``%s`` entries closest to expiry and what each counts, through the expiry
+        #: index (the sizes read the values: an eviction reads what it deletes).
+        #: (The expiry index alone picks them, in a derived table: asked for the values
+        #: beside the order, the optimizer prefers a scan and a sort of the whole table.)
+        self.candidates = (
+            f"SELECT `first`.`expires`, `first`.`cache_key`, "
+            f"LENGTH(`first`.`cache_key`) + LENGTH({t}.`value`) FROM (SELECT `expires`, "
+            f"`cache_key` FROM {t} ORDER BY `expires`, `cache_key` LIMIT %s) AS `first` "
+            f"JOIN {t} ON {t}.`cache_key` = `first`.`cache_key` "
+            "ORDER BY `first`.`expires`, `first`.`cache_key`"
+        )
+
+
 class Statements:
     """Statement text for one table on one server flavour.
 
@@ -414,9 +466,6 @@ class Statements:
         self.lease_drop = f"DELETE FROM {t} WHERE `cache_key` = %s AND `value` = %s"
 
         self.locks = LockStatements(table, quote_name)
-        # MAX_SIZE's (``django_kvcache.mysql.budget``, which builds on this module).
-        from django_kvcache.mysql.budget import BudgetStatements
-
         self.budget = BudgetStatements(table, quote_name)
 
     def new(self, column: str) -> str:
