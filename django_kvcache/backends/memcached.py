@@ -60,6 +60,7 @@ from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import cluster_for
 from django_kvcache.memcached.counters import Counters
 from django_kvcache.memcached.replicas import replicas_for
+from django_kvcache.memcached.usual import UsualCalls
 from django_kvcache.memcached.writes import Writes
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
@@ -184,6 +185,8 @@ class MemcachedCache(KVCache):
         #: first N nodes (docs/memcached.rst, Replicas), one the degenerate case.
         self.replicas = replicas_for(self.cluster, self, self.failover, self._stale_copies)
         self._writes = Writes(self, self.replicas, self._stale_copies)
+        #: The usual async calls, awaited on the node's exchange without a plan.
+        self._usual = UsualCalls(self)
         self._counters = Counters(self)
         #: Every key at this cache's VERSION starts so (``make_and_validate_key``).
         self._key_head = _key_head(self)
@@ -199,17 +202,7 @@ class MemcachedCache(KVCache):
         return run(self._get(key, default, version, BLOCKING))
 
     async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        stored_key = self.make_and_validate_key(key, version=version)
-        joined = self.replicas.joined_read(stored_key)
-        if joined is None:
-            return await arun(self._read(stored_key, default, ASYNCIO))
-        # The usual case on a busy loop: the get joins its node's pending gets, awaited
-        # here without a plan or its driver; what comes back is treated as _read does.
-        try:
-            found = await joined
-        except MemcachedError as exc:
-            return self._failed(exc, default)
-        return self._found(found, default, stored_key)
+        return await self._usual.get(key, default, version)
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -219,7 +212,7 @@ class MemcachedCache(KVCache):
     async def aset(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
-        await arun(self._set(key, value, timeout, version, ASYNCIO))
+        await self._usual.set(key, value, timeout, version)
 
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -237,13 +230,13 @@ class MemcachedCache(KVCache):
     async def atouch(
         self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._touch(key, timeout, version, ASYNCIO))
+        return await self._usual.touch(key, timeout, version)
 
     def delete(self, key: Any, version: int | None = None) -> bool:
         return run(self._delete(key, version, BLOCKING))
 
     async def adelete(self, key: Any, version: int | None = None) -> bool:
-        return await arun(self._delete(key, version, ASYNCIO))
+        return await self._usual.delete(key, version)
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
         return self.get(key, MISSING, version=version) is not MISSING
@@ -484,15 +477,30 @@ class MemcachedCache(KVCache):
                 yield from self._writes.store_entries(
                     b"set", {stored_key: key}, {key: value}, timeout, version, io)
             return
+        yield from self._stored(stored_key, key, *self._set_request(stored_key, value, expire), io)
+
+    def _set_request(self, stored_key: str, value: Any, expire: int) -> tuple[wire.Op, int, int]:
+        """What ``set`` sends: its op, the bytes it sends and the bytes compression saved."""
         data, flags, saved = self.codec.encode_measured(value, stored_key)
         op = wire.store(b"set", stored_key.encode(), data, flags, expire)
+        return op, len(stored_key) + len(data), saved
+
+    def _stored(self, stored_key: str, key: Any, op: wire.Op, sent: int, saved: int,
+                io: Transport) -> Plan:
+        """``set``'s request written where the key goes (``Replicas.write``)."""
         try:
-            yield from self.replicas.write(stored_key, op, io, len(stored_key) + len(data), saved)
-        except Refused as exc:
-            self._refused(exc, key)
-            yield from self._forget(stored_key, key, io)
+            yield from self.replicas.write(stored_key, op, io, sent, saved)
         except MemcachedError as exc:
-            self._failed(exc)
+            yield from self._set_failed(exc, stored_key, key, io)
+
+    def _set_failed(self, error: MemcachedError, stored_key: str, key: Any, io: Transport) -> Plan:
+        """What a failed ``set`` does: a refused value is logged and the older value
+        deleted; any other failure is ``_failed``'s."""
+        if isinstance(error, Refused):
+            self._refused(error, key)
+            yield from self._forget(stored_key, key, io)
+        else:
+            self._failed(error)
 
     def _add(self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         """A refused value (as ``set``'s) makes ``add`` return False and leaves the entry
@@ -567,9 +575,15 @@ class MemcachedCache(KVCache):
 
     def _touch(self, key: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
-        op = wire.touch(key.encode(), self.expire_time(timeout))
+        return (yield from self._changed(key, self._touch_op(key, timeout), io))
+
+    def _touch_op(self, stored_key: str, timeout: Any) -> wire.Op:
+        return wire.touch(stored_key.encode(), self.expire_time(timeout))
+
+    def _changed(self, stored_key: str, op: wire.Op, io: Transport) -> Plan:
+        """A ``touch`` or a ``delete`` where the key goes: whether it found the key."""
         try:
-            return any((yield from self.replicas.write(key, op, io)))
+            return any((yield from self.replicas.write(stored_key, op, io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -579,10 +593,7 @@ class MemcachedCache(KVCache):
             deleted, _ = yield from self._writes.delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
-        try:
-            return any((yield from self.replicas.write(key, wire.delete(key.encode()), io)))
-        except MemcachedError as exc:
-            return self._failed(exc, False)
+        return (yield from self._changed(key, wire.delete(key.encode()), io))
 
     def _ttl(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)

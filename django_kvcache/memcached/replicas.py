@@ -45,7 +45,13 @@ from django_kvcache.memcached import (
     wire,
 )
 from django_kvcache.memcached.cluster import Cluster, Placement, Usable
-from django_kvcache.memcached.exchange import Batch, Transport, fan_out, joined_get
+from django_kvcache.memcached.exchange import (
+    Batch,
+    Transport,
+    claimed_alone,
+    fan_out,
+    joined_get,
+)
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.steps import Plan
@@ -305,6 +311,14 @@ class Replicas:
         return found
 
     # --- writes ---------------------------------------------------------------------------
+
+    def write_alone(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
+        """The usual single-key write on the event loop (``memcached.usual``): ``op`` as a
+        batch holding a free connection of the one node :meth:`write` would write to
+        (``exchange.claimed_alone``), for ``exchange.sent_alone``, a failure then
+        remembered by :meth:`OneReplica.write_missed`. None when the write is
+        :meth:`write`'s to do — here always: every replica is written."""
+        return None
 
     def write(
         self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
@@ -676,13 +690,25 @@ class OneReplica(Replicas):
         that fails or is skipped is remembered as missed, with the ``riders``."""
         try:
             return [(yield from self.decider(key).request(first_op or op, io, sent, saved))]
-        except Refused:
-            raise  # refused, not missed: the node answered
         except MemcachedError as exc:
-            self.cluster.missed_write(key, exc)
-            if riders:
-                self.cluster.home(key).outdated.add(riders)
+            self.write_missed(key, exc, riders)
             raise
+
+    def write_alone(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
+        node = self.cluster.home(key)
+        if node.health.down_until:
+            return None  # down, or probed now: which node is written is write's to decide
+        return claimed_alone(node, op, sent, saved)
+
+    def write_missed(self, key: str, error: MemcachedError, riders: tuple[str, ...] = ()) -> None:
+        """A single-key write that failed or was skipped (:meth:`write`'s, or a batch of
+        :meth:`write_alone` sent with ``exchange.sent_alone``): the key (with its
+        ``riders``) missed there. A refused value is not missed: the node answered."""
+        if isinstance(error, Refused):
+            return
+        self.cluster.missed_write(key, error)
+        if riders:
+            self.cluster.home(key).outdated.add(riders)
 
     def write_round(
         self, batches: list[fanout.Batch], io: Transport, keys: tuple[str, ...] = ()
