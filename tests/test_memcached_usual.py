@@ -1,7 +1,7 @@
-"""The usual async writes (``memcached.usual``): ``aset``, ``adelete`` and ``atouch`` of
-one key, REPLICAS 1, the node up, a connection free and nothing owed, await their one
-request on the node's exchange without a plan — and keep every rule of the plan's: a
-cancellation mid-send, a killed node, a hung one.
+"""The usual async writes (``memcached.usual``): ``aset``, ``aadd``, ``adelete`` and
+``atouch`` of one key, REPLICAS 1, the node up, a connection free and nothing owed, await
+their one request on the node's exchange without a plan — and keep every rule of the
+plan's: a cancellation mid-send, a killed node, a hung one.
 
 Real memcached processes of the tests' own; a paused node is SIGSTOPped.
 """
@@ -54,8 +54,12 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     replica policy's ``write``)."""
     started: list[str] = []
     for owner, name in [(MemcachedCache, "_set"), (MemcachedCache, "_delete"),
-                        (MemcachedCache, "_touch"), (OneReplica, "write"), (Replicas, "write")]:
-        plan = getattr(owner, name)
+                        (MemcachedCache, "_touch"), (MemcachedCache, "_add"),
+                        (OneReplica, "write"), (Replicas, "write"), (OneReplica, "add"),
+                        (Replicas, "add"), (Replicas, "add_request")]:
+        plan = getattr(owner, name, None)
+        if plan is None:  # (not on the old code)
+            continue
 
         def counted(*args: Any, __plan: Any = plan, __name: str = name, **kwargs: Any) -> Any:
             started.append(__name)
@@ -71,8 +75,8 @@ def pool_of(cache: MemcachedCache) -> aio.AsyncPool:
 
 
 def test_the_usual_writes_run_no_plan(memcached_node_factory, plans):
-    """No plan generator is made for the usual aset, adelete and atouch; each does what
-    the plan does (the reply, the node's op count, the connection back in the pool)."""
+    """No plan generator is made for the usual aset, aadd, adelete and atouch; each does
+    what the plan does (the reply, the node's op count, the connection back in the pool)."""
     node = memcached_node_factory()
     cache = build([node.address])
 
@@ -83,12 +87,15 @@ def test_the_usual_writes_run_no_plan(memcached_node_factory, plans):
         assert await cache.adelete("k") is True
         assert await cache.adelete("k") is False
         assert await cache.atouch("k") is False
+        assert await cache.aadd("k", "added") is True
+        assert await cache.aadd("k", "lost") is False
+        assert await cache.aget("k") == "added"
         pool = pool_of(cache)
         assert len(pool.idle) == pool.size == 1
 
     asyncio.run(scenario())
     assert plans == []
-    assert cache.metrics()[node.address]["ops"] == 6
+    assert cache.metrics()[node.address]["ops"] == 9
 
 
 def test_an_unusual_write_goes_through_the_plan(memcached_node_factory, plans):
@@ -102,7 +109,10 @@ def test_an_unusual_write_goes_through_the_plan(memcached_node_factory, plans):
         cache._nodes[0].outdated.add((cache.make_key("missed"),))
         await cache.aset("k", "v")
         assert plans == ["write"]
-        assert await cache.aget("missed") is None  # cleaned up before the set went
+        cache._nodes[0].outdated.add((cache.make_key("missed"),))
+        assert await cache.aadd("k", "lost") is False
+        assert plans == ["write", "add_request"]
+        assert await cache.aget("missed") is None  # cleaned up before the writes went
 
     asyncio.run(owing())
     plans.clear()
@@ -185,6 +195,8 @@ WRITES = {
              lambda cache, key: cache._set(key, "v", DEFAULT_TIMEOUT, None, ASYNCIO)),
     "adelete": (lambda cache, key: cache.adelete(key),
                 lambda cache, key: cache._delete(key, None, ASYNCIO)),
+    "aadd": (lambda cache, key: cache.aadd(key, "v"),
+             lambda cache, key: cache._add(key, "v", DEFAULT_TIMEOUT, None, ASYNCIO)),
     "atouch": (lambda cache, key: cache.atouch(key),
                lambda cache, key: cache._touch(key, DEFAULT_TIMEOUT, None, ASYNCIO)),
 }

@@ -222,7 +222,7 @@ class MemcachedCache(KVCache):
     async def aadd(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
-        return await arun(self._add(key, value, timeout, version, ASYNCIO))
+        return await self._usual.add(key, value, timeout, version)
 
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         return run(self._touch(key, timeout, version, BLOCKING))
@@ -477,19 +477,21 @@ class MemcachedCache(KVCache):
                 yield from self._writes.store_entries(
                     b"set", {stored_key: key}, {key: value}, timeout, version, io)
             return
-        yield from self._stored(stored_key, key, *self._set_request(stored_key, value, expire), io)
+        op, data, saved = self._store_request(b"set", stored_key, value, expire)
+        yield from self._stored(stored_key, key, op, data, saved, io)
 
-    def _set_request(self, stored_key: str, value: Any, expire: int) -> tuple[wire.Op, int, int]:
-        """What ``set`` sends: its op, the bytes it sends and the bytes compression saved."""
+    def _store_request(self, name: bytes, stored_key: str, value: Any,
+                       expire: int) -> tuple[wire.Op, bytes, int]:
+        """What a ``set`` or an ``add`` (``name``) sends: its op, the value's bytes and
+        the bytes compression saved."""
         data, flags, saved = self.codec.encode_measured(value, stored_key)
-        op = wire.store(b"set", stored_key.encode(), data, flags, expire)
-        return op, len(stored_key) + len(data), saved
+        return wire.store(name, stored_key.encode(), data, flags, expire), data, saved
 
-    def _stored(self, stored_key: str, key: Any, op: wire.Op, sent: int, saved: int,
+    def _stored(self, stored_key: str, key: Any, op: wire.Op, data: bytes, saved: int,
                 io: Transport) -> Plan:
-        """``set``'s request written where the key goes (``Replicas.write``)."""
+        """``set``'s request (``op``, a store of ``data``) written where the key goes."""
         try:
-            yield from self.replicas.write(stored_key, op, io, sent, saved)
+            yield from self.replicas.write(stored_key, op, io, len(stored_key) + len(data), saved)
         except MemcachedError as exc:
             yield from self._set_failed(exc, stored_key, key, io)
 

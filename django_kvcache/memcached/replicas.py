@@ -93,6 +93,10 @@ class ReplicaHost(Protocol):
     def _refused(self, error: Refused, key: Any) -> None:
         """Log a value the node refused to store."""
 
+    def _store_request(self, name: bytes, stored_key: str, value: Any,
+                       expire: int) -> tuple[wire.Op, bytes, int]:
+        """What a ``set`` or an ``add`` sends: its op, the value's bytes, the bytes saved."""
+
     def _store_entries(self, name: bytes, key_map: dict[str, Any], data: Any, timeout: Any,
                        version: int | None, io: Transport) -> Plan: ...
 
@@ -434,23 +438,22 @@ class Replicas:
         decider restarted empty, or lost the key) makes the ``add`` lose, and that value
         is given back where ours was stored. Then, with STALE_TIMEOUT, the entry's stale
         copies are deleted after it, as after ``set``."""
-        data, flags, saved = self.host.codec.encode_measured(value, stored_key)
-        op = wire.store(b"add", stored_key.encode(), data, flags, expire)
+        op, data, saved = self.host._store_request(b"add", stored_key, value, expire)
+        return (yield from self.add_request(stored_key, key, op, data, saved, version, io))
+
+    def add_request(self, stored_key: str, key: Any, op: wire.Op, data: bytes, saved: int,
+                    version: int | None, io: Transport) -> Plan:
+        """:meth:`add` once its request is made: ``op``, the ``add`` of ``data``."""
         sent = len(stored_key) + len(data)
         failed: list[Node] = []  # deciders that failed this call: the next one decides
         while True:
             try:
                 primary = self.decider(stored_key, failed)
                 stored = yield from primary.request(op, io, sent, saved)
-            except Refused as exc:
-                self.host._refused(exc, key)
-                return False
             except MemcachedError as exc:
-                self.missed_on(stored_key, exc)  # (an add that may have landed: deleted)
-                if self.next_decides(exc, len(failed)):
-                    failed.append(self.cluster.by_name[exc.node])
+                if self.add_failed(stored_key, key, exc, failed):
                     continue
-                return self.host._failed(exc, False)
+                return False
             break
         if not stored:
             return False
@@ -462,6 +465,22 @@ class Replicas:
         if won and self.stale_copies and not stampede.is_side_key(key):
             yield from self.host._delete_stale_copies({stored_key: key}, version, io)
         return won
+
+    def add_failed(self, stored_key: str, key: Any, error: MemcachedError,
+                   failed: list[Node]) -> bool:
+        """What the deciding replica's failed ``add`` does. True: the next replica decides
+        (the node that failed added to ``failed``). Else the add lost: a refused value
+        logged; any other failure has the key missed (an add that may have landed is
+        deleted) and is raised, or under IGNORE_EXCEPTIONS logged."""
+        if isinstance(error, Refused):
+            self.host._refused(error, key)
+            return False
+        self.missed_on(stored_key, error)
+        if self.next_decides(error, len(failed)):
+            failed.append(self.cluster.by_name[error.node])
+            return True
+        self.host._failed(error, False)
+        return False
 
     def _add_elsewhere(
         self, primary: Node, stored_key: str, op: wire.Op, data: bytes, io: Transport,

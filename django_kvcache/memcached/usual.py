@@ -1,22 +1,21 @@
 """The usual asyncio calls: one request awaited on its node's exchange, without a plan.
 
-``aget``, ``aset``, ``adelete`` and ``atouch`` of one key are, most of the time, one
-request to one node: REPLICAS 1, the node up, a connection of the loop's pool free, the
-node owing no settle of a write cut short and no clean-up of the copies it missed, no
-stale copies of get_or_set's to clear. Then the request is sent and its reply awaited as
+``aget``, ``aset``, ``aadd``, ``adelete`` and ``atouch`` of one key are, most of the
+time, one request to one node: REPLICAS 1, the node up, a connection of the loop's pool
+free, the node owing no settle of a write cut short and no clean-up of the copies it
+missed, no stale copies of get_or_set's to clear. Then the request is sent and its reply awaited as
 one coroutine on the node's exchange (``exchange.sent_alone``; a get joins the node's
 pending gets, ``exchange.joined_get``): no plan, no driver, no step in between.
 
 Nothing is decided here. Which node, and whether the call is the usual one, is the
 replica policy's (``Replicas.write_alone``, ``Replicas.joined_read``: None when it is
-not); what is sent is the cache's (``_set_request``…); what the reply, an error,
+not); what is sent is the cache's (``_store_request``…); what the reply, an error,
 IO_TIMEOUT or a cancellation does to the connection and the node is the exchange's, the
 same functions its plans use; a failed write's missed-write mark is the policy's
-(``OneReplica.write_missed``, as in its plan), IGNORE_EXCEPTIONS the cache's
-(``_failed``). Everything unusual —
-no connection free, a node to settle or clean up, a stale pooled connection's second
-try, a refused value's clean-up, REPLICAS > 1 — goes through the cache's plan, run by
-``steps.arun``.
+(``OneReplica.write_missed``, ``Replicas.add_failed``, as in its plans),
+IGNORE_EXCEPTIONS the cache's (``_failed``). Everything unusual — no connection free, a
+node to settle or clean up, a stale pooled connection's second try, a refused value's
+clean-up, REPLICAS > 1 — goes through the cache's plan, run by ``steps.arun``.
 """
 from __future__ import annotations
 
@@ -47,14 +46,17 @@ class UsualHost(Protocol):
     def _set(self, key: Any, value: Any, timeout: Any, version: int | None,
              io: Transport) -> Plan: ...
 
-    def _set_request(self, stored_key: str, value: Any, expire: int) -> tuple[wire.Op, int, int]:
-        ...
+    def _store_request(self, name: bytes, stored_key: str, value: Any,
+                       expire: int) -> tuple[wire.Op, bytes, int]: ...
 
-    def _stored(self, stored_key: str, key: Any, op: wire.Op, sent: int, saved: int,
+    def _stored(self, stored_key: str, key: Any, op: wire.Op, data: bytes, saved: int,
                 io: Transport) -> Plan: ...
 
     def _set_failed(self, error: MemcachedError, stored_key: str, key: Any,
                     io: Transport) -> Plan: ...
+
+    def _add(self, key: Any, value: Any, timeout: Any, version: int | None,
+             io: Transport) -> Plan: ...
 
     def _delete(self, key: Any, version: int | None, io: Transport) -> Plan: ...
 
@@ -88,20 +90,41 @@ class UsualCalls:
         return cache._found(found, default, stored_key)
 
     async def set(self, key: Any, value: Any, timeout: Any, version: int | None) -> None:
-        cache = self.cache
         if not self.plain:
-            return await arun(cache._set(key, value, timeout, version, ASYNCIO))
-        stored_key = cache.make_and_validate_key(key, version=version)
-        op, sent, saved = cache._set_request(stored_key, value, cache.expire_time(timeout))
-        batch = self.replicas.write_alone(stored_key, op, sent, saved)
+            return await arun(self.cache._set(key, value, timeout, version, ASYNCIO))
+        stored_key, op, data, saved, batch = self._storing(b"set", key, value, timeout, version)
         if batch is None:
-            return await arun(cache._stored(stored_key, key, op, sent, saved, ASYNCIO))
+            return await arun(self.cache._stored(stored_key, key, op, data, saved, ASYNCIO))
         try:
             await sent_alone(batch)
         except MemcachedError as exc:  # (a refused value's clean-up: a request more)
             self.replicas.write_missed(stored_key, exc)
-            await arun(cache._set_failed(exc, stored_key, key, ASYNCIO))
+            await arun(self.cache._set_failed(exc, stored_key, key, ASYNCIO))
         return None
+
+    async def add(self, key: Any, value: Any, timeout: Any, version: int | None) -> bool:
+        if not self.plain:
+            return await arun(self.cache._add(key, value, timeout, version, ASYNCIO))
+        stored_key, op, data, saved, batch = self._storing(b"add", key, value, timeout, version)
+        if batch is None:
+            return await arun(self.replicas.add_request(stored_key, key, op, data, saved,
+                                                        version, ASYNCIO))
+        try:
+            # One replica (the only policy that answers write_alone): its reply decides.
+            return bool(await sent_alone(batch))
+        except MemcachedError as exc:
+            self.replicas.add_failed(stored_key, key, exc, [])  # no other replica decides
+            return False
+
+    def _storing(self, name: bytes, key: Any, value: Any, timeout: Any,
+                 version: int | None) -> tuple[str, wire.Op, bytes, int, Any]:
+        """A ``set`` or an ``add`` (``name``): its stored key, its request (the cache's
+        ``_store_request``) and a batch of ``Replicas.write_alone`` for it, or None."""
+        cache = self.cache
+        stored_key = cache.make_and_validate_key(key, version=version)
+        op, data, saved = cache._store_request(name, stored_key, value, cache.expire_time(timeout))
+        batch = self.replicas.write_alone(stored_key, op, len(stored_key) + len(data), saved)
+        return stored_key, op, data, saved, batch
 
     async def delete(self, key: Any, version: int | None) -> bool:
         if not self.plain:
