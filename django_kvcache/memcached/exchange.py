@@ -279,7 +279,7 @@ def claimed_alone(node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> Bat
     write cut short to settle, no copies to clean up) — as a batch holding a connection
     of the loop's pool that is free now, for :func:`sent_alone`; None when the request
     is :func:`request`'s (a plan's) to make."""
-    if node.unsettled.pending or node.outdated.pending:
+    if _owes(node):
         return None
     batch = Batch(node, op, sent, saved)
     return batch if batch.claim(ASYNCIO) else None
@@ -325,7 +325,7 @@ def _rounds(
             if len(pending) == 1 and pending[0].claim(io):
                 batch, pending = pending[0], ()
                 node = batch.node
-                if not (node.unsettled.pending or node.outdated.pending):
+                if not _owes(node):
                     # The usual call: one request on a node that owes nothing, one step.
                     try:
                         yield from _single(batch, retry, stale)
@@ -372,7 +372,7 @@ def _serve(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport)
         ready = claimed
         for batch in claimed:
             node = batch.node
-            if node.unsettled.pending or node.outdated.pending:
+            if _owes(node):
                 ready = yield from _ready(claimed, retry, stale, io)
                 break
         if len(ready) == 1:
@@ -504,6 +504,12 @@ def _refused_by_closing(
     )
     batch.error.__cause__ = exc
     return True
+
+
+def _owes(node: Node) -> bool:
+    """Whether the node owes a repair before its next request: a write cut short to
+    settle, or copies it missed to clean up (:func:`_ready`)."""
+    return node.unsettled.pending or node.outdated.pending
 
 
 def _answered(node: Node) -> None:
