@@ -99,8 +99,9 @@ def test_the_usual_writes_run_no_plan(memcached_node_factory, plans):
 
 
 def test_an_unusual_write_goes_through_the_plan(memcached_node_factory, plans):
-    """A node that owes a clean-up of copies it missed is repaired by the plan first,
-    and REPLICAS > 1 writes every replica: the plan's, whatever the call."""
+    """A node that owes a clean-up of copies it missed is repaired by the plan first; a
+    write that finds no connection free waits for one in the plan; REPLICAS > 1 writes
+    every replica: the plan's, whatever the call."""
     node = memcached_node_factory()
     cache = build([node.address])
 
@@ -115,6 +116,15 @@ def test_an_unusual_write_goes_through_the_plan(memcached_node_factory, plans):
         assert await cache.aget("missed") is None  # cleaned up before the writes went
 
     asyncio.run(owing())
+    plans.clear()
+    one_connection = build([node.address], MAX_POOL_SIZE=1)
+
+    async def busy() -> None:  # the second finds the only connection taken: it waits
+        await asyncio.gather(one_connection.aset("a", 1), one_connection.aset("b", 2))
+        assert await one_connection.aget("a") == 1 and await one_connection.aget("b") == 2
+
+    asyncio.run(busy())
+    assert plans == ["write"]
     plans.clear()
     replicated = build([node.address, memcached_node_factory().address], REPLICAS=2)
     asyncio.run(replicated.aset("k", "v"))
