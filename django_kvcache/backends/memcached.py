@@ -21,7 +21,9 @@ a plan a request goes through the node's exchange in the plan's own driver, one 
 ``yield from node.request(op, io)``, or for many nodes at once ``yield from
 fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
 clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
-apart.
+apart. The usual async call of one key awaits its one request on the node's exchange
+without a plan (``memcached.usual``), by the same functions, and is the plan's whenever
+anything is unusual.
 
 This module is Django's API over those plans. Where a key is read and written and who
 decides (REPLICAS, one replica the degenerate case) is ``memcached.replicas``; how a
