@@ -122,7 +122,7 @@ def _key_head(cache: BaseCache) -> str | None:
     return default_key_func("", cache.key_prefix, cache.version)
 
 
-class MemcachedCache(KVCache):
+class MemcachedCache(UsualCalls, KVCache):
     backend_options = frozenset(
         {
             "HASHING",
@@ -187,8 +187,6 @@ class MemcachedCache(KVCache):
         #: first N nodes (docs/memcached.rst, Replicas), one the degenerate case.
         self.replicas = replicas_for(self.cluster, self, self.failover, self._stale_copies)
         self._writes = Writes(self, self.replicas, self._stale_copies)
-        #: The usual async calls, awaited on the node's exchange without a plan.
-        self._usual = UsualCalls(self)
         self._counters = Counters(self)
         #: Every key at this cache's VERSION starts so (``make_and_validate_key``).
         self._key_head = _key_head(self)
@@ -199,46 +197,27 @@ class MemcachedCache(KVCache):
                                  or default <= THIRTY_DAYS else None)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
+    # (aget, aset, aadd, adelete and atouch: memcached.usual.UsualCalls, a base class,
+    # which awaits the usual call of one key on its node's exchange without a plan)
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         return run(self._get(key, default, version, BLOCKING))
-
-    async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return await self._usual.get(key, default, version)
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
         run(self._set(key, value, timeout, version, BLOCKING))
 
-    async def aset(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> None:
-        await self._usual.set(key, value, timeout, version)
-
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
         return run(self._add(key, value, timeout, version, BLOCKING))
 
-    async def aadd(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> bool:
-        return await self._usual.add(key, value, timeout, version)
-
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         return run(self._touch(key, timeout, version, BLOCKING))
 
-    async def atouch(
-        self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> bool:
-        return await self._usual.touch(key, timeout, version)
-
     def delete(self, key: Any, version: int | None = None) -> bool:
         return run(self._delete(key, version, BLOCKING))
-
-    async def adelete(self, key: Any, version: int | None = None) -> bool:
-        return await self._usual.delete(key, version)
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
         return self.get(key, MISSING, version=version) is not MISSING
