@@ -21,7 +21,9 @@ a plan a request goes through the node's exchange in the plan's own driver, one 
 ``yield from node.request(op, io)``, or for many nodes at once ``yield from
 fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
 clean-up of outdated copies) is plain code in the plan, so the two APIs cannot drift
-apart.
+apart. The usual async call of one key awaits its one request on the node's exchange
+without a plan (``memcached.usual``), by the same functions, and is the plan's whenever
+anything is unusual.
 
 This module is Django's API over those plans. Where a key is read and written and who
 decides (REPLICAS, one replica the degenerate case) is ``memcached.replicas``; how a
@@ -60,6 +62,7 @@ from django_kvcache.memcached.locks import MemcachedLockStore
 from django_kvcache.memcached.cluster import cluster_for
 from django_kvcache.memcached.counters import Counters
 from django_kvcache.memcached.replicas import replicas_for
+from django_kvcache.memcached.usual import UsualCalls
 from django_kvcache.memcached.writes import Writes
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
@@ -119,7 +122,7 @@ def _key_head(cache: BaseCache) -> str | None:
     return default_key_func("", cache.key_prefix, cache.version)
 
 
-class MemcachedCache(KVCache):
+class MemcachedCache(UsualCalls, KVCache):
     backend_options = frozenset(
         {
             "HASHING",
@@ -194,56 +197,27 @@ class MemcachedCache(KVCache):
                                  or default <= THIRTY_DAYS else None)
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
+    # (aget, aset, aadd, adelete and atouch: memcached.usual.UsualCalls, a base class,
+    # which awaits the usual call of one key on its node's exchange without a plan)
 
     def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
         return run(self._get(key, default, version, BLOCKING))
-
-    async def aget(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        stored_key = self.make_and_validate_key(key, version=version)
-        joined = self.replicas.joined_read(stored_key)
-        if joined is None:
-            return await arun(self._read(stored_key, default, ASYNCIO))
-        # The usual case on a busy loop: the get joins its node's pending gets, awaited
-        # here without a plan or its driver; what comes back is treated as _read does.
-        try:
-            found = await joined
-        except MemcachedError as exc:
-            return self._failed(exc, default)
-        return self._found(found, default, stored_key)
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> None:
         run(self._set(key, value, timeout, version, BLOCKING))
 
-    async def aset(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> None:
-        await arun(self._set(key, value, timeout, version, ASYNCIO))
-
     def add(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
     ) -> bool:
         return run(self._add(key, value, timeout, version, BLOCKING))
 
-    async def aadd(
-        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> bool:
-        return await arun(self._add(key, value, timeout, version, ASYNCIO))
-
     def touch(self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None) -> bool:
         return run(self._touch(key, timeout, version, BLOCKING))
 
-    async def atouch(
-        self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
-    ) -> bool:
-        return await arun(self._touch(key, timeout, version, ASYNCIO))
-
     def delete(self, key: Any, version: int | None = None) -> bool:
         return run(self._delete(key, version, BLOCKING))
-
-    async def adelete(self, key: Any, version: int | None = None) -> bool:
-        return await arun(self._delete(key, version, ASYNCIO))
 
     def has_key(self, key: Any, version: int | None = None) -> bool:
         return self.get(key, MISSING, version=version) is not MISSING
@@ -484,15 +458,32 @@ class MemcachedCache(KVCache):
                 yield from self._writes.store_entries(
                     b"set", {stored_key: key}, {key: value}, timeout, version, io)
             return
+        op, data, saved = self._store_request(b"set", stored_key, value, expire)
+        yield from self._stored(stored_key, key, op, data, saved, io)
+
+    def _store_request(self, name: bytes, stored_key: str, value: Any,
+                       expire: int) -> tuple[wire.Op, bytes, int]:
+        """What a ``set`` or an ``add`` (``name``) sends: its op, the value's bytes and
+        the bytes compression saved."""
         data, flags, saved = self.codec.encode_measured(value, stored_key)
-        op = wire.store(b"set", stored_key.encode(), data, flags, expire)
+        return wire.store(name, stored_key.encode(), data, flags, expire), data, saved
+
+    def _stored(self, stored_key: str, key: Any, op: wire.Op, data: bytes, saved: int,
+                io: Transport) -> Plan:
+        """``set``'s request (``op``, a store of ``data``) written where the key goes."""
         try:
             yield from self.replicas.write(stored_key, op, io, len(stored_key) + len(data), saved)
-        except Refused as exc:
-            self._refused(exc, key)
-            yield from self._forget(stored_key, key, io)
         except MemcachedError as exc:
-            self._failed(exc)
+            yield from self._set_failed(exc, stored_key, key, io)
+
+    def _set_failed(self, error: MemcachedError, stored_key: str, key: Any, io: Transport) -> Plan:
+        """What a failed ``set`` does: a refused value is logged and the older value
+        deleted; any other failure is ``_failed``'s."""
+        if isinstance(error, Refused):
+            self._refused(error, key)
+            yield from self._forget(stored_key, key, io)
+        else:
+            self._failed(error)
 
     def _add(self, key: Any, value: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         """A refused value (as ``set``'s) makes ``add`` return False and leaves the entry
@@ -567,9 +558,15 @@ class MemcachedCache(KVCache):
 
     def _touch(self, key: Any, timeout: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)
-        op = wire.touch(key.encode(), self.expire_time(timeout))
+        return (yield from self._changed(key, self._touch_op(key, timeout), io))
+
+    def _touch_op(self, stored_key: str, timeout: Any) -> wire.Op:
+        return wire.touch(stored_key.encode(), self.expire_time(timeout))
+
+    def _changed(self, stored_key: str, op: wire.Op, io: Transport) -> Plan:
+        """A ``touch`` or a ``delete`` where the key goes: whether it found the key."""
         try:
-            return any((yield from self.replicas.write(key, op, io)))
+            return any((yield from self.replicas.write(stored_key, op, io)))
         except MemcachedError as exc:
             return self._failed(exc, False)
 
@@ -579,10 +576,7 @@ class MemcachedCache(KVCache):
             deleted, _ = yield from self._writes.delete_entries({stored_key: key}, version, io)
             return stored_key in deleted
         key = self.make_and_validate_key(key, version=version)
-        try:
-            return any((yield from self.replicas.write(key, wire.delete(key.encode()), io)))
-        except MemcachedError as exc:
-            return self._failed(exc, False)
+        return (yield from self._changed(key, wire.delete(key.encode()), io))
 
     def _ttl(self, key: Any, version: int | None, io: Transport) -> Plan:
         key = self.make_and_validate_key(key, version=version)

@@ -78,7 +78,7 @@ from django_kvcache.memcached.attempt import (
     Transfer,
 )
 from django_kvcache.memcached.connection import TIMEOUTS, UnsettledSocket, deadline_after
-from django_kvcache.steps import Plan
+from django_kvcache.steps import Plan, arun
 
 #: Errors that mean the node (or the path to it) failed, not the request. (On Python
 #: 3.10 ``asyncio.TimeoutError``, raised by ``asyncio.wait_for``, is not an OSError.)
@@ -274,11 +274,50 @@ def _joined(
     return batches[0].outcome() if one else None
 
 
-def _rounds(batches: Sequence[Batch], io: Transport, lone: Batch | None) -> Plan:
+def claimed_alone(node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
+    """On the event loop: the usual request — ``op`` for a node that owes nothing (no
+    write cut short to settle, no copies to clean up) — as a batch holding a connection
+    of the loop's pool that is free now, for :func:`sent_alone`; None when the request
+    is :func:`request`'s (a plan's) to make."""
+    if _owes(node):
+        return None
+    batch = Batch(node, op, sent, saved)
+    return batch if batch.claim(ASYNCIO) else None
+
+
+async def sent_alone(batch: Batch) -> Any:
+    """A batch of :func:`claimed_alone` sent and its reply awaited as one coroutine: no
+    plan or driver in between. What the reply, an error, IO_TIMEOUT or a cancellation
+    does is decided as in the plan's usual call (:func:`_rounds`), by the same functions
+    (:func:`_deadline`, :func:`_finished`, :func:`_ended`, ``Batch.interrupted``); a
+    pooled connection found stale goes once more on a new one in the plan."""
+    batch.node.ops += batch.ops
+    stale: list[Batch] = []
+    try:
+        try:
+            attempt = batch.attempt
+            reply = attempt.start(batch.op)  # type: ignore[union-attr]
+            await attempt.connection.transfer(  # type: ignore[union-attr]
+                batch.op.request, reply, _deadline(attempt))  # type: ignore[arg-type]
+            _finished(batch)
+        except Exception as exc:
+            if not _ended(batch, exc, True, stale):
+                raise
+    except BaseException:
+        batch.interrupted()
+        raise
+    if stale:  # the second try is the plan's
+        return await arun(_rounds(stale, ASYNCIO, batch, retry=False))
+    return batch.outcome()
+
+
+def _rounds(
+    batches: Sequence[Batch], io: Transport, lone: Batch | None, retry: bool = True
+) -> Plan:
     """The batches in rounds: each round serves every batch once, as connections come
     (:func:`_claim`, :func:`_serve`); the batches whose pooled connection had gone stale
-    go once more, on new connections. ``lone``: the batch whose result is the plan's."""
-    retry = True
+    go once more, on new connections (``retry``: whether a first round's may). ``lone``:
+    the batch whose result is the plan's."""
     while batches:
         stale: list[Batch] = []
         pending: Sequence[Batch] = batches
@@ -286,7 +325,7 @@ def _rounds(batches: Sequence[Batch], io: Transport, lone: Batch | None) -> Plan
             if len(pending) == 1 and pending[0].claim(io):
                 batch, pending = pending[0], ()
                 node = batch.node
-                if not (node.unsettled.pending or node.outdated.pending):
+                if not _owes(node):
                     # The usual call: one request on a node that owes nothing, one step.
                     try:
                         yield from _single(batch, retry, stale)
@@ -333,7 +372,7 @@ def _serve(claimed: list[Batch], retry: bool, stale: list[Batch], io: Transport)
         ready = claimed
         for batch in claimed:
             node = batch.node
-            if node.unsettled.pending or node.outdated.pending:
+            if _owes(node):
                 ready = yield from _ready(claimed, retry, stale, io)
                 break
         if len(ready) == 1:
@@ -465,6 +504,12 @@ def _refused_by_closing(
     )
     batch.error.__cause__ = exc
     return True
+
+
+def _owes(node: Node) -> bool:
+    """Whether the node owes a repair before its next request: a write cut short to
+    settle, or copies it missed to clean up (:func:`_ready`)."""
+    return node.unsettled.pending or node.outdated.pending
 
 
 def _answered(node: Node) -> None:

@@ -45,7 +45,13 @@ from django_kvcache.memcached import (
     wire,
 )
 from django_kvcache.memcached.cluster import Cluster, Placement, Usable
-from django_kvcache.memcached.exchange import Batch, Transport, fan_out, joined_get
+from django_kvcache.memcached.exchange import (
+    Batch,
+    Transport,
+    claimed_alone,
+    fan_out,
+    joined_get,
+)
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.steps import Plan
@@ -86,6 +92,10 @@ class ReplicaHost(Protocol):
 
     def _refused(self, error: Refused, key: Any) -> None:
         """Log a value the node refused to store."""
+
+    def _store_request(self, name: bytes, stored_key: str, value: Any,
+                       expire: int) -> tuple[wire.Op, bytes, int]:
+        """What a ``set`` or an ``add`` sends: its op, the value's bytes, the bytes saved."""
 
     def _store_entries(self, name: bytes, key_map: dict[str, Any], data: Any, timeout: Any,
                        version: int | None, io: Transport) -> Plan: ...
@@ -306,6 +316,14 @@ class Replicas:
 
     # --- writes ---------------------------------------------------------------------------
 
+    def write_alone(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
+        """The usual single-key write on the event loop (``memcached.usual``): ``op`` as a
+        batch holding a free connection of the one node :meth:`write` would write to
+        (``exchange.claimed_alone``), for ``exchange.sent_alone``, a failure then
+        remembered by :meth:`OneReplica.write_missed`. None when the write is
+        :meth:`write`'s to do — here always: every replica is written."""
+        return None
+
     def write(
         self, key: str, op: wire.Op, io: Transport, sent: int = 0, saved: int = 0,
         riders: tuple[str, ...] = (), first_op: wire.Op | None = None,
@@ -420,23 +438,22 @@ class Replicas:
         decider restarted empty, or lost the key) makes the ``add`` lose, and that value
         is given back where ours was stored. Then, with STALE_TIMEOUT, the entry's stale
         copies are deleted after it, as after ``set``."""
-        data, flags, saved = self.host.codec.encode_measured(value, stored_key)
-        op = wire.store(b"add", stored_key.encode(), data, flags, expire)
+        op, data, saved = self.host._store_request(b"add", stored_key, value, expire)
+        return (yield from self.add_request(stored_key, key, op, data, saved, version, io))
+
+    def add_request(self, stored_key: str, key: Any, op: wire.Op, data: bytes, saved: int,
+                    version: int | None, io: Transport) -> Plan:
+        """:meth:`add` once its request is made: ``op``, the ``add`` of ``data``."""
         sent = len(stored_key) + len(data)
         failed: list[Node] = []  # deciders that failed this call: the next one decides
         while True:
             try:
                 primary = self.decider(stored_key, failed)
                 stored = yield from primary.request(op, io, sent, saved)
-            except Refused as exc:
-                self.host._refused(exc, key)
-                return False
             except MemcachedError as exc:
-                self.missed_on(stored_key, exc)  # (an add that may have landed: deleted)
-                if self.next_decides(exc, len(failed)):
-                    failed.append(self.cluster.by_name[exc.node])
+                if self.add_failed(stored_key, key, exc, failed):
                     continue
-                return self.host._failed(exc, False)
+                return False
             break
         if not stored:
             return False
@@ -448,6 +465,22 @@ class Replicas:
         if won and self.stale_copies and not stampede.is_side_key(key):
             yield from self.host._delete_stale_copies({stored_key: key}, version, io)
         return won
+
+    def add_failed(self, stored_key: str, key: Any, error: MemcachedError,
+                   failed: list[Node]) -> bool:
+        """What the deciding replica's failed ``add`` does. True: the next replica decides
+        (the node that failed added to ``failed``). Else the add lost: a refused value
+        logged; any other failure has the key missed (an add that may have landed is
+        deleted) and is raised, or under IGNORE_EXCEPTIONS logged."""
+        if isinstance(error, Refused):
+            self.host._refused(error, key)
+            return False
+        self.missed_on(stored_key, error)
+        if self.next_decides(error, len(failed)):
+            failed.append(self.cluster.by_name[error.node])
+            return True
+        self.host._failed(error, False)
+        return False
 
     def _add_elsewhere(
         self, primary: Node, stored_key: str, op: wire.Op, data: bytes, io: Transport,
@@ -676,13 +709,25 @@ class OneReplica(Replicas):
         that fails or is skipped is remembered as missed, with the ``riders``."""
         try:
             return [(yield from self.decider(key).request(first_op or op, io, sent, saved))]
-        except Refused:
-            raise  # refused, not missed: the node answered
         except MemcachedError as exc:
-            self.cluster.missed_write(key, exc)
-            if riders:
-                self.cluster.home(key).outdated.add(riders)
+            self.write_missed(key, exc, riders)
             raise
+
+    def write_alone(self, key: str, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
+        node = self.cluster.home(key)
+        if node.health.down_until:
+            return None  # down, or probed now: which node is written is write's to decide
+        return claimed_alone(node, op, sent, saved)
+
+    def write_missed(self, key: str, error: MemcachedError, riders: tuple[str, ...] = ()) -> None:
+        """A single-key write that failed or was skipped (:meth:`write`'s, or a batch of
+        :meth:`write_alone` sent with ``exchange.sent_alone``): the key (with its
+        ``riders``) missed there. A refused value is not missed: the node answered."""
+        if isinstance(error, Refused):
+            return
+        self.cluster.missed_write(key, error)
+        if riders:
+            self.cluster.home(key).outdated.add(riders)
 
     def write_round(
         self, batches: list[fanout.Batch], io: Transport, keys: tuple[str, ...] = ()
