@@ -33,6 +33,7 @@ CONFIGURATIONS = {
     "MAX_SIZE, under budget": {"MAX_SIZE": "1GB"},
     "MAX_SIZE 2MB, full": {"MAX_SIZE": "2MB"},
     "MAX_ENTRIES 550, full": {"MAX_ENTRIES": 550, "CULL_PROBABILITY": 0.05},
+    "no budget, a 2nd table": {},  # the noise between two alike tables
 }
 
 
