@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import io
 import random
+import threading
+import time
 from typing import Any, Iterator
 
+import MySQLdb
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -19,6 +22,7 @@ from django_kvcache import maintenance, stats
 from django_kvcache.backends.mysql import MySQLCache
 from django_kvcache.checks import check_mysql_cache_tables
 from django_kvcache.mysql import budget
+from django_kvcache.mysql.connect import connection_params
 from tests.mysql_support import BACKEND, drop_table, make_cache, sql
 
 TABLE = "kvcache_budget"
@@ -429,3 +433,74 @@ def test_shards_split_the_budget_and_each_holds_its_share():
         assert cache.get_many(list(batch)) == batch
     finally:
         drop(aliases=aliases)
+
+
+# --- the upgrade, as a deploy runs it (found by review) ---------------------------------
+
+
+def table_lock_held_for(seconds: float, table: str) -> threading.Thread:
+    """Another session reads ``table`` in an open transaction for ``seconds``: its
+    metadata lock makes any ALTER of the table wait that long (as a long ALTER or a busy
+    table does), then commits."""
+    reader = MySQLdb.connect(**connection_params("default").kwargs)
+    reader.query(b"START TRANSACTION")
+    reader.query(f"SELECT 1 FROM `{table}` LIMIT 1".encode())
+    reader.store_result()
+
+    def release() -> None:
+        time.sleep(seconds)
+        reader.query(b"COMMIT")
+        reader.close()
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    return thread
+
+
+def test_two_upgrades_at_once_longer_than_io_timeout_both_complete(table):
+    """``migrate`` on two hosts at a deploy, on a table whose ALTER takes longer than the
+    pool's IO_TIMEOUT (2 s): before, the command gave up on the reply half way (the
+    server went on altering, the old triggers stayed), and the second host's upgrade
+    failed on the first's columns (1060 duplicate column)."""
+    create_as_the_trigger_release(table)
+    caches_ = [MySQLCache(table, {"OPTIONS": {"MAX_SIZE": "1GB"}}) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def upgrade(cache: MySQLCache) -> None:
+        try:
+            cache.create_table()
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    holder = table_lock_held_for(3.0, table)
+    upgrades = [threading.Thread(target=upgrade, args=(cache,)) for cache in caches_]
+    for thread in upgrades:
+        thread.start()
+    for thread in [holder, *upgrades]:
+        thread.join(60)
+    assert errors == []
+    assert caches_[0].outdated_table("default") == [] and triggers_on(table) == []
+
+
+def test_a_table_dropped_and_made_again_needs_one_create_table(table):
+    """The drop leaves nothing of the earlier release's totals behind, and a table made
+    again is brought up to date by the same run."""
+    create_as_the_trigger_release(table)
+    cache = MySQLCache(table, {"OPTIONS": {"MAX_SIZE": 100_000}})
+    for statement in cache.drop_table_sql().split(";\n"):
+        sql(statement)
+    assert sql("SHOW TABLES LIKE %s", [budget.size_table(table)]) == []
+    create_as_the_trigger_release(table)
+    sql(f"DROP TABLE `{table}`")  # a manual drop: the old totals table stays
+    cache.create_table()
+    assert cache.outdated_table("default") == [] and cache.table_exists()
+
+
+def test_an_engine_that_cannot_index_a_virtual_column_stores_them(table):
+    """Aria refuses an index on a VIRTUAL column (1904): the table could not be made."""
+    cache = make_cache(table, OPTIONS={"MAX_SIZE": 100_000, "ENGINE": "Aria"})
+    for number in range(50):
+        cache.set(f"k{number}", "x" * 5_000)
+    cache.cull()
+    assert 0 < stored(table)[0] <= 100_000 * 1.1
+    assert counted(table) == stored(table)

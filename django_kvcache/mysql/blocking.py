@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from django_kvcache.mysql import errors, exchange, policy, pools
 from django_kvcache.mysql.cluster import Session
-from django_kvcache.mysql.connect import DEFAULT_SETTINGS
+from django_kvcache.mysql.connect import DEFAULT_SETTINGS, ConnectionSettings
 from django_kvcache.mysql.connection import Connection
 from django_kvcache.mysql.query import Query, rows
 from django_kvcache.mysql.server import DETECT, ServerInfo, known_server, remember_server
@@ -65,12 +65,14 @@ def done(plan: Any) -> Any:
 # --- statements outside the request path (tables, dictionaries, tools) ------------------
 
 
-def query(alias: str, statement: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+def query(alias: str, statement: str, params: Sequence[Any] | None = None,
+          settings: ConnectionSettings = DEFAULT_SETTINGS) -> list[tuple[Any, ...]]:
     """Run one statement on a connection of ``alias``'s pool (DDL and tools, outside the
     failure policy: errors are raised as Django's); its rows (none for a write).
-    Without ``params`` the statement is sent as it is (no ``%`` formatting)."""
+    Without ``params`` the statement is sent as it is (no ``%`` formatting).
+    ``settings``: the pool's (``connect.DDL_SETTINGS`` for DDL, which has no reply limit)."""
     statement_query = Query(statement, params, rows)  # type: ignore[arg-type]
-    (reply,) = done(exchange.perform([(alias, statement_query)], DEFAULT_SETTINGS, BLOCKING))
+    (reply,) = done(exchange.perform([(alias, statement_query)], settings, BLOCKING))
     if isinstance(reply, exchange.Failed):
         raise reply.error
     return list(rows(reply))

@@ -119,6 +119,10 @@ class ConnectionSettings:
 
 
 DEFAULT_SETTINGS = ConnectionSettings()
+#: For DDL (``kvcache_createtable``, ``migrate``'s step, an upgrade): a table's ALTER can
+#: take minutes on a large table and must not be cut off by IO_TIMEOUT half way (the
+#: command would fail with the server still altering); these run outside any request.
+DDL_SETTINGS = ConnectionSettings(io_timeout=None)
 
 
 def connection_settings(options: Mapping[str, Any]) -> ConnectionSettings:

@@ -109,8 +109,10 @@ SAMPLE_COLUMNS = ("key_hash", "byte_size")
 def sample_columns_sql(mariadb: bool, engine: str) -> list[str]:
     """The generated columns of a budgeted table. VIRTUAL: no bytes in the row, added to
     an existing table without a copy (ALGORITHM=INSTANT); their index stores the values.
-    MySQL indexes virtual columns in InnoDB only, so its other engines store them."""
-    kind = "VIRTUAL" if mariadb or engine.lower() == "innodb" else "STORED"
+    Only some engines index a virtual column (MySQL: InnoDB; MariaDB: InnoDB and MyISAM,
+    not Aria, error 1904): the others store them."""
+    indexes_virtual = {"innodb", "myisam"} if mariadb else {"innodb"}
+    kind = "VIRTUAL" if engine.lower() in indexes_virtual else "STORED"
     return [
         f"`key_hash` INT UNSIGNED GENERATED ALWAYS AS (CRC32(`cache_key`)) {kind}",
         f"`byte_size` BIGINT UNSIGNED GENERATED ALWAYS AS "

@@ -21,10 +21,11 @@ from typing import Any, Mapping
 
 from django.apps import apps as django_apps
 from django.conf import settings
-from django.db import ProgrammingError
+from django.db import DatabaseError, ProgrammingError
 
 from django_kvcache.configured import mysql_cache_aliases
 from django_kvcache.mysql import blocking, budget, dictionaries, layouts
+from django_kvcache.mysql.connect import DDL_SETTINGS
 from django_kvcache.mysql.errors import CacheTableMissing
 from django_kvcache.mysql.shards import shard_aliases
 from django_kvcache.mysql.sql import (
@@ -39,6 +40,20 @@ from django_kvcache.mysql.sql import (
 
 #: Between the statements of a cache's DDL (the table, its lock table, its dictionaries').
 STATEMENT_SEPARATOR = ";\n"
+
+#: What another process's upgrade of the same table answers to ours (``migrate`` on two
+#: hosts at a deploy): 1060 duplicate column, 1061 duplicate key name. The statement's
+#: work is done: the upgrade goes on with the next.
+DONE_ALREADY = (1060, 1061)
+
+
+def upgrade_step(database: str, statement: str) -> None:
+    """One statement of an upgrade, taken as done when another process did it first."""
+    try:
+        blocking.query(database, statement, settings=DDL_SETTINGS)
+    except DatabaseError as exc:
+        if not (exc.args and exc.args[0] in DONE_ALREADY):
+            raise
 
 
 class CacheTables:
@@ -97,6 +112,8 @@ class CacheTables:
     def drop_sql(self) -> str:
         statements = [drop_table_sql(self.table, quote_name),
                       drop_lock_table_sql(self.table, quote_name)]
+        if self.budget:  # the earlier release's totals, if the table never was upgraded
+            statements.append(drop_table_sql(budget.size_table(self.table), quote_name))
         if self.dictionaries:
             statements.append(dictionaries.drop_table_sql(self.table, quote_name))
         return STATEMENT_SEPARATOR.join(statements)
@@ -106,10 +123,15 @@ class CacheTables:
         of ``databases``; the DDL it ran (the last database's)."""
         statement = ""
         for database in databases:
+            created = self.create_sql(database)
+            for part in created.split(STATEMENT_SEPARATOR):
+                blocking.query(database, part, settings=DDL_SETTINGS)
+            # Asked once the table exists: a table just made again after a drop still
+            # has the earlier release's size table beside it, to drop.
             upgrade = self.upgrade_sql(database)
-            statement = STATEMENT_SEPARATOR.join([self.create_sql(database), *upgrade])
-            for part in statement.split(STATEMENT_SEPARATOR):
-                blocking.query(database, part)
+            for part in upgrade:
+                upgrade_step(database, part)
+            statement = STATEMENT_SEPARATOR.join([created, *upgrade])
         budget.forget_layouts()  # this process's budget checks read the new layout
         return statement
 
