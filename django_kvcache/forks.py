@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, Generic, Hashable, Protocol, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterable, Protocol, TypeVar
 
 
 class ForkAware(Protocol):
@@ -68,6 +68,25 @@ class Registry(Generic[K, V]):
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # another thread may have held it at the fork
+
+
+def disown(sockets: Iterable[Any]) -> None:
+    """In a forked child: point each inherited socket's descriptor (its ``fileno()``) at
+    ``/dev/null``, so that whatever closes it here (a driver's goodbye, such as MySQL's
+    ``COM_QUIT``, at close or when the garbage collector frees it) says nothing on the
+    connection the parent still uses. One closed already is left as it is."""
+    sockets = list(sockets)
+    if not sockets:
+        return
+    nowhere = os.open(os.devnull, os.O_RDWR)
+    try:
+        for each in sockets:
+            try:
+                os.dup2(nowhere, each.fileno(), inheritable=False)
+            except Exception:  # noqa: BLE001  (closed already: nothing of the parent's)
+                continue
+    finally:
+        os.close(nowhere)
 
 
 def _after_fork_in_child() -> None:

@@ -9,26 +9,72 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import weakref
 from typing import Any, Callable
 
 from django.db import connections
+from django.db.backends.signals import connection_created
+
+from django_kvcache import forks
 
 FORK = multiprocessing.get_context("fork")
 WORKER_TIMEOUT = 60
 
 
-#: The parent's DB-API connections a forked child inherited, kept referenced: a
-#: mysqlclient connection that is garbage-collected closes itself, sending COM_QUIT on
-#: the socket it shares with the parent, whose session the server then ends.
-_inherited: list[Any] = []
+#: Every Django connection (a ``DatabaseWrapper``) this process made, in any thread:
+#: Django's connections are per thread, and asgiref's executor thread, where the async ORM
+#: runs, has its own.
+_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
+_wrappers_lock = threading.Lock()
+#: Their DB-API connections open at a fork, gathered in the parent just before it.
+_open_at_fork: list[Any] = []
 
 
-def forget_inherited_connections() -> None:
-    """A forked child must not talk on its parent's database sockets: drop (not close) them."""
-    for connection in connections.all():
-        if connection.connection is not None:
-            _inherited.append(connection.connection)
-        connection.connection = None
+def _remember(sender: Any, connection: Any, **kwargs: Any) -> None:
+    with _wrappers_lock:
+        _wrappers.add(connection)
+
+
+def _before_fork() -> None:
+    _wrappers_lock.acquire()  # released on both sides of the fork: no thread adds meanwhile
+    _open_at_fork[:] = [w.connection for w in _wrappers if w.connection is not None]
+
+
+def _after_fork_in_parent() -> None:
+    _open_at_fork.clear()
+    _wrappers_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """Point every inherited Django socket at ``/dev/null`` and forget it.
+
+    The other threads' connections are garbage in the child (it has only the forking
+    thread), which its garbage collector deallocates whenever it runs; mysqlclient then
+    closes each, and the ``COM_QUIT`` it sends on the socket shared with the parent would
+    end the parent's session. Pointed at ``/dev/null``, a socket takes it harmlessly,
+    however the child ends; forgotten, the forking thread's connection is not used by the
+    child either: Django opens it one of its own."""
+    _wrappers_lock.release()  # the one thread here took it before the fork
+    for wrapper in list(_wrappers):
+        wrapper.connection = None
+    inherited, _open_at_fork[:] = list(_open_at_fork), []
+    forks.disown(inherited)
+
+
+_guarding = False
+
+
+def keep_forked_children_off_django_sockets() -> None:
+    """From now on, a child forked by this process (``os.fork()``, a ``fork`` context's
+    process) ends no Django session of its parent, whichever thread holds it. Once per
+    process (conftest's ``pytest_configure``): a fork hook cannot be removed."""
+    global _guarding
+    if _guarding:
+        return
+    _guarding = True
+    connection_created.connect(_remember, dispatch_uid="tests.concurrency")
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def run_processes(count: int, work: Callable[[int], Any]) -> list[Any]:
@@ -36,7 +82,6 @@ def run_processes(count: int, work: Callable[[int], Any]) -> list[Any]:
     pipes = [FORK.Pipe(duplex=False) for _ in range(count)]
 
     def child(index: int) -> None:
-        forget_inherited_connections()
         try:
             outcome = ("ok", work(index))
         except BaseException as exc:  # reported to the parent, which fails the test

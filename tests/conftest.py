@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests.concurrency import keep_forked_children_off_django_sockets
 from tests.servers import (
     MariaDBServer,
     MemcachedNode,
@@ -13,6 +14,11 @@ from tests.servers import (
     configured_replica,
     missing_servers,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test opens a database connection: each is watched from its opening.
+    keep_forked_children_off_django_sockets()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

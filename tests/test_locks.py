@@ -32,7 +32,7 @@ from django_kvcache.locks import (
     fenced_update,
 )
 from django_kvcache.memcached import NodeError
-from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections, run_processes
+from tests.concurrency import FORK, WORKER_TIMEOUT, run_processes
 from tests.contract import CacheFixture
 from tests.models import FencedRecord
 from tests.mysql_support import BACKEND as MYSQL_BACKEND, ensure_table, register_alias, \

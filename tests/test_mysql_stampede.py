@@ -39,7 +39,7 @@ from tests.mysql_support import (
     sent_statements,
     unregister_alias,
 )
-from tests.concurrency import FORK, WORKER_TIMEOUT, forget_inherited_connections
+from tests.concurrency import FORK, WORKER_TIMEOUT
 from tests.servers import free_port, replica_caught_up
 from tests.test_stampede import Computation, in_threads
 
@@ -282,8 +282,6 @@ def test_a_lease_holder_killed_mid_compute_is_replaced_by_exactly_one_winner():
     computing = FORK.Event()
 
     def doomed() -> None:
-        forget_inherited_connections()
-
         def compute() -> str:
             computing.set()
             time.sleep(60)

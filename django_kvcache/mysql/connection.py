@@ -21,7 +21,6 @@ mysqlclient closes what it still holds — its ``COM_QUIT`` goes nowhere.
 """
 from __future__ import annotations
 
-import os
 import select
 from typing import Any, Callable
 
@@ -129,17 +128,7 @@ class Opened:
         ``COM_QUIT`` there, not on the socket the child shares with its parent."""
         inherited, self.open = self.open, {}
         self.inherited.append(inherited)
-        if not inherited:
-            return
-        nowhere = os.open(os.devnull, os.O_RDWR)
-        try:
-            for raw in inherited:
-                try:
-                    os.dup2(nowhere, raw.fileno(), inheritable=False)
-                except Exception:  # noqa: BLE001  (closed already: nothing of the parent's)
-                    continue
-        finally:
-            os.close(nowhere)
+        forks.disown(inherited)
 
 
 opened = Opened()
