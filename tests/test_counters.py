@@ -49,7 +49,7 @@ def memcached_backend(request: pytest.FixtureRequest) -> Backend:
         key = memcached.make_key(key)
         node = memcached._node(key)
         ttl = node.call(wire.meta_get(key.encode()))[2]
-        return None if ttl == -1 else ttl
+        return wire.seconds_left(ttl)
 
     return Backend(memcached, remaining_ttl)
 

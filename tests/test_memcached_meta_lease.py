@@ -18,7 +18,8 @@ import pytest
 from django.core.cache.backends.memcached import PyMemcacheCache
 
 from django_kvcache import stampede, steps
-from django_kvcache.backends.memcached import THIRTY_DAYS, MemcachedCache
+from django_kvcache.backends.memcached import MemcachedCache
+from django_kvcache.memcached.wire import THIRTY_DAYS
 from django_kvcache.memcached import NodeError, wire
 from django_kvcache.memcached.lease import MetaCommandsMissing, MetaLeaseStore
 from tests.lost_reply_proxy import LostReplyProxy, chunks, close, send
@@ -142,7 +143,7 @@ def test_an_expired_entry_with_a_stale_copy_is_a_miss_to_plain_calls(nodes):
     cache.clear()
     assert cache.get_or_set("k", "old", timeout=1) == "old"
     assert 0 < cache.ttl("k") <= 1
-    time.sleep(2.1)  # expired (memcached counts whole seconds); the stale copy lives on
+    time.sleep(2.3)  # expired (memcached counts whole seconds); the stale copy lives on
     assert cache.get("k") is None and cache.get_many(["k"]) == {}
     assert cache.has_key("k") is False
     assert cache.ttl("k") == 0  # documented: a stale entry has no ttl
@@ -223,14 +224,14 @@ def test_an_early_recomputation_holds_the_lease(nodes):
     cache = build(nodes, **options)
     cache.clear()
     cache.set("hot", "old", timeout=2)  # inside the window of a 60 s entry
-    slow = Computation("new", seconds=3)  # outlives the entry
+    slow = Computation("new", seconds=5)  # outlives the entry (2 to 3 s: whole seconds)
     first = threading.Thread(target=lambda: cache.get_or_set("hot", slow, timeout=60))
     first.start()
     deadline = time.monotonic() + 5
     while not slow.calls:  # the early winner has started
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(2.5)  # the entry has expired, the recomputation still runs
+    time.sleep(3.2)  # the entry has expired, the recomputation still runs
     other = Computation("other", seconds=0)
     assert build(nodes, **options).get_or_set("hot", other, timeout=60) == "new"
     first.join(10)
@@ -559,7 +560,7 @@ def test_a_write_after_get_or_set_leaves_no_older_stale_copy(nodes, classic_only
         node_of(cache, "k").call(wire.delete(cache.make_and_validate_key("k").encode()))
         assert cache.add("k", "newer", timeout=1) is True
     assert cache.get("k") == "newer"
-    time.sleep(2.1)  # "newer" expired (memcached counts whole seconds)
+    time.sleep(2.3)  # "newer" expired (memcached counts whole seconds)
     waiter = build(location, **LEASE, STALE_TIMEOUT=30)
     served = while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60))
     assert served in ("newer", "recomputed")  # never "older"
@@ -644,6 +645,6 @@ def test_an_encrypted_stale_copy_is_sealed_under_its_own_key(nodes, classic_only
     cache = build(location, **options)
     cache.clear()
     assert cache.get_or_set("k", "stale one", timeout=1) == "stale one"
-    time.sleep(2.1)  # expired; the copy lives on
+    time.sleep(2.3)  # expired; the copy lives on
     waiter = build(location, **options)
     assert while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60)) == "stale one"

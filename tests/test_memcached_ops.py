@@ -157,13 +157,16 @@ def test_keys_are_djangos_however_they_are_made(make_cache, locations):
 
 def test_expire_times_follow_memcached_rules(make_cache):
     cache = make_cache(TIMEOUT=300)
-    assert cache.expire_time() == 300
+    # Whole seconds rounded up, and one more: memcached's clock ticks whole seconds and
+    # an item given n lives to the n-th tick, n - 1 to n seconds: n + 1 lives at least n.
+    assert cache.expire_time() == 301
     assert cache.expire_time(None) == 0
     assert cache.expire_time(0) == EXPIRED  # a past Unix time: twemproxy refuses -1
     assert cache.expire_time(-20) == EXPIRED
-    assert cache.expire_time(0.4) == 1  # rounds up: a positive timeout is never "expired"
-    assert cache.expire_time(100.2) == 101
-    assert cache.expire_time(THIRTY_DAYS) == THIRTY_DAYS
+    assert cache.expire_time(0.4) == 2
+    assert cache.expire_time(100.2) == 102
+    assert cache.expire_time(THIRTY_DAYS - 1) == THIRTY_DAYS
+    assert abs(cache.expire_time(THIRTY_DAYS) - (time.time() + THIRTY_DAYS + 1)) < 5
     absolute = cache.expire_time(THIRTY_DAYS + 10)
     assert abs(absolute - (time.time() + THIRTY_DAYS + 10)) < 5
     assert make_cache(TIMEOUT=None).expire_time() == 0
@@ -171,6 +174,24 @@ def test_expire_times_follow_memcached_rules(make_cache):
     # A default over 30 days is a Unix time: worked out at each call, never kept.
     far = make_cache(TIMEOUT=THIRTY_DAYS + 10)
     assert abs(far.expire_time() - (time.time() + THIRTY_DAYS + 10)) < 5
+
+
+def test_an_entry_lives_at_least_its_timeout_whatever_memcached_s_clock_says(cache):
+    """memcached's clock ticks whole seconds: an item sent with exptime 1 is gone at the
+    next tick, which may come a microsecond later. Each write here starts just before a
+    tick of the server's clock (``stats`` ``time``, waited for), where a one-second
+    entry sent as 1 would expire before it is read back."""
+    for attempt in range(3):
+        key = f"brief-{attempt}"
+        node = raw_client(cache, cache.make_key(key))
+        start = node.stats()[b"time"]  # the node's clock, in whole seconds
+        while node.stats()[b"time"] == start:
+            time.sleep(0.002)  # just after a tick: the next is about a second away
+        time.sleep(0.97)  # now just before the next tick
+        cache.set(key, "kept", timeout=1)
+        time.sleep(0.06)  # past it
+        assert cache.get(key) == "kept"
+        node.close()
 
 
 def test_timeout_over_thirty_days_is_stored_as_a_unix_time(cache):

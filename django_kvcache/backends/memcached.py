@@ -67,7 +67,7 @@ from django_kvcache.memcached.writes import Writes
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING, Transport, fan_out
 from django_kvcache.memcached.routing import parse_location
-from django_kvcache.memcached.wire import EXPIRED, THIRTY_DAYS
+from django_kvcache.memcached.wire import EXPIRED
 from django_kvcache.options import THIS_CACHE, TOP_LEVEL, TOP_LEVEL_HINTS, flag
 from django_kvcache.signals import node_up
 from django_kvcache.steps import Plan, arun, run
@@ -191,10 +191,9 @@ class MemcachedCache(UsualCalls, KVCache):
         #: Every key at this cache's VERSION starts so (``make_and_validate_key``).
         self._key_head = _key_head(self)
         #: The exptime of the default TIMEOUT, when it is the same at every call (not an
-        #: absolute time: up to 30 days, or forever).
-        default = self.default_timeout
-        self._default_exptime = (wire.exptime(default) if default is None
-                                 or default <= THIRTY_DAYS else None)
+        #: absolute time: up to 30 days, forever, or already expired).
+        default_exptime = wire.exptime(self.default_timeout)
+        self._default_exptime = default_exptime if default_exptime <= EXPIRED else None
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
     # (aget, aset, aadd, adelete and atouch: memcached.usual.UsualCalls, a base class,

@@ -84,7 +84,7 @@ def ttl(node: Node, key: str, io: Transport) -> steps.Plan:
         raise MetaCommandsMissing(node.name, missing) from exc
     if remaining is None:
         return 0
-    return None if remaining < 0 else remaining
+    return wire.seconds_left(remaining)
 
 
 def meta_stale_key(stored_key: str) -> str:
@@ -203,9 +203,8 @@ class MetaLeaseStore:
         self.key = host.make_and_validate_key(key, version=version)
         self.encoded = self.key.encode()
         self.lifetime = host.timeout_seconds(timeout)
-        # memcached counts whole seconds and an item set for n seconds lives between
-        # n - 1 and n of them: one more keeps a lease alive for at least LEASE_TIMEOUT.
-        self.lease_seconds = math.ceil(policy.lease_timeout) + 1
+        # wire.exptime keeps a lease alive for at least LEASE_TIMEOUT (whole seconds).
+        self.lease_seconds = math.ceil(policy.lease_timeout)
         #: How long a waiter waits before computing without the lease (stampede.plan):
         #: the longest a lease lives, twice, as with LEASE_TIMEOUT elsewhere.
         self.patience = 2.0 * self.lease_seconds
@@ -384,9 +383,9 @@ def recache_flag(policy: stampede.Policy, lifetime: float | None) -> int | None:
     """The ``R`` of ``mg … R<secs>`` for an entry stored for ``lifetime`` seconds: memcached
     hands ``W`` to the first reader that finds fewer than R whole seconds left on its
     clock, which ticks once a second. So that reader has at most R - 1 seconds left —
-    within EARLY_RECOMPUTE: R is at most EARLY_RECOMPUTE + 1 — and, since an entry stored
-    just before a tick lives up to a second less than its timeout, at least lifetime - R
-    have passed: at least three quarters of the lifetime when R is at most a quarter of
+    within EARLY_RECOMPUTE: R is at most EARLY_RECOMPUTE + 1 — and, since an entry is
+    stored with lifetime + 1 whole seconds on that clock (``wire.exptime``), more than
+    lifetime - R have passed: at least three quarters of the lifetime when R is at most a quarter of
     it (``stampede.Policy.early_window``'s rule, kept on a whole-second clock). None: no
     early recomputation (none asked for, or a window under a second)."""
     if policy.early_window(lifetime) is None:

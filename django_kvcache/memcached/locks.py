@@ -27,7 +27,6 @@ and extend (a classic ``cas`` with a past expiry deletes only an unchanged item)
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from typing import Any
 
@@ -110,7 +109,7 @@ class MemcachedLockStore:
         """memcached's exptime for a lease of ``seconds`` (never shorter)."""
         if seconds is None:
             return 0
-        return self.host.expire_time(math.ceil(seconds) + 1)
+        return self.host.expire_time(seconds)  # wire.exptime: never shorter
 
     # --- the store -----------------------------------------------------------------------
 
@@ -175,7 +174,7 @@ class MemcachedLockStore:
                 [wire.meta_command(b"mg", self.lease_key, b"v", b"c", b"t")], False))
             if found.code != b"VA" or found.value != grant.owner:
                 return None, None
-            return self._cas(node, found.number(b"c")), found.number(b"t")
+            return self._cas(node, found.number(b"c")), wire.seconds_left(found.number(b"t"))
         found = yield from self.request(node, wire.gets_one(self.lease_key))
         if found is None or found[0] != grant.owner:
             return None, None

@@ -535,7 +535,7 @@ class Replicas:
                 if live is None:
                     op = wire.cas(encoded, b"", 0, EXPIRED, mine[2])
                 else:
-                    lifetime = None if live[2] < 0 else max(live[2], 1)
+                    lifetime = wire.seconds_left(live[2])
                     op = wire.cas(encoded, live[0], live[1], wire.exptime(lifetime), mine[2])
                 yield from node.request(op, io)
             except MemcachedError as exc:
