@@ -206,6 +206,8 @@ class Pool(Generic[C]):
         connection.close()
 
     def _pop_idle(self) -> C | None:
+        if not self.idle:  # the usual case when a connection is opened: no raise and catch
+            return None
         try:
             return self.idle.pop()
         except IndexError:  # another thread took the last one since we looked

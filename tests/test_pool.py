@@ -247,6 +247,34 @@ def test_an_exception_at_any_line_of_a_wait_loses_nothing(memcached_node_factory
     assert point > 10
 
 
+def test_a_checkout_from_an_empty_pool_raises_nothing_inside(memcached_node_factory):
+    """Opening a connection is the usual path of an empty pool: nothing is raised and
+    caught on it (an exception caught there cost time, and was the ``__context__`` of
+    unrelated errors in tracebacks)."""
+    address = parse_location(memcached_node_factory().address)[0]
+    pool = NodePool(address, ConnectionSettings(max_size=2, pool_timeout=2.0))
+    pool_file = django_kvcache.pool.__file__
+    raised: list[tuple[str, type]] = []
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != pool_file:
+            return None
+        if event == "exception":
+            raised.append((frame.f_code.co_name, arg[0]))
+        return trace
+
+    sys.settrace(trace)
+    try:
+        first = pool.checkout()
+        second = pool.checkout()
+    finally:
+        sys.settrace(None)
+    pool.checkin(first)
+    pool.checkin(second)
+    assert raised == []
+    assert pool.size == 2
+
+
 class ResettingProxy:
     """Forwards to a memcached; ``reset()`` resets every client connection (a fault)."""
 
