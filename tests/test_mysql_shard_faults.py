@@ -22,6 +22,7 @@ from django.db import OperationalError, connections
 from django_kvcache import outdated
 
 from django_kvcache.backends.mysql import MySQLCache
+from django_kvcache.forks import Registry
 from django_kvcache.mysql import cluster as cluster_module
 from django_kvcache.mysql.errors import ShardDown, is_unreachable
 from tests.mysql_support import (
@@ -44,6 +45,15 @@ def with_timeouts(entry: dict[str, Any]) -> dict[str, Any]:
     """The recommended cache alias: bounded connect, read and write waits."""
     options = {**entry["OPTIONS"], "connect_timeout": 2, "read_timeout": 5, "write_timeout": 5}
     return {**entry, "OPTIONS": options}
+
+
+@pytest.fixture(autouse=True)
+def new_shard_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no record of missed writes: they are process-wide per table,
+    alias and key prefix, and tests here share all three (a clean-up another test left
+    owing, or a flush, would be this test's)."""
+    monkeypatch.setattr(cluster_module, "_missed_writes", Registry())
+    monkeypatch.setattr(cluster_module, "_clusters", Registry())
 
 
 @pytest.fixture(scope="module")
