@@ -1,7 +1,8 @@
-"""The usual async writes (``memcached.usual``): ``aset``, ``aadd``, ``adelete`` and
+"""The usual calls (``memcached.usual``): ``aset``, ``aadd``, ``adelete`` and
 ``atouch`` of one key, REPLICAS 1, the node up, a connection free and nothing owed, await
-their one request on the node's exchange without a plan — and keep every rule of the
-plan's: a cancellation mid-send, a killed node, a hung one.
+their one request on the node's exchange without a plan, and a sync ``get`` sends and
+reads its own in place — and keep every rule of the plan's: a cancellation mid-send, a
+killed node, a hung one.
 
 Real memcached processes of the tests' own; a paused node is SIGSTOPped.
 """
@@ -19,9 +20,9 @@ from django.core.cache.backends.base import DEFAULT_TIMEOUT
 
 from django_kvcache.backends.memcached import MemcachedCache, ignored_failures
 from django_kvcache.memcached import NodeError, aio
-from django_kvcache.memcached.exchange import ASYNCIO
+from django_kvcache.memcached.exchange import ASYNCIO, BLOCKING
 from django_kvcache.memcached.replicas import OneReplica, Replicas
-from django_kvcache.steps import arun
+from django_kvcache.steps import arun, run
 from tests.servers import MemcachedNode
 from tests.test_faults_memcached import pause, resume
 
@@ -273,3 +274,94 @@ def test_io_timeout_bounds_a_hung_nodes_usual_aset(memcached_node_factory, plans
     assert metrics["timeouts"] == 1 and metrics["errors"] == 1
     assert metrics["ignored"] == (1 if ignore_exceptions else 0)
 
+
+
+# --- the usual sync get ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def read_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The single-key read plans started during a test, by name."""
+    started: list[str] = []
+    for owner, name in [(MemcachedCache, "_read"), (OneReplica, "read"), (Replicas, "read")]:
+        plan = getattr(owner, name)
+
+        def counted(*args: Any, __plan: Any = plan, __name: str = name, **kwargs: Any) -> Any:
+            started.append(__name)
+            return __plan(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    return started
+
+
+def test_the_usual_get_runs_no_plan(memcached_node_factory, read_plans):
+    """A sync get of one key on a node that is up, with a connection free, makes no plan
+    generator: its request is sent and read in place, and it does what the plan does (the
+    value, the node's counts, the connection back in the pool)."""
+    node = memcached_node_factory()
+    cache = build([node.address])
+    cache.set("key", {"a": 1})
+    pool = cache._nodes[0].pool
+    before = cache.metrics()[node.address]
+    assert cache.get("key") == {"a": 1}
+    assert cache.get("missing", "default") == "default"
+    assert read_plans == []
+    after = cache.metrics()[node.address]
+    assert (after["ops"] - before["ops"], after["hits"] - before["hits"],
+            after["misses"] - before["misses"]) == (2, 1, 1)
+    assert len(pool.idle) == pool.size == 1
+
+
+@pytest.mark.parametrize("ignore_exceptions", [False, True], ids=["strict", "fail-open"])
+def test_a_killed_node_fails_the_usual_get_as_the_plan_does(
+    memcached_node_factory, read_plans, ignore_exceptions, caplog
+):
+    """Killed, the node fails the usual get and the plan's alike: the same error (or,
+    failing open, the default and the same log), the same counts."""
+    node = memcached_node_factory()
+    usual, planned = (build([node.address], IGNORE_EXCEPTIONS=ignore_exceptions)
+                      for _ in range(2))
+    for cache in (usual, planned):
+        cache.set("key", "v")  # a pooled connection each, which the kill leaves stale
+    node.kill()
+
+    def outcome_of(call: Any) -> tuple[str, str]:
+        try:
+            return "returned", repr(call())
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+
+    ignored_failures.episodes.clear()
+    with caplog.at_level(logging.WARNING, "django_kvcache"):
+        by_usual = outcome_of(lambda: usual.get("key", "default"))
+        assert read_plans == []  # (the stale connection goes once more: the exchange's)
+        usual_log = [record.getMessage() for record in caplog.records]
+        caplog.clear()
+        ignored_failures.episodes.clear()
+        by_plan = outcome_of(lambda: run(planned._read(planned.make_key("key"), "default",
+                                                       BLOCKING)))
+        plan_log = [record.getMessage() for record in caplog.records]
+    assert by_usual == by_plan
+    assert by_usual[0] == ("returned" if ignore_exceptions else "NodeError")
+    assert node_record(usual) == node_record(planned)
+    assert usual_log == plan_log
+
+
+def test_io_timeout_bounds_a_hung_nodes_usual_get(memcached_node_factory, read_plans):
+    """A node that stops answering: the usual get waits IO_TIMEOUT, not more, blames the
+    node, and closes the connection (a read holds nothing to settle)."""
+    node = memcached_node_factory()
+    cache = build([node.address])
+    cache.set("key", "v")
+    pause(node)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NodeError, match="did not answer within IO_TIMEOUT"):
+            cache.get("key")
+        assert time.monotonic() - started < IO_TIMEOUT + MARGIN
+        assert read_plans == []
+    finally:
+        resume(node)
+    assert cache.get("key") == "v"
+    metrics = cache.metrics()[node.address]
+    assert metrics["timeouts"] == 1 and metrics["errors"] == 1

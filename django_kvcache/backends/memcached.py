@@ -196,11 +196,8 @@ class MemcachedCache(UsualCalls, KVCache):
         self._default_exptime = default_exptime if default_exptime <= EXPIRED else None
 
     # --- the Django API: each sync method and its async twin run the same plan ---------
-    # (aget, aset, aadd, adelete and atouch: memcached.usual.UsualCalls, a base class,
-    # which awaits the usual call of one key on its node's exchange without a plan)
-
-    def get(self, key: Any, default: Any = None, version: int | None = None) -> Any:
-        return run(self._get(key, default, version, BLOCKING))
+    # (get, aget, aset, aadd, adelete and atouch: memcached.usual.UsualCalls, a base
+    # class, which makes the usual call of one key on its node's exchange without a plan)
 
     def set(
         self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: int | None = None
@@ -361,7 +358,8 @@ class MemcachedCache(UsualCalls, KVCache):
         head = self._key_head
         if head is not None and version is None and type(key) is str:
             stored_key = head + key
-            if _plain_key(stored_key):
+            if (stored_key.isascii() and len(stored_key) <= MAX_KEY_BYTES  # (_plain_key,
+                    and stored_key.isprintable() and " " not in stored_key):  # inline)
                 return stored_key
         return super().make_and_validate_key(key, version=version)
 

@@ -211,7 +211,10 @@ class Connection:
             raise ConnectionClosed("the server closed the connection")
         self.received += len(chunk)
         buffer = self.buffer
-        buffer.feed(chunk)
+        if buffer.pos >= len(buffer.data):  # all read before: the chunk is the buffer
+            buffer.data, buffer.pos = chunk, 0  # (Buffer.feed's first case, inline)
+        else:
+            buffer.feed(chunk)
         if not reply.parse(buffer):
             self.receive(reply, deadline)
 

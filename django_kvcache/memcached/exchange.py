@@ -78,7 +78,7 @@ from django_kvcache.memcached.attempt import (
     Transfer,
 )
 from django_kvcache.memcached.connection import TIMEOUTS, UnsettledSocket, deadline_after
-from django_kvcache.steps import Plan, arun
+from django_kvcache.steps import Plan, arun, run
 
 #: Errors that mean the node (or the path to it) failed, not the request. (On Python
 #: 3.10 ``asyncio.TimeoutError``, raised by ``asyncio.wait_for``, is not an OSError.)
@@ -274,15 +274,31 @@ def _joined(
     return batches[0].outcome() if one else None
 
 
-def claimed_alone(node: Node, op: wire.Op, sent: int = 0, saved: int = 0) -> Batch | None:
-    """On the event loop: the usual request — ``op`` for a node that owes nothing (no
-    write cut short to settle, no copies to clean up) — as a batch holding a connection
-    of the loop's pool that is free now, for :func:`sent_alone`; None when the request
-    is :func:`request`'s (a plan's) to make."""
-    if _owes(node):
+def claimed_alone(node: Node, op: wire.Op, sent: int = 0, saved: int = 0,
+                  io: Transport | None = None) -> Batch | None:
+    """The usual request — ``op`` for a node that owes nothing (no write cut short to
+    settle, no copies to clean up) — as a batch holding a connection that is free now,
+    of the loop's pool (for :func:`sent_alone`) or with ``io`` BLOCKING of the node's
+    (for :func:`done_alone`); None when the request is :func:`request`'s (a plan's) to
+    make."""
+    if node.unsettled.pending or node.outdated.pending:  # (_owes, inline)
+        return None
+    pool = node.pool if io is BLOCKING else ASYNCIO.pool(node)
+    client = pool.try_checkout()  # (Batch.claim, inline)
+    if client is None:
         return None
     batch = Batch(node, op, sent, saved)
-    return batch if batch.claim(ASYNCIO) else None
+    batch.attempt = Attempt(pool, client)
+    return batch
+
+
+def claimed_get(node: Node, key: bytes, io: Transport) -> Batch | None:
+    """:func:`claimed_alone` for a single-key get: its result ``(data, flags)`` or None,
+    counted as a hit or a miss, as :func:`get_one`'s."""
+    batch = claimed_alone(node, wire.get_one(key), io=io)
+    if batch is not None:
+        batch.gets, batch.one, batch.on_result = [key], True, node.count_get  # type: ignore[attr-defined]
+    return batch
 
 
 async def sent_alone(batch: Batch) -> Any:
@@ -291,24 +307,54 @@ async def sent_alone(batch: Batch) -> Any:
     does is decided as in the plan's usual call (:func:`_rounds`), by the same functions
     (:func:`_deadline`, :func:`_finished`, :func:`_ended`, ``Batch.interrupted``); a
     pooled connection found stale goes once more on a new one in the plan."""
-    batch.node.ops += batch.ops
+    attempt, reply, deadline = _alone_started(batch)
     stale: list[Batch] = []
     try:
-        try:
-            attempt = batch.attempt
-            reply = attempt.start(batch.op)  # type: ignore[union-attr]
-            await attempt.connection.transfer(  # type: ignore[union-attr]
-                batch.op.request, reply, _deadline(attempt))  # type: ignore[arg-type]
-            _finished(batch)
-        except Exception as exc:
-            if not _ended(batch, exc, True, stale):
-                raise
-    except BaseException:
-        batch.interrupted()
-        raise
+        await attempt.connection.transfer(batch.op.request, reply, deadline)
+        _finished(batch)
+    except BaseException as exc:
+        _alone_failed(batch, exc, stale)
     if stale:  # the second try is the plan's
         return await arun(_rounds(stale, ASYNCIO, batch, retry=False))
     return batch.outcome()
+
+
+def done_alone(batch: Batch) -> Any:
+    """:func:`sent_alone` on blocking sockets, for a batch claimed with BLOCKING: sent
+    and its reply read in this thread, no plan or driver in between; decided by the same
+    functions, a stale pooled connection's second try the plan's."""
+    batch.node.ops += batch.ops  # (_alone_started, inline: every sync get starts here)
+    attempt = batch.attempt
+    assert attempt is not None
+    stale: list[Batch] = []
+    try:
+        attempt.connection.transfer(batch.op.request, attempt.start(batch.op),
+                                    _deadline(attempt))
+        _finished(batch)
+    except BaseException as exc:
+        _alone_failed(batch, exc, stale)
+    if stale:  # the second try is the plan's
+        return run(_rounds(stale, BLOCKING, batch, retry=False))
+    if batch.error is not None:  # (Batch.outcome, inline: every sync get ends here)
+        raise batch.error
+    return batch.result
+
+
+def _alone_started(batch: Batch) -> tuple[Attempt, Any, float | None]:
+    """A lone batch's request about to leave: its attempt, reply parser and deadline."""
+    batch.node.ops += batch.ops
+    attempt = batch.attempt
+    assert attempt is not None
+    return attempt, attempt.start(batch.op), _deadline(attempt)
+
+
+def _alone_failed(batch: Batch, exc: BaseException, stale: list[Batch]) -> None:
+    """What ``exc`` from a lone batch's exchange does (as in :func:`_single`); raised
+    again unless the exchange decided it (the batch's error, or stale: once more)."""
+    if isinstance(exc, Exception) and _ended(batch, exc, True, stale):
+        return
+    batch.interrupted()  # a cancellation, or an error that is not the exchange's
+    raise exc
 
 
 def _rounds(
@@ -425,9 +471,10 @@ def _pipeline(batches: list[Batch], retry: bool, stale: list[Batch]) -> Plan:
 
 def _finished(batch: Batch) -> None:
     """The reply is complete: the batch's result, the node's counters, the connection."""
-    node, attempt = batch.node, batch.attempt
+    node, attempt, op = batch.node, batch.attempt, batch.op
     assert attempt is not None
-    batch.result = batch.op.result(attempt.reply)
+    result = attempt.reply.result  # (Op.result, inline: every request ends here)
+    batch.result = result if op.finish is None else op.finish(result)
     node.bytes_sent += batch.sent
     node.bytes_saved += batch.saved
     if batch.count_received:

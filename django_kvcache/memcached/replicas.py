@@ -46,9 +46,11 @@ from django_kvcache.memcached import (
 )
 from django_kvcache.memcached.cluster import Cluster, Placement, Usable
 from django_kvcache.memcached.exchange import (
+    BLOCKING,
     Batch,
     Transport,
     claimed_alone,
+    claimed_get,
     fan_out,
     joined_get,
 )
@@ -165,6 +167,13 @@ class Replicas:
         the one node :meth:`read` would ask (``exchange.joined_get``), as an awaitable of
         ``(data, flags)`` or None that raises the node's error. None when the read is
         :meth:`read`'s to do — here always: a replica's miss may be asked on."""
+        return None
+
+    def read_alone(self, stored_key: str) -> Batch | None:
+        """``get``'s usual case, on blocking sockets: the get as a batch holding a free
+        connection of the one node :meth:`read` would ask (``exchange.claimed_get``), for
+        ``exchange.done_alone``. None when the read is :meth:`read`'s to do — here
+        always: a replica's miss may be asked on."""
         return None
 
     def read(self, stored_key: str, io: Transport) -> Plan:
@@ -667,6 +676,12 @@ class OneReplica(Replicas):
         if node.health.down_until:
             return None  # down, or probed now: which node serves is read's to decide
         return joined_get(node, stored_key.encode(), node.count_get)
+
+    def read_alone(self, stored_key: str) -> Batch | None:
+        node = self.cluster.home(stored_key)
+        if node.health.down_until:
+            return None  # down, or probed now: which node serves is read's to decide
+        return claimed_get(node, stored_key.encode(), BLOCKING)
 
     def ttl(self, key: str, io: Transport) -> Plan:
         return lease.ttl(self.cluster.node(key, self.failover), key, io)

@@ -1,17 +1,18 @@
-"""The usual asyncio calls: one request awaited on its node's exchange, without a plan.
+"""The usual calls: one request on its node's exchange, without a plan.
 
-``aget``, ``aset``, ``aadd``, ``adelete`` and ``atouch`` of one key are, most of the
-time, one request to one node: REPLICAS 1, the node up, a connection of the loop's pool
+``get``, ``aget``, ``aset``, ``aadd``, ``adelete`` and ``atouch`` of one key are, most
+of the time, one request to one node: REPLICAS 1, the node up, a connection of the loop's pool
 free, the node owing no settle of a write cut short and no clean-up of the copies it
 missed, no stale copies of get_or_set's to clear. Then the request is sent and its
 reply awaited as one coroutine on the node's exchange (``exchange.sent_alone``; a get
-joins the node's pending gets, ``exchange.joined_get``): no plan, no driver, no step in
-between. They are ``MemcachedCache``'s own methods (:class:`UsualCalls` is a base class
+joins the node's pending gets, ``exchange.joined_get``), or for ``get`` sent and read
+on a blocking connection of the node's pool (``exchange.done_alone``): no plan, no
+driver, no step in between. They are ``MemcachedCache``'s own methods (:class:`UsualCalls` is a base class
 of it), so that not even a call of the cache's is in between.
 
 Nothing is decided here. Which node, and whether the call is the usual one, is the
-replica policy's (``Replicas.write_alone``, ``Replicas.joined_read``: None when it is
-not); what is sent is the cache's (``_store_request``…); what the reply, an error,
+replica policy's (``Replicas.write_alone``, ``Replicas.joined_read``,
+``Replicas.read_alone``: None when it is not); what is sent is the cache's (``_store_request``…); what the reply, an error,
 IO_TIMEOUT or a cancellation does to the connection and the node is the exchange's, the
 same functions its plans use; a failed write's missed-write mark is the policy's
 (``OneReplica.write_missed``, ``Replicas.add_failed``, as in its plans),
@@ -25,9 +26,16 @@ from typing import Any, Protocol
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
 
+from django_kvcache.base import MISSING
 from django_kvcache.memcached import MemcachedError, wire
-from django_kvcache.memcached.exchange import ASYNCIO, Transport, sent_alone
-from django_kvcache.steps import Plan, arun
+from django_kvcache.memcached.exchange import (
+    ASYNCIO,
+    BLOCKING,
+    Transport,
+    done_alone,
+    sent_alone,
+)
+from django_kvcache.steps import Plan, arun, run
 
 
 class UsualHost(Protocol):
@@ -44,6 +52,8 @@ class UsualHost(Protocol):
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any: ...
 
     def _found(self, found: tuple[bytes, int] | None, default: Any, stored_key: str) -> Any: ...
+
+    def decode(self, data: bytes, flags: int, key: str) -> Any: ...
 
     def _read(self, stored_key: str, default: Any, io: Transport) -> Plan: ...
 
@@ -70,10 +80,24 @@ class UsualHost(Protocol):
 
 
 class UsualCalls:
-    """``MemcachedCache``'s usual async calls — Django's ``aget``, ``aset``, ``aadd``,
+    """``MemcachedCache``'s usual calls — Django's ``get``, ``aget``, ``aset``, ``aadd``,
     ``adelete`` and ``atouch`` — as a base class of it (module docstring). Each falls
     back to the cache's plan where the call is not the usual one. What it needs of the
     cache: :class:`UsualHost`."""
+
+    def get(self: UsualHost, key: Any, default: Any = None, version: int | None = None) -> Any:
+        stored_key = self.make_and_validate_key(key, version=version)
+        batch = self.replicas.read_alone(stored_key)
+        if batch is None:
+            return run(self._read(stored_key, default, BLOCKING))
+        try:
+            found = done_alone(batch)
+        except MemcachedError as exc:
+            return self._failed(exc, default)
+        if found is None:  # (the cache's _found, inline)
+            return default
+        value = self.decode(found[0], found[1], stored_key)
+        return default if value is MISSING else value
 
     async def aget(self: UsualHost, key: Any, default: Any = None,
                    version: int | None = None) -> Any:

@@ -259,34 +259,29 @@ class OneValue:
 
     def parse(self, buffer: Buffer) -> bool:
         if self.values is None:
-            if self._whole(buffer):
-                return True
+            # The usual reply, whole in one chunk, read at once: a value line, the value
+            # and END, or END alone. Anything else goes to the line parser, which says
+            # what is wrong with it.
+            data = buffer.data
+            if not buffer.pos and type(data) is bytes:
+                header = _VALUE_LINE.match(data)
+                if header is None:
+                    if data == b"END\r\n":
+                        buffer.pos = 5
+                        return True
+                elif header[1] == self.key:
+                    start = header.end()
+                    end = start + int(header[3])
+                    if len(data) == end + 7 and data.endswith(b"\r\nEND\r\n"):
+                        self.result = (data[start:end], int(header[2]))
+                        buffer.pos = end + 7
+                        return True
             if not len(buffer):  # nothing yet (the asyncio path looks before data arrives)
                 return False
             self.values = Values((self.key,))
         if not self.values.parse(buffer):
             return False
         self.result = next(iter(self.values.result.values()), None)
-        return True
-
-    def _whole(self, buffer: Buffer) -> bool:
-        data = buffer.data
-        if buffer.pos or type(data) is not bytes:
-            return False
-        header = _VALUE_LINE.match(data)
-        if header is None:
-            if data != b"END\r\n":
-                return False
-            buffer.pos = 5
-            return True
-        if header[1] != self.key:
-            return False  # the line parser says what is wrong with it
-        start = header.end()
-        end = start + int(header[3])
-        if len(data) != end + 7 or not data.endswith(b"\r\nEND\r\n"):
-            return False
-        self.result = (data[start:end], int(header[2]))
-        buffer.pos = end + 7
         return True
 
 
@@ -612,7 +607,7 @@ class Op:
 
 def get_one(key: bytes) -> Op:
     """``(data, flags)`` or None."""
-    return Op(b"get %b\r\n" % key, partial(OneValue, key), False)
+    return Op(b"get " + key + b"\r\n", partial(OneValue, key), False)
 
 
 def get_many(keys: list[bytes]) -> Op:
