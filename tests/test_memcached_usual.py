@@ -365,3 +365,19 @@ def test_io_timeout_bounds_a_hung_nodes_usual_get(memcached_node_factory, read_p
     assert cache.get("key") == "v"
     metrics = cache.metrics()[node.address]
     assert metrics["timeouts"] == 1 and metrics["errors"] == 1
+
+
+def test_a_lone_aget_runs_no_plan(memcached_node_factory, read_plans):
+    """An aget with no other gets going to its node (no company to join) goes alone on a
+    free connection of the loop's pool, without a plan, as the sync get does."""
+    node = memcached_node_factory()
+    cache = build([node.address])
+    cache.set("key", [1, 2])
+
+    async def scenario() -> tuple[Any, Any]:
+        return await cache.aget("key"), await cache.aget("missing", "default")
+
+    assert asyncio.run(scenario()) == ([1, 2], "default")
+    assert read_plans == []
+    metrics = cache.metrics()[node.address]
+    assert (metrics["hits"], metrics["misses"]) == (1, 1)

@@ -46,6 +46,7 @@ from django_kvcache.memcached import (
 )
 from django_kvcache.memcached.cluster import Cluster, Placement, Usable
 from django_kvcache.memcached.exchange import (
+    ASYNCIO,
     BLOCKING,
     Batch,
     Transport,
@@ -53,6 +54,7 @@ from django_kvcache.memcached.exchange import (
     claimed_get,
     fan_out,
     joined_get,
+    sent_alone,
 )
 from django_kvcache.memcached.node import Node
 from django_kvcache.memcached.wire import EXPIRED
@@ -164,9 +166,10 @@ class Replicas:
 
     def joined_read(self, stored_key: str) -> Awaitable[Any] | None:
         """``aget``'s usual case, on the event loop: a read that joins the pending gets of
-        the one node :meth:`read` would ask (``exchange.joined_get``), as an awaitable of
-        ``(data, flags)`` or None that raises the node's error. None when the read is
-        :meth:`read`'s to do — here always: a replica's miss may be asked on."""
+        the one node :meth:`read` would ask (``exchange.joined_get``) or, without
+        company, goes alone on a free connection (``exchange.sent_alone``), as an
+        awaitable of ``(data, flags)`` or None that raises the node's error. None when
+        the read is :meth:`read`'s to do — here always: a replica's miss may be asked on."""
         return None
 
     def read_alone(self, stored_key: str) -> Batch | None:
@@ -675,7 +678,12 @@ class OneReplica(Replicas):
         node = self.cluster.home(stored_key)
         if node.health.down_until:
             return None  # down, or probed now: which node serves is read's to decide
-        return joined_get(node, stored_key.encode(), node.count_get)
+        key = stored_key.encode()
+        share = joined_get(node, key, node.count_get)
+        if share is not None:
+            return share
+        batch = claimed_get(node, key, ASYNCIO)  # no company: it goes alone
+        return None if batch is None else sent_alone(batch)
 
     def read_alone(self, stored_key: str) -> Batch | None:
         node = self.cluster.home(stored_key)

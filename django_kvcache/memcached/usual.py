@@ -5,7 +5,8 @@ of the time, one request to one node: REPLICAS 1, the node up, a connection of t
 free, the node owing no settle of a write cut short and no clean-up of the copies it
 missed, no stale copies of get_or_set's to clear. Then the request is sent and its
 reply awaited as one coroutine on the node's exchange (``exchange.sent_alone``; a get
-joins the node's pending gets, ``exchange.joined_get``), or for ``get`` sent and read
+joins the node's pending gets, ``exchange.joined_get``, or goes alone when they have
+no company), or for ``get`` sent and read
 on a blocking connection of the node's pool (``exchange.done_alone``): no plan, no
 driver, no step in between. They are ``MemcachedCache``'s own methods (:class:`UsualCalls` is a base class
 of it), so that not even a call of the cache's is in between.
