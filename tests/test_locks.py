@@ -993,3 +993,24 @@ def test_an_async_holder_and_waiter_share_the_rules():
         return [await waiting, waiter.token, holder.token]
 
     assert asyncio.run(main()) == [True, 2, None]
+
+
+def test_a_memcached_lock_extended_in_its_last_second_keeps_its_expiry_exact(
+        private_memcached_nodes):
+    """``extend`` adds to what is left: a lease in its last second (memcached's ``t`` of
+    1) extended by one second is sent for two, not three (the second ``wire.exptime``
+    adds is taken off what memcached reports, and not given back twice)."""
+    from django_kvcache.backends.memcached import MemcachedCache
+    from django_kvcache.memcached import wire
+
+    cache = MemcachedCache(private_memcached_nodes[:1], {})
+    lock = cache.lock("last-second", timeout=1)
+    assert lock.acquire()
+    node = cache.cluster.nodes[0]
+    lease_key = lock.store.lease_key
+    deadline = time.monotonic() + 5
+    while node.call(wire.meta_ttl(lease_key)) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert lock.extend(1)
+    assert node.call(wire.meta_ttl(lease_key)) == 2

@@ -648,3 +648,14 @@ def test_an_encrypted_stale_copy_is_sealed_under_its_own_key(nodes, classic_only
     time.sleep(2.3)  # expired; the copy lives on
     waiter = build(location, **options)
     assert while_recomputed(cache, "k", lambda: waiter.get_or_set("k", "no", 60)) == "stale one"
+
+
+@pytest.mark.parametrize("lease_timeout, sent, patience", [(1, 2, 4.0), (2.5, 4, 8.0)])
+def test_waiters_wait_twice_the_longest_a_lease_lives(nodes, lease_timeout, sent, patience):
+    """A lease is sent with LEASE_TIMEOUT rounded up plus one second (``wire.exptime``),
+    and an item sent with n seconds lives up to n of them on memcached's whole-second
+    clock: a waiter's patience is twice that longest life, as LEASE_TIMEOUT's is
+    elsewhere."""
+    store = build(nodes, LEASE_TIMEOUT=lease_timeout)._lease_store("k", 60, None)
+    assert b" N%d " % sent in store.lease_command() + b" "
+    assert store.patience == patience

@@ -14,9 +14,11 @@ instances (pools, node health, counters, routing) lives in a process-wide
 with the same settings.
 
 Each operation is written once, as a plan (:mod:`django_kvcache.steps`) that yields the
-IO it needs and is told its driver's transport: ``get`` runs ``self._get(..., BLOCKING)``
-with ``run`` on blocking sockets, ``aget`` runs ``self._get(..., ASYNCIO)`` with ``arun``
-on the event loop's own connections — native asyncio, no thread (docs/async.rst). Inside
+IO it needs and is told its driver's transport: ``set`` runs ``self._set(...,
+BLOCKING)`` with ``run`` on blocking sockets, ``aset`` runs ``self._set(..., ASYNCIO)``
+with ``arun`` on the event loop's own connections — native asyncio, no thread
+(docs/async.rst). The usual call of one key goes without its plan where that is the
+same (:mod:`django_kvcache.memcached.usual`). Inside
 a plan a request goes through the node's exchange in the plan's own driver, one way:
 ``yield from node.request(op, io)``, or for many nodes at once ``yield from
 fan_out(batches, io)``. Everything else (routing, failover, IGNORE_EXCEPTIONS, counters,
@@ -420,9 +422,6 @@ class MemcachedCache(UsualCalls, KVCache):
         return fallback
 
     # --- plans: single keys -----------------------------------------------------------
-
-    def _get(self, key: Any, default: Any, version: int | None, io: Transport) -> Plan:
-        return self._read(self.make_and_validate_key(key, version=version), default, io)
 
     def _read(self, stored_key: str, default: Any, io: Transport) -> Plan:
         try:

@@ -84,7 +84,8 @@ def ttl(node: Node, key: str, io: Transport) -> steps.Plan:
         raise MetaCommandsMissing(node.name, missing) from exc
     if remaining is None:
         return 0
-    return wire.seconds_left(remaining)
+    left = wire.seconds_left(remaining)
+    return None if left is None else max(left, 1)  # a live entry: at least a second
 
 
 def meta_stale_key(stored_key: str) -> str:
@@ -206,8 +207,9 @@ class MetaLeaseStore:
         # wire.exptime keeps a lease alive for at least LEASE_TIMEOUT (whole seconds).
         self.lease_seconds = math.ceil(policy.lease_timeout)
         #: How long a waiter waits before computing without the lease (stampede.plan):
-        #: the longest a lease lives, twice, as with LEASE_TIMEOUT elsewhere.
-        self.patience = 2.0 * self.lease_seconds
+        #: the longest a lease lives (what ``wire.exptime`` sends: lease_seconds + 1),
+        #: twice, as with LEASE_TIMEOUT elsewhere.
+        self.patience = 2.0 * (self.lease_seconds + 1)
         self.recache = recache_flag(policy, self.lifetime)
         self.node: Node | None = None
         self.cas: int | None = None  # of the lease this caller holds

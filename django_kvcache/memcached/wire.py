@@ -523,10 +523,11 @@ def exptime(seconds: float | None) -> int:
 def seconds_left(remaining: int) -> int | None:
     """What an item's remaining lifetime as memcached reports it (``mg <key> t``: whole
     seconds to its last tick, -1 for never) means to a caller of :func:`exptime`: None
-    for never, else that less the second ``exptime`` adds, at least 1 for a live item."""
+    for never, else that less the second ``exptime`` adds (0 in its last second), so
+    that ``exptime(seconds_left(t))`` is ``t`` again: a rewrite keeps the expiry."""
     if remaining < 0:
         return None
-    return max(remaining - 1, 1)
+    return max(remaining - 1, 0)
 
 
 # --- requests -------------------------------------------------------------------------
