@@ -307,9 +307,9 @@ async def sent_alone(batch: Batch) -> Any:
     does is decided as in the plan's usual call (:func:`_rounds`), by the same functions
     (:func:`_deadline`, :func:`_finished`, :func:`_ended`, ``Batch.interrupted``); a
     pooled connection found stale goes once more on a new one in the plan."""
-    attempt, reply, deadline = _alone_started(batch)
     stale: list[Batch] = []
     try:
+        attempt, reply, deadline = _alone_started(batch)
         await attempt.connection.transfer(batch.op.request, reply, deadline)
         _finished(batch)
     except BaseException as exc:
