@@ -179,6 +179,7 @@ def test_an_interrupted_run_leaves_nothing_behind(site, django_db_blocker, tmp_p
     with django_db_blocker.unblock():
         before = site_tables(site)
     env = {name: value for name, value in os.environ.items() if name != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT prints every thread's stack (see below)
     run = subprocess.Popen(
         [sys.executable, "manage.py", "kvcache_benchmark", "--caches", "default,auto",
          *QUICK, "--calls", "200", "--results", str(tmp_path)],
@@ -192,7 +193,15 @@ def test_an_interrupted_run_leaves_nothing_behind(site, django_db_blocker, tmp_p
                 time.sleep(0.05)
         time.sleep(0.5)  # into the scenarios
         run.send_signal(signal.SIGINT)
-        _, stderr = run.communicate(timeout=60)
+        try:
+            _, stderr = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Seen once in CI (not replayed here at 25 points of the run, nor under load):
+            # where it hangs is the finding.
+            run.send_signal(signal.SIGABRT)
+            _, stderr = run.communicate(timeout=30)
+            pytest.fail("the benchmark did not stop within 60 s of Ctrl-C; its threads:\n"
+                        + stderr[-8000:])
     finally:
         if run.poll() is None:
             run.kill()
