@@ -114,16 +114,6 @@ class Pool(Generic[C]):
 
     def try_checkout(self) -> C | None:
         """A connection if one is idle or may be opened now; None instead of waiting."""
-        idle = self.idle
-        if idle and not self.asks_usable and not self.line.waiters:
-            # The usual case (:meth:`_idle_now`'s first), inline: every request takes it.
-            try:
-                connection = idle.pop()
-            except IndexError:  # another thread took the last one since we looked
-                pass
-            else:
-                self.reuses += 1
-                return connection
         connection = self._idle_now()
         if connection is not None:
             return connection

@@ -360,8 +360,7 @@ class MemcachedCache(UsualCalls, KVCache):
         head = self._key_head
         if head is not None and version is None and type(key) is str:
             stored_key = head + key
-            if (stored_key.isascii() and len(stored_key) <= MAX_KEY_BYTES  # (_plain_key,
-                    and stored_key.isprintable() and " " not in stored_key):  # inline)
+            if _plain_key(stored_key):
                 return stored_key
         return super().make_and_validate_key(key, version=version)
 

@@ -63,8 +63,6 @@ class Cluster:
         self.replicas = replicas
         self.by_name = {node.name: node for node in nodes}
         self._node_for_key = router.node_for
-        #: The node of a one-node cluster: every key's, no routing to ask.
-        self._only = nodes[0] if len(nodes) == 1 else None
         self._replica_memo: dict[str, list[Node]] = {}
         #: Which replica a read starts with: the next turn per call, so that a hot key's
         #: reads divide over its replicas (itertools.count is atomic under the GIL).
@@ -153,7 +151,7 @@ class Cluster:
 
     def home(self, key: str) -> Node:
         """The node the key belongs to, up or down."""
-        return self._only or self.nodes[self._node_for_key(key)]
+        return self.nodes[self._node_for_key(key)]
 
     def node(self, key: str, failover: bool) -> Node:
         """The node to ask now; ``NodeDown`` when it is down and no failover node is up."""

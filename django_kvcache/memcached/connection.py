@@ -211,10 +211,7 @@ class Connection:
             raise ConnectionClosed("the server closed the connection")
         self.received += len(chunk)
         buffer = self.buffer
-        if buffer.pos >= len(buffer.data):  # all read before: the chunk is the buffer
-            buffer.data, buffer.pos = chunk, 0  # (Buffer.feed's first case, inline)
-        else:
-            buffer.feed(chunk)
+        buffer.feed(chunk)
         if not reply.parse(buffer):
             self.receive(reply, deadline)
 

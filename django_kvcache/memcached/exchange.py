@@ -281,15 +281,10 @@ def claimed_alone(node: Node, op: wire.Op, sent: int = 0, saved: int = 0,
     of the loop's pool (for :func:`sent_alone`) or with ``io`` BLOCKING of the node's
     (for :func:`done_alone`); None when the request is :func:`request`'s (a plan's) to
     make."""
-    if node.unsettled.pending or node.outdated.pending:  # (_owes, inline)
-        return None
-    pool = node.pool if io is BLOCKING else ASYNCIO.pool(node)
-    client = pool.try_checkout()  # (Batch.claim, inline)
-    if client is None:
+    if _owes(node):
         return None
     batch = Batch(node, op, sent, saved)
-    batch.attempt = Attempt(pool, client)
-    return batch
+    return batch if batch.claim(io or ASYNCIO) else None
 
 
 def claimed_get(node: Node, key: bytes, io: Transport) -> Batch | None:
@@ -323,21 +318,16 @@ def done_alone(batch: Batch) -> Any:
     """:func:`sent_alone` on blocking sockets, for a batch claimed with BLOCKING: sent
     and its reply read in this thread, no plan or driver in between; decided by the same
     functions, a stale pooled connection's second try the plan's."""
-    batch.node.ops += batch.ops  # (_alone_started, inline: every sync get starts here)
-    attempt = batch.attempt
-    assert attempt is not None
     stale: list[Batch] = []
     try:
-        attempt.connection.transfer(batch.op.request, attempt.start(batch.op),
-                                    _deadline(attempt))
+        attempt, reply, deadline = _alone_started(batch)
+        attempt.connection.transfer(batch.op.request, reply, deadline)
         _finished(batch)
     except BaseException as exc:
         _alone_failed(batch, exc, stale)
     if stale:  # the second try is the plan's
         return run(_rounds(stale, BLOCKING, batch, retry=False))
-    if batch.error is not None:  # (Batch.outcome, inline: every sync get ends here)
-        raise batch.error
-    return batch.result
+    return batch.outcome()
 
 
 def _alone_started(batch: Batch) -> tuple[Attempt, Any, float | None]:
@@ -471,10 +461,9 @@ def _pipeline(batches: list[Batch], retry: bool, stale: list[Batch]) -> Plan:
 
 def _finished(batch: Batch) -> None:
     """The reply is complete: the batch's result, the node's counters, the connection."""
-    node, attempt, op = batch.node, batch.attempt, batch.op
+    node, attempt = batch.node, batch.attempt
     assert attempt is not None
-    result = attempt.reply.result  # (Op.result, inline: every request ends here)
-    batch.result = result if op.finish is None else op.finish(result)
+    batch.result = batch.op.result(attempt.reply)
     node.bytes_sent += batch.sent
     node.bytes_saved += batch.saved
     if batch.count_received:

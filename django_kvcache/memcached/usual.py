@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
 
-from django_kvcache.base import MISSING
 from django_kvcache.memcached import MemcachedError, wire
 from django_kvcache.memcached.exchange import (
     ASYNCIO,
@@ -53,8 +52,6 @@ class UsualHost(Protocol):
     def _failed(self, error: MemcachedError, fallback: Any = None) -> Any: ...
 
     def _found(self, found: tuple[bytes, int] | None, default: Any, stored_key: str) -> Any: ...
-
-    def decode(self, data: bytes, flags: int, key: str) -> Any: ...
 
     def _read(self, stored_key: str, default: Any, io: Transport) -> Plan: ...
 
@@ -95,10 +92,7 @@ class UsualCalls:
             found = done_alone(batch)
         except MemcachedError as exc:
             return self._failed(exc, default)
-        if found is None:  # (the cache's _found, inline)
-            return default
-        value = self.decode(found[0], found[1], stored_key)
-        return default if value is MISSING else value
+        return self._found(found, default, stored_key)
 
     async def aget(self: UsualHost, key: Any, default: Any = None,
                    version: int | None = None) -> Any:
