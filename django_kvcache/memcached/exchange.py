@@ -292,7 +292,8 @@ def claimed_get(node: Node, key: bytes, io: Transport) -> Batch | None:
     counted as a hit or a miss, as :func:`get_one`'s."""
     batch = claimed_alone(node, wire.get_one(key), io=io)
     if batch is not None:
-        batch.gets, batch.one, batch.on_result = [key], True, node.count_get  # type: ignore[attr-defined]
+        batch.gets, batch.one = [key], True
+        batch.on_result = node.count_get  # type: ignore[attr-defined]
     return batch
 
 

@@ -1,25 +1,26 @@
 """The usual calls: one request on its node's exchange, without a plan.
 
 ``get``, ``aget``, ``aset``, ``aadd``, ``adelete`` and ``atouch`` of one key are, most
-of the time, one request to one node: REPLICAS 1, the node up, a connection of the loop's pool
-free, the node owing no settle of a write cut short and no clean-up of the copies it
-missed, no stale copies of get_or_set's to clear. Then the request is sent and its
-reply awaited as one coroutine on the node's exchange (``exchange.sent_alone``; a get
-joins the node's pending gets, ``exchange.joined_get``, or goes alone when they have
-no company), or for ``get`` sent and read
-on a blocking connection of the node's pool (``exchange.done_alone``): no plan, no
-driver, no step in between. They are ``MemcachedCache``'s own methods (:class:`UsualCalls` is a base class
-of it), so that not even a call of the cache's is in between.
+of the time, one request to one node: REPLICAS 1, the node up, a connection free, the
+node owing no settle of a write cut short and no clean-up of the copies it missed, no
+stale copies of get_or_set's to clear. Then the request is sent and its reply awaited as
+one coroutine on the node's exchange (``exchange.sent_alone``; a get joins the node's
+pending gets, ``exchange.joined_get``, or goes alone when they have no company), or for
+``get`` sent and read on a blocking connection of the node's pool
+(``exchange.done_alone``): no plan, no driver, no step in between. They are
+``MemcachedCache``'s own methods (:class:`UsualCalls` is a base class of it), so that
+not even a call of the cache's is in between.
 
 Nothing is decided here. Which node, and whether the call is the usual one, is the
 replica policy's (``Replicas.write_alone``, ``Replicas.joined_read``,
-``Replicas.read_alone``: None when it is not); what is sent is the cache's (``_store_request``…); what the reply, an error,
-IO_TIMEOUT or a cancellation does to the connection and the node is the exchange's, the
-same functions its plans use; a failed write's missed-write mark is the policy's
-(``OneReplica.write_missed``, ``Replicas.add_failed``, as in its plans),
-IGNORE_EXCEPTIONS the cache's (``_failed``). Everything unusual — no connection free, a
-node to settle or clean up, a stale pooled connection's second try, a refused value's
-clean-up, REPLICAS > 1 — goes through the cache's plan, run by ``steps.arun``.
+``Replicas.read_alone``: None when it is not); what is sent is the cache's
+(``_store_request``…); what the reply, an error, IO_TIMEOUT or a cancellation does to
+the connection and the node is the exchange's, the same functions its plans use; a
+failed write's missed-write mark is the policy's (``OneReplica.write_missed``,
+``Replicas.add_failed``, as in its plans), IGNORE_EXCEPTIONS the cache's
+(``_failed``). Everything unusual — no connection free, a node to settle or clean up, a
+stale pooled connection's second try, a refused value's
+clean-up, REPLICAS > 1 — goes through the cache's plan, run by ``steps.run`` or ``steps.arun``.
 """
 from __future__ import annotations
 
